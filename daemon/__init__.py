@@ -1,0 +1,4 @@
+"""The process: command line, configuration, server lifecycle.
+
+May import `api`, `engine` and `registry`.
+"""

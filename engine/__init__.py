@@ -1,0 +1,5 @@
+"""How tokens are made: loading pairings, sampling, drafting, verification, detokenizing and the
+per-pairing generation loop.
+
+May import mlx, mlx-lm and `registry`; never Starlette or `api`.
+"""
