@@ -1,0 +1,230 @@
+"""Draft sources: per-request producers of draft tokens behind one small protocol.
+
+The verifier never trusts a source; a source only has to keep its own state in step with the
+committed tokens it is shown. The length of a returned `Draft` is authoritative (0 is fine).
+New kinds (MTP or EAGLE-style heads) implement the same five methods.
+"""
+
+from __future__ import annotations
+
+import copy
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+from engine.options import SamplingOptions
+from engine.sampling import Rng, next_tokens, to_int, to_ints
+
+PREFILL_CHUNK = 512
+
+
+@dataclass
+class Draft:
+    """Proposed tokens (possibly still lazy) and, for sampled drafts, their distributions q."""
+
+    tokens: mx.array
+    count: int
+    probs: mx.array | None = None
+    source: str = ""
+
+    @staticmethod
+    def empty(source: str = "") -> Draft:
+        return Draft(mx.array([], dtype=mx.uint32), 0, None, source)
+
+
+class DraftSource(ABC):
+    """prefill -> (propose -> accept)* -> dispose; checkpoint/restore for the prefix cache."""
+
+    name: str = "draft"
+
+    @abstractmethod
+    def prefill(self, tokens: Sequence[int]) -> None:
+        """See the committed tokens before the first round (the last one is not yet decoded)."""
+
+    @abstractmethod
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        """Propose up to n tokens to follow `tokens` (the full committed sequence)."""
+
+    @abstractmethod
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Learn the committed sequence after verification and drop rejected state."""
+
+    def checkpoint(self) -> Any:
+        """Companion state to store with the target's cache; None when there is nothing."""
+        return None
+
+    def restore(self, state: Any) -> None:  # noqa: B027 - optional hook
+        """Restore what `checkpoint` returned."""
+
+    def dispose(self) -> None:  # noqa: B027 - optional hook
+        """Release arrays and caches."""
+
+
+def feed(model: nn.Module, cache: list[Any], tokens: Sequence[int]) -> mx.array:
+    """Run `tokens` through `model` in chunks; returns the logits of the last position (1, V)."""
+    logits = None
+    for start in range(0, len(tokens), PREFILL_CHUNK):
+        chunk = mx.array(list(tokens[start : start + PREFILL_CHUNK]))[None]
+        logits = model(chunk, cache=cache)[0, -1:, :]
+        if start + PREFILL_CHUNK < len(tokens):
+            mx.eval([c.state for c in cache])
+    assert logits is not None, "feed() needs at least one token"
+    return logits
+
+
+class ModelDraftSource(DraftSource):
+    """A standalone draft model with its own KV cache, kept in step with committed tokens."""
+
+    name = "model"
+
+    def __init__(self, model: nn.Module, opts: SamplingOptions, rng: Rng) -> None:
+        self.model = model
+        self.opts = opts
+        self.rng = rng
+        self.cache: list[Any] = make_prompt_cache(model)
+        self.cached: list[int] = []  # tokens whose K/V are in self.cache
+        self._drafts: mx.array | None = None
+        self._fed = 0  # how many drafts were fed into the cache by the last propose
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        head = list(tokens[:-1])
+        if head:
+            feed(self.model, self.cache, head)
+            mx.eval([c.state for c in self.cache])
+        self.cached = head
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        self._drafts, self._fed = None, 0
+        if n <= 0:
+            return Draft.empty(self.name)
+        missing = list(tokens[len(self.cached) :])
+        logits = feed(self.model, self.cache, missing)
+        self.cached = list(tokens)
+        eager = self.opts.has_penalties  # penalties need each draft on the host
+        drafted: list[mx.array] = []
+        host: list[int] = []
+        probs: list[mx.array] = []
+        for i in range(n):
+            tok, p = next_tokens(logits, tokens, host, self.opts, self.rng)
+            drafted.append(tok)
+            if p is not None:
+                probs.append(p)
+            if eager:
+                host.append(to_int(tok))
+            if i < n - 1:
+                logits = self.model(tok[None], cache=self.cache)[0, -1:, :]
+                self._fed += 1
+        self._drafts = mx.concatenate(drafted).astype(mx.uint32)
+        q = mx.concatenate(probs) if probs else None
+        return Draft(self._drafts, n, q, self.name)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        fed = to_ints(self._drafts[: self._fed]) if self._drafts is not None and self._fed else []
+        have = self.cached + fed
+        keep = len(self.cached)
+        while keep < len(have) and keep < len(tokens) and have[keep] == tokens[keep]:
+            keep += 1
+        trimmed = trim_prompt_cache(self.cache, len(have) - keep)
+        if trimmed != len(have) - keep:
+            raise RuntimeError("draft cache cannot be trimmed")
+        self.cached = list(tokens[:keep])
+        self._drafts, self._fed = None, 0
+
+    def checkpoint(self) -> Any:
+        return (copy.deepcopy(self.cache), list(self.cached))
+
+    def restore(self, state: Any) -> None:
+        cache, cached = state
+        self.cache, self.cached = copy.deepcopy(cache), list(cached)
+
+    def dispose(self) -> None:
+        self.cache, self.cached, self._drafts = [], [], None
+
+
+class LookupDraftSource(DraftSource):
+    """Prompt lookup: continue the most recent earlier occurrence of the trailing n-gram.
+
+    No model, no cache: strongest where output copies input (code edits, RAG, repetition).
+    """
+
+    name = "lookup"
+
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 2) -> None:
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.index: dict[tuple[int, ...], int] = {}
+        self._indexed = 0  # n-grams ending before this position are in the index
+
+    def _extend(self, tokens: Sequence[int]) -> None:
+        # Index every n-gram that ends before the last token, keeping the latest occurrence.
+        for end in range(max(self._indexed, 1), len(tokens)):
+            for g in range(self.min_ngram, self.max_ngram + 1):
+                if end - g >= 0:
+                    self.index[tuple(tokens[end - g : end])] = end
+        self._indexed = max(self._indexed, len(tokens))
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.index.clear()
+        self._indexed = 0
+        self._extend(tokens)
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        if n <= 0:
+            return Draft.empty(self.name)
+        self._extend(tokens)
+        for g in range(self.max_ngram, self.min_ngram - 1, -1):
+            if len(tokens) < g:
+                continue
+            pos = self.index.get(tuple(tokens[-g:]))
+            if pos is not None:
+                cont = list(tokens[pos : pos + n])
+                if cont:
+                    return Draft(mx.array(cont, dtype=mx.uint32), len(cont), None, self.name)
+        return Draft.empty(self.name)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self._extend(tokens)
+
+    def dispose(self) -> None:
+        self.index.clear()
+
+
+class HybridDraftSource(DraftSource):
+    """`auto` with a draft model: free prompt-lookup drafts when the text repeats, else the model."""
+
+    name = "auto"
+
+    def __init__(self, lookup: LookupDraftSource, model: ModelDraftSource, min_lookup: int = 3):
+        self.lookup = lookup
+        self.model = model
+        self.min_lookup = min_lookup
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.lookup.prefill(tokens)
+        self.model.prefill(tokens)
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        found = self.lookup.propose(tokens, n)
+        if found.count >= min(n, self.min_lookup):
+            self.model._drafts, self.model._fed = None, 0
+            return found
+        return self.model.propose(tokens, n)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self.lookup.accept(tokens)
+        self.model.accept(tokens)
+
+    def checkpoint(self) -> Any:
+        return self.model.checkpoint()
+
+    def restore(self, state: Any) -> None:
+        self.model.restore(state)
+
+    def dispose(self) -> None:
+        self.lookup.dispose()
+        self.model.dispose()

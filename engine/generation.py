@@ -1,0 +1,197 @@
+"""One request's decode state: the target cache, the committed tokens and the draft source.
+
+Every round runs one target forward over [pending] + drafts (0 drafts is plain decoding). The
+pending token is the last committed token, not yet in the target cache. When a draft source
+fails or a cache cannot be trimmed, the generation carries on with plain decoding from the
+committed tokens; the client sees an ordinary stream.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+
+from engine.drafting import Draft, DraftSource, feed
+from engine.options import SamplingOptions
+from engine.sampling import Rng, next_tokens, to_int
+from engine.speculation import DraftLengthController, SpecStats
+from engine.verify import verify
+
+log = logging.getLogger(__name__)
+TRACE = os.environ.get("MLXD_TRACE_SPEC", "") not in ("", "0", "false")
+
+
+class Generation:
+    """Yields committed tokens round by round; stops after EOS or `limit` tokens."""
+
+    def __init__(
+        self,
+        target: nn.Module,
+        prompt: Sequence[int],
+        opts: SamplingOptions,
+        eos: set[int],
+        limit: int,
+        rng: Rng,
+        source: DraftSource | None = None,
+        controller: DraftLengthController | None = None,
+        stats: SpecStats | None = None,
+    ) -> None:
+        if not prompt:
+            raise ValueError("a generation needs at least one prompt token")
+        self.target = target
+        self.opts = opts
+        self.eos = eos
+        self.limit = limit
+        self.rng = rng
+        self.tokens: list[int] = list(prompt)
+        self.cache: list[Any] = make_prompt_cache(target)
+        self.source = source
+        self.controller = controller
+        self.stats = stats or SpecStats()
+        self.produced = 0
+        self.finish: str | None = None  # "stop" after EOS, "length" at the limit
+        if source is not None:
+            self.stats.method = source.name
+            if not can_trim_prompt_cache(self.cache):
+                self._fallback("the target cache cannot be trimmed", failed=False)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def prefill(self) -> None:
+        head = self.tokens[:-1]
+        if head:
+            feed(self.target, self.cache, head)
+            mx.eval([c.state for c in self.cache])
+        if self.source is not None:
+            try:
+                self.source.prefill(self.tokens)
+            except Exception as exc:  # a broken draft must not fail the request
+                self._fallback(f"draft prefill failed: {exc}")
+
+    def close(self) -> None:
+        if self.source is not None:
+            self.source.dispose()
+            self.source = None
+        self.cache = []
+
+    @property
+    def cached_tokens(self) -> int:
+        """Tokens whose K/V are really in the target cache (may lead the stream by one)."""
+        return int(self.cache[0].offset) if self.cache else 0
+
+    # -- decoding ------------------------------------------------------------------------------
+
+    def __iter__(self) -> Iterator[list[int]]:
+        while self.finish is None and self.produced < self.limit:
+            if self.source is None or self.controller is None:
+                yield from self._plain()
+                return
+            k = min(self.controller.choose(), self.limit - self.produced - 1)
+            if self.controller.off and self.stats.disabled_reason is None:
+                self.stats.disabled_reason = "speculation no longer pays"
+                self._drop_source()
+                continue
+            new = self._speculative_round(k)
+            if new:
+                yield new
+        if self.finish is None:
+            self.finish = "length"
+
+    def _commit(self, new: list[int]) -> list[int]:
+        """Append new tokens up to EOS (kept, so callers see why it ended) and the limit."""
+        out: list[int] = []
+        for tok in new:
+            if self.produced >= self.limit:
+                break
+            out.append(tok)
+            self.tokens.append(tok)
+            self.produced += 1
+            if tok in self.eos:
+                self.finish = "stop"
+                break
+        if self.finish is None and self.produced >= self.limit:
+            self.finish = "length"
+        return out
+
+    def _speculative_round(self, k: int) -> list[int]:
+        assert self.source is not None and self.controller is not None
+        try:
+            draft = self.source.propose(self.tokens, k) if k > 0 else Draft.empty()
+        except Exception as exc:
+            self._fallback(f"draft source failed: {exc}")
+            return []
+        pending = mx.array([self.tokens[-1]], dtype=mx.uint32)
+        inputs = mx.concatenate([pending, draft.tokens]) if draft.count else pending
+        logits = self.target(inputs[None], cache=self.cache)[0]
+        verdict = verify(logits, draft, self.tokens, self.opts, self.rng)
+        rejected = draft.count - verdict.accepted
+        if rejected and trim_prompt_cache(self.cache, rejected) != rejected:
+            self._rebuild_cache(len(self.tokens) - 1 + verdict.accepted)
+            self._fallback("the target cache could not be trimmed")
+        if draft.count:
+            self.stats.observe(draft.count, verdict.accepted)
+            self.controller.observe(draft.count, verdict.accepted)
+        if TRACE:
+            log.info(
+                "spec round: source=%s k=%d drafted=%d accepted=%d",
+                draft.source, k, draft.count, verdict.accepted,
+            )  # fmt: skip
+        new = self._commit(verdict.tokens)
+        if self.source is not None and self.finish is None:
+            try:
+                self.source.accept(self.tokens)
+            except Exception as exc:
+                self._fallback(f"draft source failed: {exc}")
+        return new
+
+    def _plain(self) -> Iterator[list[int]]:
+        """Single-token decoding; pipelined (next forward queued before the host reads the
+        current token) unless penalties need every token on the host first."""
+
+        def step(tok: mx.array, extra: list[int]) -> mx.array:
+            logits = self.target(tok.reshape(1, 1), cache=self.cache)[0, -1:, :]
+            return next_tokens(logits, self.tokens, extra, self.opts, self.rng)[0]
+
+        y = step(mx.array([self.tokens[-1]], dtype=mx.uint32), [])
+        mx.async_eval(y)
+        pipelined = not self.opts.has_penalties
+        while self.finish is None and self.produced < self.limit:
+            nxt = None
+            if pipelined and self.produced + 1 < self.limit:
+                nxt = step(y, [])
+                mx.async_eval(nxt)
+            new = self._commit([to_int(y)])
+            yield new
+            if self.finish is not None:
+                break
+            y = nxt if nxt is not None else step(mx.array(new, dtype=mx.uint32), [])
+
+    # -- failure handling ----------------------------------------------------------------------
+
+    def _fallback(self, reason: str, failed: bool = True) -> None:
+        if failed:
+            log.warning("speculation stopped, continuing with plain decoding: %s", reason)
+            self.stats.fallback_reason = reason
+        else:
+            self.stats.disabled_reason = reason
+        self._drop_source()
+
+    def _drop_source(self) -> None:
+        if self.source is not None:
+            try:
+                self.source.dispose()
+            finally:
+                self.source = None
+
+    def _rebuild_cache(self, keep: int) -> None:
+        """Recompute the target cache for the first `keep` committed tokens."""
+        self.cache = make_prompt_cache(self.target)
+        if keep:
+            feed(self.target, self.cache, self.tokens[:keep])
+            mx.eval([c.state for c in self.cache])

@@ -1,0 +1,155 @@
+"""Opening a target/draft pairing with mlx-lm and measuring what speculation costs on it."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.utils import load as mlx_load
+
+from engine.drafting import feed
+from engine.prompt import FimFormat, detect_fim
+from engine.speculation import Costs
+from registry.schema import ModelEntry
+from registry.store import resolve_local
+
+VERIFY_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+DEFAULT_DRAFT_TOKENS = 4
+
+
+class ModelUnavailable(RuntimeError):
+    """The pairing's files are missing or broken; the message says which and why."""
+
+
+@dataclass
+class Pairing:
+    """A loaded target (and optional draft); owned by one runner thread."""
+
+    entry: ModelEntry
+    target: nn.Module
+    tokenizer: Any
+    draft: nn.Module | None
+    target_dir: Path
+    draft_dir: Path | None
+    config: dict[str, Any]
+    costs: Costs
+    fim: FimFormat | None
+    context_length: int
+
+    @property
+    def eos_ids(self) -> set[int]:
+        return set(self.tokenizer.eos_token_ids)
+
+    @property
+    def default_draft_tokens(self) -> int:
+        if self.entry.draft_tokens is not None:
+            return self.entry.draft_tokens
+        return DEFAULT_DRAFT_TOKENS
+
+    @property
+    def capabilities(self) -> list[str]:
+        caps = ["completion"]
+        if self.fim is not None:
+            caps.append("insert")
+        template = getattr(self.tokenizer, "chat_template", None) or ""
+        if "tools" in template:
+            caps.append("tools")
+        return caps
+
+
+def locate(ref: str, what: str) -> Path:
+    path = resolve_local(ref)
+    if path is None:
+        raise ModelUnavailable(f"{what} '{ref}' is not available locally; pull it first")
+    return path
+
+
+def _load_one(path: Path, template: str | None) -> tuple[nn.Module, Any, dict[str, Any]]:
+    tokenizer_config = {"chat_template": template} if template else None
+    try:
+        loaded = mlx_load(str(path), tokenizer_config=tokenizer_config, return_config=True)
+        model, tokenizer, config = loaded  # type: ignore[misc]
+    except Exception as exc:
+        raise ModelUnavailable(f"cannot load {path}: {exc}") from exc
+    return model, tokenizer, config
+
+
+def context_length_of(entry: ModelEntry, config: dict[str, Any]) -> int:
+    if entry.context_length:
+        return entry.context_length
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        value = config.get(key) or config.get("text_config", {}).get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 4096
+
+
+def _forward_seconds(model: nn.Module, widths: tuple[int, ...], context: int) -> dict[int, float]:
+    """Median seconds of an L-token forward at a cache length never seen before (as in real
+    decoding, where every round lands on a new length)."""
+    cache = make_prompt_cache(model)
+    feed(model, cache, [0] * context)
+    mx.eval([c.state for c in cache])
+    out: dict[int, float] = {}
+    for width in widths:
+        samples = []
+        for _ in range(4):
+            x = mx.zeros((1, width), dtype=mx.uint32)
+            t0 = time.perf_counter()
+            mx.eval(model(x, cache=cache))
+            samples.append(time.perf_counter() - t0)
+        out[width] = statistics.median(samples[1:])
+    return out
+
+
+def measure_costs(target: nn.Module, draft: nn.Module | None, context: int = 64) -> Costs:
+    verify = _forward_seconds(target, VERIFY_WIDTHS, context)
+    draft_step = _forward_seconds(draft, (1,), context)[1] if draft is not None else 0.0
+    return Costs(verify=verify, draft_step=draft_step)
+
+
+def check_tokenizers(target_tok: Any, draft_tok: Any) -> None:
+    """Speculation compares token ids, so both sides must map the same strings to the same ids."""
+    probes = ["def fib(n):\n    return n", "Hello, world! 123", " héllo ✓", "\n\n\t"]
+    for text in probes:
+        if list(target_tok.encode(text)) != list(draft_tok.encode(text)):
+            raise ModelUnavailable("draft tokenizer differs from the target's")
+    if set(target_tok.eos_token_ids) != set(draft_tok.eos_token_ids):
+        raise ModelUnavailable("draft and target disagree on end-of-sequence tokens")
+
+
+def load_pairing(entry: ModelEntry) -> Pairing:
+    target_dir = locate(entry.target, "target")
+    target, tokenizer, config = _load_one(target_dir, entry.template)
+    draft = None
+    draft_dir = None
+    if entry.draft:
+        draft_dir = locate(entry.draft, "draft")
+        draft, draft_tok, _ = _load_one(draft_dir, None)
+        check_tokenizers(tokenizer, draft_tok)
+    costs = measure_costs(target, draft)
+    vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return Pairing(
+        entry=entry,
+        target=target,
+        tokenizer=tokenizer,
+        draft=draft,
+        target_dir=target_dir,
+        draft_dir=draft_dir,
+        config=config,
+        costs=costs,
+        fim=detect_fim(vocab),
+        context_length=context_length_of(entry, config),
+    )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    with open(path / "config.json", encoding="utf-8") as fh:
+        return dict(json.load(fh))

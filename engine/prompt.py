@@ -1,0 +1,158 @@
+"""Prompt rendering: chat templates, Ollama's generate semantics, Go-style templates and FIM."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+class PromptError(ValueError):
+    """The request cannot be rendered for this model (answered with 400)."""
+
+
+@dataclass(frozen=True)
+class FimFormat:
+    """Fill-in-the-middle special tokens, prefix-suffix-middle order."""
+
+    prefix: str
+    suffix: str
+    middle: str
+
+    def render(self, prefix: str, suffix: str) -> str:
+        return f"{self.prefix}{prefix}{self.suffix}{suffix}{self.middle}"
+
+
+_FIM_FORMATS = (
+    FimFormat("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, StarCoder2
+    FimFormat("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder
+    FimFormat("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
+    FimFormat("<PRE>", "<SUF>", "<MID>"),  # CodeLlama
+)
+
+
+def detect_fim(vocab: Mapping[str, int]) -> FimFormat | None:
+    for fmt in _FIM_FORMATS:
+        if fmt.prefix in vocab and fmt.suffix in vocab and fmt.middle in vocab:
+            return fmt
+    return None
+
+
+# -- Ollama's Go templates (the subset prompts use) -------------------------------------------
+
+_ACTION = re.compile(r"{{(-?)\s*(.*?)\s*(-?)}}", re.S)
+
+
+def render_go_template(template: str, values: Mapping[str, str]) -> str:
+    """Render `{{ .Field }}`, `{{ if .Field }}…{{ else }}…{{ end }}` with `{{-`/`-}}` trimming.
+
+    That subset covers the prompt templates Ollama users pass to /api/generate; anything else
+    is a clear error rather than a silently wrong prompt.
+    """
+    parts: list[tuple[str, str]] = []
+    pos = 0
+    for m in _ACTION.finditer(template):
+        text = template[pos : m.start()]
+        if m.group(1):
+            text = text.rstrip()
+        if parts and parts[-1][0] == "trim_next":
+            parts.pop()
+            text = text.lstrip()
+        parts.append(("text", text))
+        parts.append(("action", m.group(2)))
+        if m.group(3):
+            parts.append(("trim_next", ""))
+        pos = m.end()
+    tail = template[pos:]
+    if parts and parts[-1][0] == "trim_next":
+        parts.pop()
+        tail = tail.lstrip()
+    parts.append(("text", tail))
+
+    out: list[str] = []
+    stack: list[tuple[bool, bool]] = []  # (parent active, this branch taken)
+
+    def active() -> bool:
+        return all(parent and taken for parent, taken in stack)
+
+    for kind, body in parts:
+        if kind == "text":
+            if active():
+                out.append(body)
+            continue
+        if m2 := re.fullmatch(r"if\s+\.(\w+)", body):
+            stack.append((active(), bool(values.get(m2.group(1)))))
+        elif body == "else":
+            if not stack:
+                raise PromptError("template: unexpected {{ else }}")
+            parent, taken = stack.pop()
+            stack.append((parent, not taken))
+        elif body == "end":
+            if not stack:
+                raise PromptError("template: unexpected {{ end }}")
+            stack.pop()
+        elif m3 := re.fullmatch(r"\.(\w+)", body):
+            if active():
+                out.append(values.get(m3.group(1), ""))
+        else:
+            raise PromptError(f"template: unsupported action {{{{ {body} }}}}")
+    if stack:
+        raise PromptError("template: missing {{ end }}")
+    return "".join(out)
+
+
+# -- chat and generate -------------------------------------------------------------------------
+
+
+def with_system(messages: Sequence[Mapping[str, Any]], system: str | None) -> list[dict[str, Any]]:
+    """Prepend the model's system prompt unless the conversation brings its own."""
+    out = [dict(m) for m in messages]
+    if system and not (out and out[0].get("role") == "system"):
+        out.insert(0, {"role": "system", "content": system})
+    return out
+
+
+def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> str:
+    """The chat template with the assistant turn opened; a plain transcript when there is none."""
+    if getattr(tokenizer, "chat_template", None):
+        try:
+            return str(
+                tokenizer.apply_chat_template(
+                    list(messages), add_generation_prompt=True, tokenize=False
+                )
+            )
+        except Exception as exc:  # jinja errors carry the template's own message
+            raise PromptError(f"chat template failed: {exc}") from exc
+    lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
+    return "\n".join([*lines, "assistant:"])
+
+
+def render_generate(
+    tokenizer: Any,
+    prompt: str,
+    system: str | None,
+    template: str | None,
+    suffix: str | None,
+    fim: FimFormat | None,
+) -> str:
+    """Ollama's /api/generate rendering (the raw case never reaches here)."""
+    if suffix:
+        if fim is None:
+            raise PromptError("does not support insert")
+        if template:
+            return render_go_template(template, {"Prompt": prompt, "Suffix": suffix})
+        return fim.render(prompt, suffix)
+    if template:
+        return render_go_template(
+            template, {"System": system or "", "Prompt": prompt, "Response": ""}
+        )
+    if getattr(tokenizer, "chat_template", None):
+        return render_chat(tokenizer, with_system([{"role": "user", "content": prompt}], system))
+    return f"{system}\n\n{prompt}" if system else prompt
+
+
+def encode(tokenizer: Any, text: str, templated: bool) -> list[int]:
+    """Templated text already carries its special tokens (BOS included); raw text gets the
+    tokenizer's usual additions."""
+    return list(tokenizer.encode(text, add_special_tokens=not templated))

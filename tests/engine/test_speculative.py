@@ -1,0 +1,271 @@
+"""Speculative decoding is lossless: greedy parity, distribution equality, failure fallback."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections import Counter
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import llama
+
+from engine.drafting import Draft, DraftSource, LookupDraftSource, ModelDraftSource
+from engine.generation import Generation
+from engine.options import SamplingOptions, parse_options
+from engine.sampling import Rng
+from engine.speculation import Costs, DraftLengthController
+from tests.engine.conftest import Loaded
+
+# Costs that make speculation always look worthwhile, so the tests exercise it every round.
+CHEAP = Costs(verify={w: 1.0 for w in range(1, 10)}, draft_step=0.01)
+
+
+def prompts(tokenizer: object, n: int = 50) -> list[list[int]]:
+    rnd = random.Random(7)
+    words = [
+        "def",
+        "return",
+        "self",
+        "value",
+        "for",
+        "in",
+        "range",
+        "(",
+        ")",
+        ":",
+        "x",
+        "1",
+        "\n    ",
+    ]
+    out = []
+    for _ in range(n):
+        text = " ".join(rnd.choice(words) for _ in range(rnd.randint(2, 12)))
+        out.append(list(tokenizer.encode(text)))  # type: ignore[attr-defined]
+    return out
+
+
+def generate(
+    target: nn.Module,
+    prompt: Sequence[int],
+    opts: SamplingOptions,
+    source: DraftSource | None,
+    limit: int = 24,
+    eos: set[int] | None = None,
+) -> tuple[list[int], Generation]:
+    controller = DraftLengthController(CHEAP, 4, 0.01) if source is not None else None
+    gen = Generation(target, prompt, opts, eos or {0, 2}, limit, Rng(opts.seed), source, controller)
+    try:
+        gen.prefill()
+        return [t for new in gen for t in new], gen
+    finally:
+        gen.close()
+
+
+GREEDY = parse_options({"temperature": 0})
+
+
+@pytest.mark.parametrize("method", ["self", "weak", "lookup"])
+def test_greedy_parity_over_50_prompts(loaded: Loaded, method: str) -> None:
+    rounds = accepted = 0
+    for prompt in prompts(loaded.tokenizer):
+        plain, _ = generate(loaded.target, prompt, GREEDY, None)
+        source: DraftSource = (
+            LookupDraftSource()
+            if method == "lookup"
+            else ModelDraftSource(
+                loaded.target if method == "self" else loaded.draft, GREEDY, Rng(0)
+            )
+        )
+        spec, gen = generate(loaded.target, prompt, GREEDY, source)
+        assert spec == plain
+        assert gen.stats.fallback_reason is None
+        rounds += gen.stats.rounds
+        accepted += gen.stats.accepted
+    assert rounds > 0
+    if method == "self":
+        assert accepted > 0.9 * rounds * 1  # a draft equal to the target is almost always right
+
+
+def test_greedy_parity_with_penalties(loaded: Loaded) -> None:
+    opts = parse_options(
+        {"temperature": 0, "repeat_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.2}
+    )
+    for prompt in prompts(loaded.tokenizer, 8):
+        plain, _ = generate(loaded.target, prompt, opts, None)
+        spec, _ = generate(
+            loaded.target, prompt, opts, ModelDraftSource(loaded.draft, opts, Rng(0))
+        )
+        assert spec == plain
+
+
+def test_exact_num_predict(loaded: Loaded) -> None:
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    for limit in (1, 2, 3, 5, 8, 13):
+        source = ModelDraftSource(loaded.target, GREEDY, Rng(0))
+        out, gen = generate(loaded.target, prompt, GREEDY, source, limit=limit)
+        assert len(out) == limit
+        assert gen.finish == "length"
+
+
+class ProposesEos(DraftSource):
+    """A hostile draft: always proposes the token the target will pick... then EOS."""
+
+    name = "eos"
+
+    def __init__(self, inner: ModelDraftSource, eos: int) -> None:
+        self.inner = inner
+        self.eos = eos
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.inner.prefill(tokens)
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        d = self.inner.propose(tokens, n)
+        if d.count < 2:
+            return d
+        toks = d.tokens.tolist()
+        toks[1] = self.eos
+        return Draft(mx.array(toks, dtype=mx.uint32), d.count, None, self.name)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self.inner.accept(tokens)
+
+
+def test_eos_draft_is_not_accepted_unless_the_target_agrees(loaded: Loaded) -> None:
+    for prompt in prompts(loaded.tokenizer, 10):
+        plain, _ = generate(loaded.target, prompt, GREEDY, None)
+        source = ProposesEos(ModelDraftSource(loaded.target, GREEDY, Rng(0)), eos=2)
+        out, _ = generate(loaded.target, prompt, GREEDY, source)
+        assert out == plain
+        assert 2 not in out
+
+
+def test_accepted_eos_ends_generation(loaded: Loaded) -> None:
+    """When EOS is the target's choice too, generation ends there (EOS kept for the caller)."""
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None)
+    eos = plain[3]  # pretend the 4th greedy token is an end-of-sequence token
+    source = ModelDraftSource(loaded.target, GREEDY, Rng(0))
+    out, gen = generate(loaded.target, prompt, GREEDY, source, eos={eos})
+    assert out == plain[:4]
+    assert gen.finish == "stop"
+
+
+class Explodes(DraftSource):
+    """Works for a few rounds, then raises, as a broken draft model would."""
+
+    name = "explodes"
+
+    def __init__(self, inner: DraftSource, after: int) -> None:
+        self.inner = inner
+        self.calls = 0
+        self.after = after
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.inner.prefill(tokens)
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        self.calls += 1
+        if self.calls > self.after:
+            raise RuntimeError("draft model exploded")
+        return self.inner.propose(tokens, n)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        self.inner.accept(tokens)
+
+
+@pytest.mark.parametrize("after", [0, 2])
+def test_failing_draft_falls_back_to_plain_decoding(loaded: Loaded, after: int) -> None:
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None)
+    source = Explodes(ModelDraftSource(loaded.draft, GREEDY, Rng(0)), after)
+    out, gen = generate(loaded.target, prompt, GREEDY, source)
+    assert out == plain
+    assert gen.stats.fallback_reason is not None
+    assert "exploded" in gen.stats.fallback_reason
+
+
+# -- temperature > 0: the emitted distribution is the target's -----------------------------------
+
+
+def chi2_pvalue(stat: float, df: int) -> float:
+    """Upper tail of the chi-square distribution (Wilson-Hilferty approximation)."""
+    z = ((stat / df) ** (1 / 3) - (1 - 2 / (9 * df))) / math.sqrt(2 / (9 * df))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def tiny_vocab_model(seed: int, vocab: int) -> nn.Module:
+    mx.random.seed(seed)
+    args = llama.ModelArgs(
+        model_type="llama", hidden_size=16, num_hidden_layers=1, intermediate_size=32,
+        num_attention_heads=2, num_key_value_heads=1, rms_norm_eps=1e-5, vocab_size=vocab,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = llama.Model(args)
+    model.lm_head.weight = model.lm_head.weight * 6.0  # peaked enough to be interesting
+    mx.eval(model.parameters())
+    return model
+
+
+def exact_pair_distribution(
+    model: nn.Module, prompt: list[int], opts: SamplingOptions, vocab: int
+) -> dict[tuple[int, int], float]:
+    from engine.sampling import probabilities
+
+    first = probabilities(model(mx.array([prompt]))[0, -1:], opts)[0].tolist()
+    out = {}
+    for a in range(vocab):
+        second = probabilities(model(mx.array([[*prompt, a]]))[0, -1:], opts)[0].tolist()
+        for b in range(vocab):
+            out[(a, b)] = first[a] * second[b]
+    return out
+
+
+@pytest.mark.parametrize("method", ["model", "lookup"])
+def test_sampled_distribution_matches_target(method: str) -> None:
+    vocab = 5
+    target = tiny_vocab_model(11, vocab)
+    draft = tiny_vocab_model(12, vocab)
+    prompt = [1, 3, 2, 1, 3]  # repeats, so prompt lookup has something to propose
+    base = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    expected = exact_pair_distribution(target, prompt, parse_options(base), vocab)
+    counts: Counter[tuple[int, int]] = Counter()
+    trials = 1500
+    drafted = 0
+    for seed in range(trials):
+        opts = parse_options({**base, "seed": seed})
+        rng = Rng(seed)
+        source: DraftSource = (
+            ModelDraftSource(draft, opts, rng) if method == "model" else LookupDraftSource(2, 1)
+        )
+        controller = DraftLengthController(CHEAP, 2, 0.01)
+        gen = Generation(target, prompt, opts, set(), 3, rng, source, controller)
+        gen.prefill()
+        out = [t for new in gen for t in new]
+        drafted += gen.stats.drafted
+        gen.close()
+        counts[(out[0], out[1])] += 1
+    assert drafted >= 2 * trials  # two drafts in the first round of every trial
+    stat, df = 0.0, 0
+    for cell, p in expected.items():
+        e = p * trials
+        if e >= 5:
+            stat += (counts[cell] - e) ** 2 / e
+            df += 1
+    assert chi2_pvalue(stat, df - 1) > 1e-3, (stat, df)
+
+
+def test_sampled_acceptance_beats_exact_match(loaded: Loaded) -> None:
+    """min(1, p/q) accepts more than "draft equals the target's own sample" would."""
+    from engine.sampling import probabilities
+
+    opts = parse_options({"temperature": 0.8, "top_k": 0, "top_p": 1.0})
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    p = probabilities(loaded.target(mx.array([prompt]))[0, -1:], opts)[0]
+    q = probabilities(loaded.draft(mx.array([prompt]))[0, -1:], opts)[0]
+    ours = float(mx.sum(mx.minimum(p, q)))  # P(accept) under speculative sampling
+    exact = float(mx.sum(p * q))  # P(independent samples agree)
+    assert ours >= exact
