@@ -2,7 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
 import pytest
+import uvicorn
 
 from tests.fixtures.tiny_models import TinyPair, build_pair
 
@@ -11,3 +21,85 @@ from tests.fixtures.tiny_models import TinyPair, build_pair
 def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
     """Build the tiny target/draft pair once per session; building takes well under 1 s."""
     return build_pair(tmp_path_factory.mktemp("models"))
+
+
+# -- a real server on a free loopback port -------------------------------------------------------
+
+# Every test runs with its own mlxd home and no hub access.
+os.environ["MLXD_HOME"] = tempfile.mkdtemp(prefix="mlxd-home-")
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.pop("OLLAMA_HOST", None)
+os.environ.pop("MLXD_HOST", None)
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def write_registry(path: Path, pair: TinyPair) -> Path:
+    """The registry the API tests serve: a plain model, a real pairing and a self-draft."""
+    path.write_text(
+        "models:\n"
+        f"  tiny:\n    target: {pair.target}\n"
+        f"  pair:\n    target: {pair.target}\n    draft: {pair.draft}\n"
+        f"  selfdraft:\n    target: {pair.target}\n    draft: {pair.target}\n"
+        f"  sys:\n    target: {pair.target}\n    system: You are terse.\n"
+        "    options:\n      temperature: 0\n      num_predict: 8\n",
+        encoding="utf-8",
+    )
+    return path
+
+
+@dataclass
+class RunningServer:
+    base_url: str
+    host: str
+    port: int
+    registry: Path
+
+
+class ServerThread:
+    """uvicorn serving the real app in a background thread of the test process."""
+
+    def __init__(self, registry: Path, keep_alive: float = 300.0, max_loaded: int = 3) -> None:
+        from api.app import build_app
+        from daemon.config import Settings
+        from daemon.server import build_state
+
+        self.port = free_port()
+        settings = Settings("127.0.0.1", self.port, registry, keep_alive, max_loaded)
+        self.state = build_state(settings)
+        config = uvicorn.Config(
+            build_app(self.state), host="127.0.0.1", port=self.port, log_level="warning",
+            timeout_graceful_shutdown=5,
+        )  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.info = RunningServer(f"http://127.0.0.1:{self.port}", "127.0.0.1", self.port, registry)
+
+    def __enter__(self) -> RunningServer:
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+        return self.info
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@pytest.fixture(scope="session")
+def registry_file(tiny_pair: TinyPair, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_registry(tmp_path_factory.mktemp("registry") / "models.yaml", tiny_pair)
+
+
+@pytest.fixture(scope="session")
+def server(registry_file: Path) -> Iterator[RunningServer]:
+    """One server for the session; tests that need special settings start their own."""
+    with ServerThread(registry_file) as info:
+        yield info

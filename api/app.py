@@ -1,0 +1,57 @@
+"""The Starlette application: routes, error handlers and the server state they share."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.routing import Route
+
+from api import ollama
+from api.errors import ApiError, api_error_handler
+from api.ollama import ServerState
+
+
+async def _not_found(request: Request, exc: Exception) -> Response:
+    return PlainTextResponse("404 page not found", status_code=404)
+
+
+async def _method_not_allowed(request: Request, exc: Exception) -> Response:
+    return PlainTextResponse("405 method not allowed", status_code=405)
+
+
+async def _internal(request: Request, exc: Exception) -> Response:
+    return JSONResponse({"error": str(exc) or type(exc).__name__}, status_code=500)
+
+
+def build_app(state: ServerState) -> Starlette:
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await state.manager.shutdown()
+
+    routes = [
+        Route("/", ollama.root, methods=["GET", "HEAD"]),
+        Route("/api/version", ollama.version, methods=["GET", "HEAD"]),
+        Route("/api/tags", ollama.tags, methods=["GET", "HEAD"]),
+        Route("/api/show", ollama.show, methods=["POST"]),
+        Route("/api/generate", ollama.generate, methods=["POST"]),
+        Route("/api/chat", ollama.chat, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        exception_handlers={
+            ApiError: api_error_handler,
+            404: _not_found,
+            405: _method_not_allowed,
+            Exception: _internal,
+        },
+        lifespan=lifespan,
+    )
+    app.state.mlxd = state
+    return app

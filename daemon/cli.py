@@ -1,0 +1,363 @@
+"""`mlxd`: serve, run, list, show. Every command but `serve` talks to the daemon over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from daemon.client import Client, ClientError
+from daemon.config import ConfigError, Settings, client_base_url
+from registry.home import ensure_home
+
+VERSION = "0.1.0"
+
+
+def _client() -> Client:
+    return Client(client_base_url())
+
+
+def _fail(message: str) -> int:
+    print(f"Error: {message}", file=sys.stderr)
+    return 1
+
+
+def ensure_daemon(client: Client, wait: float = 60.0) -> None:
+    """Start `mlxd serve` in the background when nothing answers, then wait for it."""
+    if client.heartbeat():
+        return
+    logs = ensure_home() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    with open(logs / "server.log", "ab") as log_file:
+        subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "serve"],
+            stdout=log_file,
+            stderr=log_file,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=os.environ.copy(),
+        )
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if client.heartbeat():
+            return
+        time.sleep(0.2)
+    raise ClientError(f"could not start mlxd serve; see {logs / 'server.log'}")
+
+
+# -- formatting ------------------------------------------------------------------------------
+
+
+def human_size(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def human_ago(stamp: str) -> str:
+    try:
+        then = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return stamp
+    seconds = (datetime.now(timezone.utc) - then).total_seconds()
+    for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
+        if seconds >= size:
+            n = int(seconds // size)
+            return f"{n} {unit}{'s' if n > 1 else ''} ago"
+    return "Less than a minute ago"
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "    ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)).rstrip() for r in rows
+    )
+
+
+def print_stats(final: dict[str, Any]) -> None:
+    def secs(ns: int) -> str:
+        return f"{ns / 1e9:.6f}s" if ns < 1e9 else f"{ns / 1e9:.3f}s"
+
+    def rate(count: int, ns: int) -> str:
+        return f"{count / (ns / 1e9):.2f} tokens/s" if ns else "n/a"
+
+    lines = [
+        ("total duration", secs(final.get("total_duration", 0))),
+        ("load duration", secs(final.get("load_duration", 0))),
+        ("prompt eval count", f"{final.get('prompt_eval_count', 0)} token(s)"),
+        ("prompt eval duration", secs(final.get("prompt_eval_duration", 0))),
+        (
+            "prompt eval rate",
+            rate(final.get("prompt_eval_count", 0), final.get("prompt_eval_duration", 0)),
+        ),
+        ("eval count", f"{final.get('eval_count', 0)} token(s)"),
+        ("eval duration", secs(final.get("eval_duration", 0))),
+        ("eval rate", rate(final.get("eval_count", 0), final.get("eval_duration", 0))),
+    ]
+    if final.get("draft_method", "off") != "off":
+        lines.append(("draft method", str(final["draft_method"])))
+        lines.append(("draft acceptance", f"{final.get('draft_acceptance_rate', 0):.2%}"))
+        lines.append(("tokens per round", f"{final.get('draft_tokens_per_round', 0):.2f}"))
+    for key, value in lines:
+        print(f"{key + ':':<22}{value}", file=sys.stderr)
+
+
+# -- commands --------------------------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from daemon.server import serve
+
+    try:
+        settings = Settings.from_env(registry=args.registry)
+    except ConfigError as exc:
+        return _fail(str(exc))
+    return serve(settings)
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    client = _client()
+    ensure_daemon(client)
+    models = client.get("/api/tags")["models"]
+    rows = [["NAME", "ID", "SIZE", "MODIFIED"]]
+    for m in models:
+        rows.append(
+            [m["name"], m["digest"][:12], human_size(m["size"]), human_ago(m["modified_at"])]
+        )
+    print(table(rows))
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    client = _client()
+    ensure_daemon(client)
+    info = client.post("/api/show", {"model": args.model})
+    if args.modelfile:
+        print(info.get("modelfile", ""))
+        return 0
+    if args.parameters:
+        print(info.get("parameters", ""))
+        return 0
+    if args.template:
+        print(info.get("template", ""))
+        return 0
+    if args.system:
+        print(info.get("system", ""))
+        return 0
+    d = info.get("details", {})
+    mi = info.get("model_info", {})
+    arch = mi.get("general.architecture", d.get("family", ""))
+    print("  Model")
+    for key, value in (
+        ("architecture", arch),
+        ("parameters", d.get("parameter_size", "")),
+        ("context length", mi.get(f"{arch}.context_length", "")),
+        ("embedding length", mi.get(f"{arch}.embedding_length", "")),
+        ("quantization", d.get("quantization_level", "")),
+    ):
+        print(f"    {key:<20}{value}")
+    if info.get("draft"):
+        print("\n  Draft")
+        print(f"    {'model':<20}{info['draft']['model']}")
+    print("\n  Capabilities")
+    for cap in info.get("capabilities", []):
+        print(f"    {cap}")
+    if info.get("parameters"):
+        print("\n  Parameters")
+        for line in info["parameters"].splitlines():
+            print(f"    {line}")
+    return 0
+
+
+def _stream_text(
+    client: Client, path: str, body: dict[str, Any], key: str
+) -> tuple[str, dict[str, Any]]:
+    text: list[str] = []
+    final: dict[str, Any] = {}
+    try:
+        for obj in client.stream(path, body):
+            piece = (
+                obj["response"] if key == "response" else obj.get("message", {}).get("content", "")
+            )
+            if piece:
+                text.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+            if obj.get("done"):
+                final = obj
+    except KeyboardInterrupt:
+        pass
+    return "".join(text), final
+
+
+def _read_multiline(first: str) -> str:
+    lines = [first[3:]]
+    while True:
+        line = input("... ")
+        if line.endswith('"""'):
+            lines.append(line[:-3])
+            return "\n".join(lines).strip("\n")
+        lines.append(line)
+
+
+def interactive(client: Client, args: argparse.Namespace, options: dict[str, Any]) -> int:
+    history: list[dict[str, str]] = []
+    verbose = args.verbose
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print("\nUse Ctrl + d or /bye to exit.")
+            continue
+        if line.startswith('"""'):
+            if line.endswith('"""') and len(line) > 5:
+                line = line[3:-3]
+            else:
+                try:
+                    line = _read_multiline(line)
+                except EOFError:
+                    return 0
+        stripped = line.strip()
+        if not stripped:
+            continue
+        if stripped in ("/bye", "/exit"):
+            return 0
+        if stripped in ("/?", "/help"):
+            print(
+                'Commands: /bye (exit), /clear (forget the conversation), /set verbose, /set quiet; """ for multiline input'
+            )
+            continue
+        if stripped == "/clear":
+            history.clear()
+            print("Cleared session context")
+            continue
+        if stripped in ("/set verbose", "/set quiet"):
+            verbose = stripped == "/set verbose"
+            print("Set 'verbose' mode." if verbose else "Set 'quiet' mode.")
+            continue
+        if stripped.startswith("/"):
+            print(f"Unknown command '{stripped.split()[0]}'. Type /? for help")
+            continue
+        history.append({"role": "user", "content": line})
+        body = {"model": args.model, "messages": history, "options": options, "stream": True}
+        if args.keepalive:
+            body["keep_alive"] = args.keepalive
+        try:
+            reply, final = _stream_text(client, "/api/chat", body, "message")
+        except ClientError as exc:
+            print(f"\nError: {exc}", file=sys.stderr)
+            history.pop()
+            continue
+        print("\n")
+        history.append({"role": "assistant", "content": reply})
+        if verbose and final:
+            print_stats(final)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    client = _client()
+    ensure_daemon(client)
+    try:
+        client.post("/api/show", {"model": args.model})
+    except ClientError as exc:
+        return _fail(str(exc))
+    options: dict[str, Any] = {}
+    prompt = " ".join(args.prompt)
+    if not sys.stdin.isatty():
+        piped = sys.stdin.read()
+        prompt = f"{piped}\n{prompt}".strip("\n") if prompt else piped
+    if prompt or not sys.stdout.isatty() or not sys.stdin.isatty():
+        body: dict[str, Any] = {
+            "model": args.model,
+            "prompt": prompt,
+            "options": options,
+            "stream": True,
+        }
+        if args.keepalive:
+            body["keep_alive"] = args.keepalive
+        try:
+            _, final = _stream_text(client, "/api/generate", body, "response")
+        except ClientError as exc:
+            print(file=sys.stderr)
+            return _fail(str(exc))
+        print()
+        if args.verbose and final:
+            print_stats(final)
+        return 0
+    load: dict[str, Any] = {"model": args.model, "prompt": ""}
+    if args.keepalive:
+        load["keep_alive"] = args.keepalive
+    try:
+        client.post("/api/generate", {**load, "stream": False})
+    except ClientError as exc:
+        return _fail(str(exc))
+    return interactive(client, args, options)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="mlxd", description="Serve MLX models with an Ollama-compatible API"
+    )
+    parser.add_argument("-v", "--version", action="store_true", help="show the version")
+    sub = parser.add_subparsers(dest="command")
+
+    p = sub.add_parser("serve", aliases=["start"], help="start the daemon")
+    p.add_argument(
+        "--registry",
+        type=Path,
+        default=None,
+        help="registry file (default: MLXD_REGISTRY or the packaged models.yaml + $MLXD_HOME/models.yaml)",
+    )
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("run", help="run a model (one prompt, piped input, or an interactive chat)")
+    p.add_argument("model")
+    p.add_argument("prompt", nargs="*")
+    p.add_argument("--verbose", action="store_true", help="print timings and draft statistics")
+    p.add_argument("--keepalive", default=None, help="how long to keep the model loaded (e.g. 5m)")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("list", aliases=["ls"], help="list models")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("show", help="show a model's details")
+    p.add_argument("model")
+    for flag in ("modelfile", "parameters", "template", "system"):
+        p.add_argument(f"--{flag}", action="store_true")
+    p.set_defaults(func=cmd_show)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        client = _client()
+        server = "unknown (daemon not running)"
+        if client.heartbeat():
+            server = client.get("/api/version").get("version", "?")
+        print(f"mlxd version is {VERSION} (API {server})")
+        return 0
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 0
+    try:
+        return int(args.func(args))
+    except ClientError as exc:
+        return _fail(str(exc))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

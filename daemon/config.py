@@ -1,0 +1,83 @@
+"""Daemon settings from the environment, with Ollama's variable names as fallbacks."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from api.durations import env_keep_alive
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 11434
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def env(environ: Mapping[str, str], name: str) -> str | None:
+    """MLXD_<name>, else OLLAMA_<name>; trimmed of spaces and quotes as Ollama does."""
+    for prefix in ("MLXD_", "OLLAMA_"):
+        value = environ.get(prefix + name)
+        if value is not None and value.strip().strip("\"'"):
+            return value.strip().strip("\"'")
+    return None
+
+
+def parse_host(value: str | None) -> tuple[str, int]:
+    """OLLAMA_HOST rules: scheme optional; port 11434 without a scheme, 80/443 with one."""
+    if not value:
+        return DEFAULT_HOST, DEFAULT_PORT
+    text = value.strip()
+    default_port = DEFAULT_PORT
+    if "://" in text:
+        scheme = text.split("://", 1)[0].lower()
+        default_port = {"http": 80, "https": 443}.get(scheme, DEFAULT_PORT)
+    else:
+        text = "http://" + text
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise ConfigError(f"invalid host {value!r}: {exc}") from exc
+    host = parts.hostname or DEFAULT_HOST
+    return host, port if port is not None else default_port
+
+
+def client_base_url(environ: Mapping[str, str] = os.environ) -> str:
+    host, port = parse_host(env(environ, "HOST"))
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str
+    port: int
+    registry: Path | None
+    keep_alive: float
+    max_loaded: int
+
+    @classmethod
+    def from_env(
+        cls, environ: Mapping[str, str] = os.environ, registry: Path | None = None
+    ) -> Settings:
+        host, port = parse_host(env(environ, "HOST"))
+        max_loaded = env(environ, "MAX_LOADED_MODELS")
+        try:
+            loaded = int(max_loaded) if max_loaded else 0
+        except ValueError as exc:
+            raise ConfigError(f"invalid MAX_LOADED_MODELS {max_loaded!r}") from exc
+        return cls(
+            host=host,
+            port=port,
+            registry=registry,
+            keep_alive=env_keep_alive(env(environ, "KEEP_ALIVE")),
+            max_loaded=loaded if loaded > 0 else 3,
+        )

@@ -1,0 +1,72 @@
+"""Running the HTTP server: bind check, uvicorn, graceful shutdown on SIGINT/SIGTERM."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from api.app import build_app
+from api.ollama import ServerState
+from daemon.config import Settings
+from engine.manager import ModelManager
+from registry.registry import Registry
+from registry.schema import RegistryError
+
+log = logging.getLogger("mlxd")
+
+
+def port_free(host: str, port: int) -> str | None:
+    """None when we can bind, else the reason (checked before loading anything)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "address already in use"
+            return exc.strerror or str(exc)
+    return None
+
+
+def build_state(settings: Settings) -> ServerState:
+    registry = Registry.from_env(cli_path=settings.registry)
+    log.info("registry: %d models from %s", len(registry), ", ".join(map(str, registry.paths)))
+    manager = ModelManager(default_keep_alive=settings.keep_alive, max_loaded=settings.max_loaded)
+    return ServerState(registry=lambda: registry, manager=manager)
+
+
+def serve(settings: Settings) -> int:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    problem = port_free(settings.host, settings.port)
+    if problem:
+        print(
+            f"Error: listen tcp {settings.host}:{settings.port}: bind: {problem}"
+            " (is another mlxd or ollama already running? set MLXD_HOST to use another address)",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        state = build_state(settings)
+    except RegistryError as exc:
+        print(f"Error: {exc}", file=sys.stderr)
+        return 1
+    app = build_app(state)
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level="info",
+        timeout_graceful_shutdown=10,
+        access_log=False,
+    )
+    server = uvicorn.Server(config)
+    log.info("mlxd listening on %s:%d", settings.host, settings.port)
+    server.run()
+    return 0
