@@ -15,8 +15,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import trim_prompt_cache
 
+from engine.kvcache import make_cache
 from engine.options import SamplingOptions
 from engine.sampling import Rng, next_tokens, to_int, to_ints
 
@@ -54,6 +55,10 @@ class DraftSource(ABC):
     def accept(self, tokens: Sequence[int]) -> None:
         """Learn the committed sequence after verification and drop rejected state."""
 
+    def cheaper(self) -> DraftSource | None:
+        """What to continue with when this source no longer pays (None: plain decoding)."""
+        return None
+
     def checkpoint(self) -> Any:
         """Companion state to store with the target's cache; None when there is nothing."""
         return None
@@ -86,7 +91,7 @@ class ModelDraftSource(DraftSource):
         self.model = model
         self.opts = opts
         self.rng = rng
-        self.cache: list[Any] = make_prompt_cache(model)
+        self.cache: list[Any] = make_cache(model)
         self.cached: list[int] = []  # tokens whose K/V are in self.cache
         self._drafts: mx.array | None = None
         self._fed = 0  # how many drafts were fed into the cache by the last propose
@@ -218,6 +223,10 @@ class HybridDraftSource(DraftSource):
     def accept(self, tokens: Sequence[int]) -> None:
         self.lookup.accept(tokens)
         self.model.accept(tokens)
+
+    def cheaper(self) -> DraftSource | None:
+        self.model.dispose()
+        return self.lookup
 
     def checkpoint(self) -> Any:
         return self.model.checkpoint()

@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import can_trim_prompt_cache, make_prompt_cache, trim_prompt_cache
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from engine.drafting import Draft, DraftSource, feed
+from engine.kvcache import make_cache
 from engine.options import SamplingOptions
 from engine.sampling import Rng, next_tokens, to_int
 from engine.speculation import DraftLengthController, SpecStats
@@ -50,7 +52,7 @@ class Generation:
         self.limit = limit
         self.rng = rng
         self.tokens: list[int] = list(prompt)
-        self.cache: list[Any] = make_prompt_cache(target)
+        self.cache: list[Any] = make_cache(target)
         self.source = source
         self.controller = controller
         self.stats = stats or SpecStats()
@@ -93,11 +95,13 @@ class Generation:
                 yield from self._plain()
                 return
             k = min(self.controller.choose(), self.limit - self.produced - 1)
-            if self.controller.off and self.stats.disabled_reason is None:
-                self.stats.disabled_reason = "speculation no longer pays"
-                self._drop_source()
+            if self.controller.off:
+                self._step_down()
                 continue
+            t0 = time.perf_counter()
             new = self._speculative_round(k)
+            if self.controller is not None:
+                self.controller.observe_time(time.perf_counter() - t0, len(new))
             if new:
                 yield new
         if self.finish is None:
@@ -172,6 +176,18 @@ class Generation:
                 break
             y = nxt if nxt is not None else step(mx.array(new, dtype=mx.uint32), [])
 
+    def _step_down(self) -> None:
+        """Speculation stopped paying: continue with the source's cheaper arm, else plain."""
+        assert self.source is not None and self.controller is not None
+        cheaper = self.source.cheaper()
+        if cheaper is None:
+            self.stats.disabled_reason = "speculation no longer pays"
+            self._drop_source()
+            return
+        self.stats.disabled_reason = f"{self.source.name}: continued with {cheaper.name} only"
+        self.source = cheaper
+        self.controller = self.controller.restart(draft_cost=0.0)
+
     # -- failure handling ----------------------------------------------------------------------
 
     def _fallback(self, reason: str, failed: bool = True) -> None:
@@ -191,7 +207,7 @@ class Generation:
 
     def _rebuild_cache(self, keep: int) -> None:
         """Recompute the target cache for the first `keep` committed tokens."""
-        self.cache = make_prompt_cache(self.target)
+        self.cache = make_cache(self.target)
         if keep:
             feed(self.target, self.cache, self.tokens[:keep])
             mx.eval([c.state for c in self.cache])

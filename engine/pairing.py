@@ -11,16 +11,20 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import make_prompt_cache
 from mlx_lm.utils import load as mlx_load
 
-from engine.drafting import feed
+from engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource, feed
+from engine.generation import Generation
+from engine.kvcache import make_cache
+from engine.options import parse_options
 from engine.prompt import FimFormat, detect_fim
-from engine.speculation import Costs
+from engine.sampling import Rng
+from engine.speculation import Costs, FixedDraftLength
 from registry.schema import ModelEntry
 from registry.store import resolve_local
 
 VERIFY_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+GREEDY = parse_options({"temperature": 0})
 DEFAULT_DRAFT_TOKENS = 4
 
 
@@ -94,13 +98,13 @@ def context_length_of(entry: ModelEntry, config: dict[str, Any]) -> int:
 def _forward_seconds(model: nn.Module, widths: tuple[int, ...], context: int) -> dict[int, float]:
     """Median seconds of an L-token forward at a cache length never seen before (as in real
     decoding, where every round lands on a new length)."""
-    cache = make_prompt_cache(model)
+    cache = make_cache(model)
     feed(model, cache, [0] * context)
     mx.eval([c.state for c in cache])
     out: dict[int, float] = {}
     for width in widths:
         samples = []
-        for _ in range(4):
+        for _ in range(8):
             x = mx.zeros((1, width), dtype=mx.uint32)
             t0 = time.perf_counter()
             mx.eval(model(x, cache=cache))
@@ -109,10 +113,44 @@ def _forward_seconds(model: nn.Module, widths: tuple[int, ...], context: int) ->
     return out
 
 
+def _plain_seconds(target: nn.Module, context: int, tokens: int = 24) -> float:
+    """Seconds per token of plain pipelined greedy decoding: the rate speculation must beat."""
+    gen = Generation(target, [0] * context, GREEDY, set(), tokens, Rng(0))
+    try:
+        gen.prefill()
+        stamps = [time.perf_counter() for _ in gen]
+    finally:
+        gen.close()
+    return (stamps[-1] - stamps[3]) / (len(stamps) - 4)
+
+
 def measure_costs(target: nn.Module, draft: nn.Module | None, context: int = 64) -> Costs:
     verify = _forward_seconds(target, VERIFY_WIDTHS, context)
     draft_step = _forward_seconds(draft, (1,), context)[1] if draft is not None else 0.0
-    return Costs(verify=verify, draft_step=draft_step)
+    return Costs(verify=verify, draft_step=draft_step, plain_step=_plain_seconds(target, context))
+
+
+def warm_up(target: nn.Module, draft: nn.Module | None, costs: Costs, max_k: int = 8) -> None:
+    """Run every round shape once (each k, greedy and sampled, each draft source), so kernels
+    are compiled at probe-open rather than inside a user's first requests."""
+    prompt = [0, 1, 2, 3] * 4
+    for temperature in (0.0, 0.7):
+        opts = parse_options({"temperature": temperature, "seed": 0})
+        for k in range(1, max_k + 1):
+            sources: list[DraftSource] = [LookupDraftSource(4, 1)]
+            if draft is not None:
+                sources.append(ModelDraftSource(draft, opts, Rng(0)))
+            for source in sources:
+                rng = Rng(0)
+                gen = Generation(
+                    target, prompt, opts, set(), 2 * k + 2, rng, source, FixedDraftLength(costs, k)
+                )
+                try:
+                    gen.prefill()
+                    for _ in gen:
+                        pass
+                finally:
+                    gen.close()
 
 
 def check_tokenizers(target_tok: Any, draft_tok: Any) -> None:
@@ -135,6 +173,7 @@ def load_pairing(entry: ModelEntry) -> Pairing:
         draft, draft_tok, _ = _load_one(draft_dir, None)
         check_tokenizers(tokenizer, draft_tok)
     costs = measure_costs(target, draft)
+    warm_up(target, draft, costs)
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return Pairing(
         entry=entry,

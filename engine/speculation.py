@@ -18,6 +18,11 @@ class Costs:
 
     verify: dict[int, float]  # width L -> seconds of one L-token target forward
     draft_step: float = 0.0  # seconds of one single-token draft forward (0: no draft model)
+    plain_step: float = 0.0  # seconds per token of plain (pipelined) decoding; 0: use v(1)
+
+    @property
+    def plain(self) -> float:
+        return self.plain_step or self.v(1)
 
     def v(self, width: int) -> float:
         """Cost of a `width`-token verify; widths never measured borrow the next wider one."""
@@ -71,7 +76,12 @@ class SpecStats:
 
 
 class DraftLengthController:
-    """Chooses k per round; `off` once the best k is no better than plain decoding."""
+    """Chooses k per round; `off` once speculation no longer pays.
+
+    The cost model picks k; the clock decides whether speculation stays on: once speculative
+    rounds, as measured, commit tokens slower than plain decoding does, it turns off. Forward
+    costs alone mislead on launch-bound GPUs, where a lazily chained draft and verify overlap.
+    """
 
     def __init__(
         self,
@@ -81,7 +91,8 @@ class DraftLengthController:
         prior: float = 0.7,
         prior_weight: float = 2.0,
         patience: int = 4,
-        min_gain: float = 1.02,
+        floor: float = 0.98,
+        decay: float = 0.8,
     ) -> None:
         self.costs = costs
         self.max_k = max_k
@@ -91,9 +102,16 @@ class DraftLengthController:
         self.hits = [0.0] * max_k
         self.tries = [0.0] * max_k
         self.patience = patience
-        self.min_gain = min_gain
-        self.losing = 0
         self.off = max_k <= 0
+        self.floor = floor
+        self.decay = decay
+        self.seconds = 0.0  # decayed sums over speculative rounds, as measured
+        self.tokens = 0.0
+        self.timed_rounds = 0
+
+    def restart(self, draft_cost: float) -> DraftLengthController:
+        """A fresh controller for a cheaper draft source on the same target."""
+        return DraftLengthController(self.costs, self.max_k, draft_cost, patience=self.patience)
 
     def alpha(self, i: int) -> float:
         return (self.a0 + self.hits[i]) / (self.a0 + self.b0 + self.tries[i])
@@ -109,18 +127,35 @@ class DraftLengthController:
     def choose(self) -> int:
         if self.off:
             return 0
-        plain = self.expected_rate(0)
-        best_k = max(range(1, self.max_k + 1), key=self.expected_rate)
-        if self.expected_rate(best_k) < plain * self.min_gain:
-            self.losing += 1
-            if self.losing >= self.patience:
-                self.off = True
-            return 0 if self.off else best_k
-        self.losing = 0
-        return best_k
+        return max(range(1, self.max_k + 1), key=self.expected_rate)
 
     def observe(self, proposed: int, accepted: int) -> None:
         for i in range(min(proposed, self.max_k)):
             self.tries[i] += 1
             if i < accepted:
                 self.hits[i] += 1
+
+    def observe_time(self, seconds: float, committed: int) -> None:
+        """A speculative round's wall time and how many tokens it committed."""
+        plain = self.costs.plain
+        # One round that compiled a new kernel shape must not condemn speculation for good.
+        seconds = min(seconds, 4.0 * plain * max(committed, 1))
+        self.seconds = self.seconds * self.decay + seconds
+        self.tokens = self.tokens * self.decay + committed
+        self.timed_rounds += 1
+        if self.timed_rounds >= self.patience and self.tokens:
+            if self.seconds / self.tokens * self.floor > plain:
+                self.off = True
+
+
+class FixedDraftLength(DraftLengthController):
+    """Always k drafts and never off: for warm-up, benchmarks at a given k, and tests."""
+
+    def __init__(self, costs: Costs, k: int) -> None:
+        super().__init__(costs, k, 0.0)
+
+    def choose(self) -> int:
+        return self.max_k
+
+    def observe_time(self, seconds: float, committed: int) -> None:
+        return None

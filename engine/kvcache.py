@@ -1,0 +1,62 @@
+"""KV caches whose multi-token forwards see recurring shapes.
+
+mlx-lm's KVCache hands attention exactly `offset` keys, so a verify forward over k+1 tokens
+lands on a new key length every round; on MLX's CUDA backend each new shape of a multi-token
+attention costs a graph build (~40 ms), more than the round itself. This cache hands
+multi-token forwards the whole allocated buffer (a multiple of `step`) with an explicit mask, so
+shapes change only when the buffer grows. Single-token decoding keeps mlx-lm's exact path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models.cache import KVCache, make_prompt_cache
+
+
+class BucketedKVCache(KVCache):
+    step = 256
+
+    def _capacity_for(self, n: int) -> int:
+        need = self.offset + n
+        have = 0 if self.keys is None else int(self.keys.shape[2])
+        if need <= have:
+            return have
+        return ((need + self.step - 1) // self.step) * self.step
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        n = int(keys.shape[2])
+        capacity = self._capacity_for(n)
+        if self.keys is None or capacity > self.keys.shape[2]:
+            b, heads, _, k_dim = keys.shape
+            v_dim = values.shape[3]
+            new_k = mx.zeros((b, heads, capacity, k_dim), keys.dtype)
+            new_v = mx.zeros((b, heads, capacity, v_dim), values.dtype)
+            if self.keys is not None and self.values is not None and self.offset:
+                new_k[..., : self.offset, :] = self.keys[..., : self.offset, :]
+                new_v[..., : self.offset, :] = self.values[..., : self.offset, :]
+            self.keys, self.values = new_k, new_v
+        buf_k, buf_v = self.keys, self.values
+        assert buf_k is not None and buf_v is not None
+        prev = self.offset
+        self.offset += n
+        buf_k[..., prev : self.offset, :] = keys
+        buf_v[..., prev : self.offset, :] = values
+        if n == 1:
+            return buf_k[..., : self.offset, :], buf_v[..., : self.offset, :]
+        return buf_k, buf_v
+
+    def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
+        if n == 1:
+            return None
+        capacity = self._capacity_for(n)
+        rows = mx.arange(n)[:, None] + self.offset
+        cols = mx.arange(capacity)[None, :]
+        return cols <= rows
+
+
+def make_cache(model: nn.Module) -> list[Any]:
+    """mlx-lm's cache for `model`, with plain KV layers replaced by bucketed ones."""
+    return [BucketedKVCache() if type(c) is KVCache else c for c in make_prompt_cache(model)]
