@@ -10,7 +10,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from api import ollama
+from api import ollama, openai
+from api.cors import CorsMiddleware, CorsPolicy
 from api.errors import ApiError, api_error_handler
 from api.ollama import ServerState
 
@@ -27,7 +28,9 @@ async def _internal(request: Request, exc: Exception) -> Response:
     return JSONResponse({"error": str(exc) or type(exc).__name__}, status_code=500)
 
 
-def build_app(state: ServerState) -> Starlette:
+def build_app(state: ServerState, bind_host: str = "127.0.0.1") -> Starlette:
+    """`bind_host` is the address served on: the Host check applies only on loopback."""
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         try:
@@ -42,6 +45,7 @@ def build_app(state: ServerState) -> Starlette:
         Route("/api/show", ollama.show, methods=["POST"]),
         Route("/api/generate", ollama.generate, methods=["POST"]),
         Route("/api/chat", ollama.chat, methods=["POST"]),
+        *openai.routes(),
     ]
     app = Starlette(
         routes=routes,
@@ -54,4 +58,6 @@ def build_app(state: ServerState) -> Starlette:
         lifespan=lifespan,
     )
     app.state.mlxd = state
+    # CORS origins come from MLXD_ORIGINS / OLLAMA_ORIGINS when the app is built
+    app.add_middleware(CorsMiddleware, policy=CorsPolicy.from_env(bind_host))
     return app

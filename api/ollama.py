@@ -22,7 +22,7 @@ from engine.manager import Loaded, ModelManager
 from engine.options import OptionsError, SamplingOptions, parse_options
 from engine.pairing import ModelUnavailable, Pairing
 from engine.prompt import PromptError, encode, render_chat, render_generate, with_system
-from registry.names import InvalidModelName
+from registry.names import InvalidModelName, parse_name
 from registry.registry import Registry
 from registry.schema import ModelEntry
 
@@ -50,13 +50,15 @@ def state_of(request: Request) -> ServerState:
     return state
 
 
-def lookup(state: ServerState, name: str) -> ModelEntry:
+def lookup(state: ServerState, name: str, normalized: bool = False) -> ModelEntry:
+    """The registry entry for `name`; the 404 names the model as sent (show: normalized)."""
     try:
         entry = state.registry().get(name)
+        shown = parse_name(name).display if normalized else name
     except InvalidModelName as exc:
         raise ApiError(400, "invalid model name") from exc
     if entry is None:
-        raise ApiError(404, f"model '{name}' not found")
+        raise ApiError(404, f"model '{shown}' not found")
     return entry
 
 
@@ -85,7 +87,7 @@ async def show(request: Request) -> Response:
     name = field(body, "model", str) or field(body, "name", str)
     if not name:
         raise ApiError(400, "model is required")
-    entry = lookup(state_of(request), name)
+    entry = lookup(state_of(request), name, normalized=True)
     local = await run_in_threadpool(find_local, entry)
     if local is None:
         raise ApiError(404, f"model '{entry.name}' not found")
@@ -107,6 +109,19 @@ def _keep_alive(body: dict[str, Any]) -> float | None:
         return parse_keep_alive(body.get("keep_alive"))
     except DurationError as exc:
         raise ApiError(400, str(exc)) from exc
+
+
+THINK_LEVELS = ("low", "medium", "high", "max")
+
+
+def _check_think(body: dict[str, Any], entry: ModelEntry) -> None:
+    """No model served today has a thinking mode: `think: true` or a level is refused."""
+    think = body.get("think")
+    if think is None or think is False:
+        return
+    if not (think is True or think in THINK_LEVELS):
+        raise ApiError(400, "invalid think value")
+    raise ApiError(400, f'"{entry.name}" does not support thinking')
 
 
 def _check_format(body: dict[str, Any]) -> None:
@@ -235,6 +250,7 @@ async def generate(request: Request) -> Response:
     if raw and (template or system or context):
         raise ApiError(400, "raw mode does not support template, system, or context")
     _check_format(body)
+    _check_think(body, entry)
     opts = _options(entry, body)
     keep_alive = _keep_alive(body)
 
@@ -253,7 +269,7 @@ async def generate(request: Request) -> Response:
         if raw:
             text = prompt
         else:
-            sys_prompt = system if system is not None else entry.system
+            sys_prompt = system or entry.system
             text = render_generate(
                 pairing.tokenizer, prompt, sys_prompt, template, suffix, pairing.fim
             )
@@ -335,6 +351,7 @@ async def chat(request: Request) -> Response:
     stream = field(body, "stream", bool, True)
     tools = field(body, "tools", list)
     _check_format(body)
+    _check_think(body, entry)
     opts = _options(entry, body)
     keep_alive = _keep_alive(body)
 

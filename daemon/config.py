@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from api.durations import env_keep_alive
+from api.durations import DurationError, env_keep_alive
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11434
@@ -48,12 +48,23 @@ def parse_host(value: str | None) -> tuple[str, int]:
 
 
 def client_base_url(environ: Mapping[str, str] = os.environ) -> str:
-    host, port = parse_host(env(environ, "HOST"))
+    """Where the CLI reaches the daemon: the same variable, keeping an https scheme and path."""
+    raw = env(environ, "HOST")
+    host, port = parse_host(raw)
+    scheme = "https" if raw and raw.strip().lower().startswith("https://") else "http"
+    path = urlsplit(raw if raw and "://" in raw else f"http://{raw or ''}").path.rstrip("/")
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
     if ":" in host:
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{scheme}://{host}:{port}{path}"
+
+
+def _keep_alive(value: str | None) -> float:
+    try:
+        return env_keep_alive(value)
+    except DurationError as exc:
+        raise ConfigError(f"invalid KEEP_ALIVE {value!r}: {exc}") from exc
 
 
 @dataclass(frozen=True)
@@ -78,6 +89,6 @@ class Settings:
             host=host,
             port=port,
             registry=registry,
-            keep_alive=env_keep_alive(env(environ, "KEEP_ALIVE")),
+            keep_alive=_keep_alive(env(environ, "KEEP_ALIVE")),
             max_loaded=loaded if loaded > 0 else 3,
         )

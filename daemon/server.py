@@ -6,6 +6,7 @@ import errno
 import logging
 import socket
 import sys
+from types import FrameType
 
 import uvicorn
 
@@ -17,6 +18,15 @@ from registry.registry import Registry
 from registry.schema import RegistryError
 
 log = logging.getLogger("mlxd")
+
+
+class _Server(uvicorn.Server):
+    """A signal asks for a graceful shutdown and the process then exits 0; uvicorn would
+    re-raise the signal after shutting down, turning a clean stop into status -15."""
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
 
 
 def port_free(host: str, port: int) -> str | None:
@@ -57,7 +67,7 @@ def serve(settings: Settings) -> int:
     except RegistryError as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
-    app = build_app(state)
+    app = build_app(state, bind_host=settings.host)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -66,7 +76,7 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=10,
         access_log=False,
     )
-    server = uvicorn.Server(config)
+    server = _Server(config)
     log.info("mlxd listening on %s:%d", settings.host, settings.port)
     server.run()
     return 0
