@@ -39,6 +39,7 @@ class ServerState:
 
     registry: Callable[[], Registry]
     manager: ModelManager
+    reload: Callable[[], object] = lambda: None  # re-read the registry files now
 
 
 def now() -> str:

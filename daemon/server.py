@@ -14,6 +14,7 @@ from api.app import build_app
 from api.ollama import ServerState
 from daemon.config import Settings
 from engine.manager import ModelManager
+from registry.live import LiveRegistry
 from registry.registry import Registry
 from registry.schema import RegistryError
 
@@ -44,10 +45,11 @@ def port_free(host: str, port: int) -> str | None:
 
 
 def build_state(settings: Settings) -> ServerState:
-    registry = Registry.from_env(cli_path=settings.registry)
+    live = LiveRegistry(lambda: Registry.from_env(cli_path=settings.registry))
+    registry = live()
     log.info("registry: %d models from %s", len(registry), ", ".join(map(str, registry.paths)))
     manager = ModelManager(default_keep_alive=settings.keep_alive, max_loaded=settings.max_loaded)
-    return ServerState(registry=lambda: registry, manager=manager)
+    return ServerState(registry=live, manager=manager, reload=live.reload)
 
 
 def serve(settings: Settings) -> int:
