@@ -33,9 +33,13 @@ def build_app(state: ServerState, bind_host: str = "127.0.0.1") -> Starlette:
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        if state.startup is not None:
+            await state.startup()
         try:
             yield
         finally:
+            if state.shutdown is not None:
+                await state.shutdown()
             await state.manager.shutdown()
 
     routes = [

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
@@ -40,6 +40,8 @@ class ServerState:
     registry: Callable[[], Registry]
     manager: ModelManager
     reload: Callable[[], object] = lambda: None  # re-read the registry files now
+    startup: Callable[[], Awaitable[None]] | None = None  # runs before the server is ready
+    shutdown: Callable[[], Awaitable[None]] | None = None
 
 
 def now() -> str:
@@ -80,7 +82,15 @@ async def tags(request: Request) -> Response:
         lambda: [m for m in (find_local(e) for e in state.registry().entries()) if m]
     )
     found.sort(key=lambda m: m.modified_at, reverse=True)
-    return JSONResponse({"models": [tag_json(m) for m in found]})
+    return JSONResponse({"models": [_with_status(state, m.entry, tag_json(m)) for m in found]})
+
+
+def _with_status(state: ServerState, entry: ModelEntry, obj: dict[str, Any]) -> dict[str, Any]:
+    """mlxd's extra: why a pairing that failed its probe is not being served."""
+    probed = state.manager.probe_result(entry)
+    if probed is not None and not probed.ok:
+        obj["unavailable"] = probed.reason
+    return obj
 
 
 async def show(request: Request) -> Response:
@@ -92,7 +102,7 @@ async def show(request: Request) -> Response:
     local = await run_in_threadpool(find_local, entry)
     if local is None:
         raise ApiError(404, f"model '{entry.name}' not found")
-    return JSONResponse(show_json(local))
+    return JSONResponse(_with_status(state_of(request), entry, show_json(local)))
 
 
 # -- inference ------------------------------------------------------------------------------

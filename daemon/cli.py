@@ -126,11 +126,11 @@ def cmd_list(args: argparse.Namespace) -> int:
     client = _client()
     ensure_daemon(client)
     models = client.get("/api/tags")["models"]
-    rows = [["NAME", "ID", "SIZE", "MODIFIED"]]
+    rows = [["NAME", "ID", "SIZE", "MODIFIED", "STATUS"]]
     for m in models:
-        rows.append(
-            [m["name"], m["digest"][:12], human_size(m["size"]), human_ago(m["modified_at"])]
-        )
+        status = f"unavailable: {m['unavailable']}" if m.get("unavailable") else "ok"
+        size, ago = human_size(m["size"]), human_ago(m["modified_at"])
+        rows.append([m["name"], m["digest"][:12], size, ago, status])
     print(table(rows))
     return 0
 

@@ -13,6 +13,7 @@ import uvicorn
 from api.app import build_app
 from api.ollama import ServerState
 from daemon.config import Settings
+from daemon.lifecycle import Lifecycle
 from engine.manager import ModelManager
 from registry.live import LiveRegistry
 from registry.registry import Registry
@@ -49,7 +50,14 @@ def build_state(settings: Settings) -> ServerState:
     registry = live()
     log.info("registry: %d models from %s", len(registry), ", ".join(map(str, registry.paths)))
     manager = ModelManager(default_keep_alive=settings.keep_alive, max_loaded=settings.max_loaded)
-    return ServerState(registry=live, manager=manager, reload=live.reload)
+    life = Lifecycle(live, manager)
+    return ServerState(
+        registry=live,
+        manager=manager,
+        reload=life.reload,
+        startup=life.startup,
+        shutdown=life.shutdown,
+    )
 
 
 def serve(settings: Settings) -> int:

@@ -4,19 +4,53 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import mlx.core as mx
+
 from engine.events import Event, GenerationRequest
-from engine.pairing import ModelUnavailable, Pairing
+from engine.pairing import ModelUnavailable, Pairing, load_pairing
 from engine.runner import PairingRunner
+from engine.speculation import Costs
 from registry.schema import ModelEntry
+from registry.store import resolve_local
 
 log = logging.getLogger(__name__)
 
 FOREVER = float("inf")
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """What opening a pairing at startup (or after a registry change) found."""
+
+    ok: bool
+    reason: str | None = None
+    costs: Costs | None = None
+    seconds: float = 0.0
+
+
+def files_present(entry: ModelEntry) -> bool:
+    return resolve_local(entry.target) is not None and (
+        entry.draft is None or resolve_local(entry.draft) is not None
+    )
+
+
+def _probe_blocking(entry: ModelEntry) -> ProbeResult:
+    t0 = time.perf_counter()
+    try:
+        pairing = load_pairing(entry)
+    except Exception as exc:
+        return ProbeResult(False, str(exc) or type(exc).__name__, None, time.perf_counter() - t0)
+    costs = pairing.costs
+    del pairing
+    gc.collect()
+    mx.clear_cache()
+    return ProbeResult(True, None, costs, time.perf_counter() - t0)
 
 
 @dataclass
@@ -34,8 +68,34 @@ class ModelManager:
         self.default_keep_alive = default_keep_alive
         self.max_loaded = max(1, max_loaded)
         self._loaded: dict[str, Loaded] = {}
+        self._probes: dict[ModelEntry, ProbeResult] = {}
+        self._probe_lock = asyncio.Lock()
         self._lock = asyncio.Lock()
         self._reaper: asyncio.Task[None] | None = None
+
+    # -- probe-open ----------------------------------------------------------------------------
+
+    async def probe(self, entry: ModelEntry) -> ProbeResult | None:
+        """Open and check a pairing whose files are present; None when they are not."""
+        if not await asyncio.to_thread(files_present, entry):
+            return None
+        async with self._probe_lock:
+            if entry in self._probes:
+                return self._probes[entry]
+            result = await asyncio.to_thread(_probe_blocking, entry)
+            self._probes[entry] = result
+        if result.ok:
+            log.info("probe %s: ok in %.2fs", entry.name, result.seconds)
+        else:
+            log.error("probe %s: unavailable: %s", entry.name, result.reason)
+        return result
+
+    async def probe_all(self, entries: list[ModelEntry]) -> None:
+        for entry in entries:
+            await self.probe(entry)
+
+    def probe_result(self, entry: ModelEntry) -> ProbeResult | None:
+        return self._probes.get(entry)
 
     # -- loading -----------------------------------------------------------------------------
 
@@ -43,6 +103,9 @@ class ModelManager:
         """The loaded pairing for `entry` and the seconds this call spent waiting for its load."""
         self._ensure_reaper()
         t0 = time.perf_counter()
+        probed = self._probes.get(entry)
+        if probed is not None and not probed.ok:
+            raise ModelUnavailable(f"model '{entry.name}' is unavailable: {probed.reason}")
         async with self._lock:
             slot = self._loaded.get(entry.name)
             if slot is not None and slot.runner.entry != entry:
@@ -50,7 +113,8 @@ class ModelManager:
                 slot = None
             if slot is None:
                 self._make_room()
-                slot = Loaded(PairingRunner(entry), self.default_keep_alive)
+                costs = probed.costs if probed is not None else None
+                slot = Loaded(PairingRunner(entry, costs), self.default_keep_alive)
                 self._loaded[entry.name] = slot
             if keep_alive is not None:
                 slot.keep_alive = keep_alive

@@ -163,7 +163,10 @@ def check_tokenizers(target_tok: Any, draft_tok: Any) -> None:
         raise ModelUnavailable("draft and target disagree on end-of-sequence tokens")
 
 
-def load_pairing(entry: ModelEntry) -> Pairing:
+def load_pairing(entry: ModelEntry, costs: Costs | None = None) -> Pairing:
+    """Open and check a pairing. Without `costs` (from an earlier probe in this process) the
+    forwards are measured and every round shape is run once, which also proves both models
+    compute."""
     target_dir = locate(entry.target, "target")
     target, tokenizer, config = _load_one(target_dir, entry.template)
     draft = None
@@ -172,8 +175,12 @@ def load_pairing(entry: ModelEntry) -> Pairing:
         draft_dir = locate(entry.draft, "draft")
         draft, draft_tok, _ = _load_one(draft_dir, None)
         check_tokenizers(tokenizer, draft_tok)
-    costs = measure_costs(target, draft)
-    warm_up(target, draft, costs)
+    if costs is None:
+        try:
+            costs = measure_costs(target, draft)
+            warm_up(target, draft, costs)
+        except Exception as exc:
+            raise ModelUnavailable(f"a forward pass failed: {exc}") from exc
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return Pairing(
         entry=entry,

@@ -23,7 +23,7 @@ from engine.generation import Generation
 from engine.options import SamplingOptions
 from engine.pairing import Pairing, load_pairing
 from engine.sampling import Rng
-from engine.speculation import DraftLengthController, SpecStats
+from engine.speculation import Costs, DraftLengthController, SpecStats
 from engine.textstream import IncrementalDetokenizer, StopMatcher
 from registry.schema import ModelEntry
 
@@ -66,8 +66,9 @@ def generation_limit(opts: SamplingOptions, prompt_len: int, context_length: int
 class PairingRunner:
     """Owns one pairing: loads it on its thread, then serves generations one at a time."""
 
-    def __init__(self, entry: ModelEntry) -> None:
+    def __init__(self, entry: ModelEntry, costs: Costs | None = None) -> None:
         self.entry = entry
+        self.costs = costs
         self.pairing: Pairing | None = None
         self.loaded = concurrent.futures.Future[Pairing]()
         self.load_seconds = 0.0
@@ -82,7 +83,7 @@ class PairingRunner:
     def _main(self) -> None:
         t0 = time.perf_counter()
         try:
-            self.pairing = load_pairing(self.entry)
+            self.pairing = load_pairing(self.entry, self.costs)
         except BaseException as exc:
             self.loaded.set_exception(exc)
             return

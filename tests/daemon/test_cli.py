@@ -85,7 +85,7 @@ def test_list(server: RunningServer) -> None:
     result = mlxd(["list"], server.port)
     assert result.returncode == 0, err(result)
     lines = out(result).splitlines()
-    assert lines[0].split() == ["NAME", "ID", "SIZE", "MODIFIED"]
+    assert lines[0].split() == ["NAME", "ID", "SIZE", "MODIFIED", "STATUS"]
     tags = httpx.get(f"{server.base_url}/api/tags").json()["models"]
     rows = {line.split()[0]: line for line in lines[1:]}
     for m in tags:

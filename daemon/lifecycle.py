@@ -1,0 +1,87 @@
+"""Startup probing and registry hot reload: the daemon keeps what it serves in step with the
+registry files without a restart."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+from watchfiles import awatch
+
+from engine.manager import ModelManager
+from registry.live import LiveRegistry
+from registry.registry import Registry
+from registry.schema import ModelEntry, RegistryError
+
+log = logging.getLogger(__name__)
+
+
+def changed_entries(before: Registry, after: Registry) -> tuple[list[str], list[ModelEntry]]:
+    """(names whose loaded pairing is stale, entries to probe)."""
+    old = {e.key: e for e in before.entries()}
+    new = {e.key: e for e in after.entries()}
+    stale = [old[k].name for k in old if k not in new or new[k] != old[k]]
+    fresh = [new[k] for k in new if k not in old or new[k] != old[k]]
+    return stale, fresh
+
+
+class Lifecycle:
+    """Probes every pairing before the server reports ready, then watches the registry files."""
+
+    def __init__(self, live: LiveRegistry, manager: ModelManager, watch: bool = True) -> None:
+        self.live = live
+        self.manager = manager
+        self.watch = watch
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._watcher: asyncio.Task[None] | None = None
+        self._stop = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def startup(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        await self.manager.probe_all(self.live().entries())
+        if self.watch:
+            self._watcher = self._loop.create_task(self._watch(self.live().paths))
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        for task in list(self._tasks):
+            task.cancel()
+
+    def reload(self) -> RegistryError | None:
+        """Re-read the registry (from any thread); stale pairings unload once idle, new ones
+        are probed in the background."""
+        before = self.live()
+        error = self.live.reload()
+        if error is not None:
+            return error
+        stale, fresh = changed_entries(before, self.live())
+        if (stale or fresh) and self._loop is not None:
+            self._loop.call_soon_threadsafe(self._apply, stale, fresh)
+        return None
+
+    def _apply(self, stale: list[str], fresh: list[ModelEntry]) -> None:
+        for name in stale:
+            self.manager.unload(name)
+        if fresh:
+            log.info("registry changed: %s", ", ".join(e.name for e in fresh) or "removals only")
+            task = asyncio.get_running_loop().create_task(self.manager.probe_all(fresh))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _watch(self, paths: Sequence[Path]) -> None:
+        files = {p.expanduser().resolve() for p in paths}
+        dirs = sorted({str(f.parent) for f in files if f.parent.is_dir()})
+        if not dirs:
+            return
+        log.info("watching registry files: %s", ", ".join(map(str, sorted(files))))
+        async for changes in awatch(*dirs, stop_event=self._stop, debounce=200, step=50):
+            if any(Path(path).resolve() in files for _, path in changes):
+                self.reload()
