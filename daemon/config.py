@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -67,6 +68,23 @@ def _keep_alive(value: str | None) -> float:
         raise ConfigError(f"invalid KEEP_ALIVE {value!r}: {exc}") from exc
 
 
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(value: str) -> int:
+    """`8GiB`, `512MB`, `1048576`."""
+    m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", value)
+    if m is None or m.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"invalid size {value!r} (examples: 2GiB, 512MB, 1048576)")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def _size(environ: Mapping[str, str], name: str, default: int) -> int:
+    value = env(environ, name)
+    return parse_bytes(value) if value else default
+
+
 @dataclass(frozen=True)
 class Settings:
     host: str
@@ -74,6 +92,9 @@ class Settings:
     registry: Path | None
     keep_alive: float
     max_loaded: int
+    cache_ram_bytes: int = 2 * 2**30  # prefix cache, RAM tier
+    cache_ssd_bytes: int = 20 * 2**30  # prefix cache, SSD tier (0 turns it off)
+    cache_dir: Path | None = None  # default: $MLXD_HOME/kvcache
 
     @classmethod
     def from_env(
@@ -91,4 +112,7 @@ class Settings:
             registry=registry,
             keep_alive=_keep_alive(env(environ, "KEEP_ALIVE")),
             max_loaded=loaded if loaded > 0 else 3,
+            cache_ram_bytes=_size(environ, "CACHE_RAM", 2 * 2**30),
+            cache_ssd_bytes=_size(environ, "CACHE_SSD", 20 * 2**30),
+            cache_dir=Path(environ["MLXD_CACHE_DIR"]) if environ.get("MLXD_CACHE_DIR") else None,
         )

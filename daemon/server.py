@@ -15,6 +15,8 @@ from api.ollama import ServerState
 from daemon.config import Settings
 from daemon.lifecycle import Lifecycle
 from engine.manager import ModelManager
+from engine.prefix_cache import PrefixCache
+from registry.home import ensure_home
 from registry.live import LiveRegistry
 from registry.registry import Registry
 from registry.schema import RegistryError
@@ -49,7 +51,11 @@ def build_state(settings: Settings) -> ServerState:
     live = LiveRegistry(lambda: Registry.from_env(cli_path=settings.registry))
     registry = live()
     log.info("registry: %d models from %s", len(registry), ", ".join(map(str, registry.paths)))
-    manager = ModelManager(default_keep_alive=settings.keep_alive, max_loaded=settings.max_loaded)
+    cache_dir = settings.cache_dir or ensure_home() / "kvcache"
+    prefix = PrefixCache(settings.cache_ram_bytes, cache_dir, settings.cache_ssd_bytes)
+    manager = ModelManager(
+        default_keep_alive=settings.keep_alive, max_loaded=settings.max_loaded, prefix=prefix
+    )
     life = Lifecycle(live, manager)
     return ServerState(
         registry=live,

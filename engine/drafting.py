@@ -7,7 +7,6 @@ New kinds (MTP or EAGLE-style heads) implement the same five methods.
 
 from __future__ import annotations
 
-import copy
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -97,11 +96,12 @@ class ModelDraftSource(DraftSource):
         self._fed = 0  # how many drafts were fed into the cache by the last propose
 
     def prefill(self, tokens: Sequence[int]) -> None:
-        head = list(tokens[:-1])
+        # After a prefix-cache restore, `cached` already covers a prefix of the prompt.
+        head = list(tokens[len(self.cached) : -1])
         if head:
             feed(self.model, self.cache, head)
             mx.eval([c.state for c in self.cache])
-        self.cached = head
+        self.cached = list(tokens[:-1])
 
     def propose(self, tokens: Sequence[int], n: int) -> Draft:
         self._drafts, self._fed = None, 0
@@ -141,11 +141,13 @@ class ModelDraftSource(DraftSource):
         self._drafts, self._fed = None, 0
 
     def checkpoint(self) -> Any:
-        return (copy.deepcopy(self.cache), list(self.cached))
+        """The draft's caches and the tokens they hold (shared, not copied: the prefix cache
+        slices what it keeps)."""
+        return (self.cache, list(self.cached))
 
     def restore(self, state: Any) -> None:
         cache, cached = state
-        self.cache, self.cached = copy.deepcopy(cache), list(cached)
+        self.cache, self.cached = cache, list(cached)
 
     def dispose(self) -> None:
         self.cache, self.cached, self._drafts = [], [], None

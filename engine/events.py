@@ -55,11 +55,12 @@ class Done:
     metrics: Metrics
     output_tokens: list[int]
     speculation: SpecStats
+    cached_tokens: int = 0  # prompt tokens restored from the prefix cache
 
     def speculation_fields(self) -> dict[str, Any]:
         """mlxd's extra fields on the final object (clients ignore unknown keys)."""
         s = self.speculation
-        out: dict[str, Any] = {"draft_method": s.method}
+        out: dict[str, Any] = {"prompt_cache_tokens": self.cached_tokens, "draft_method": s.method}
         if s.method != "off":
             out.update(
                 draft_count=s.drafted,

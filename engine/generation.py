@@ -16,6 +16,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from engine.drafting import Draft, DraftSource, feed
@@ -43,7 +44,10 @@ class Generation:
         source: DraftSource | None = None,
         controller: DraftLengthController | None = None,
         stats: SpecStats | None = None,
+        cache: list[Any] | None = None,
     ) -> None:
+        """`cache`, when given, already holds K/V for a prefix of `prompt` (a prefix-cache hit);
+        prefill computes only the rest."""
         if not prompt:
             raise ValueError("a generation needs at least one prompt token")
         self.target = target
@@ -52,7 +56,7 @@ class Generation:
         self.limit = limit
         self.rng = rng
         self.tokens: list[int] = list(prompt)
-        self.cache: list[Any] = make_cache(target)
+        self.cache: list[Any] = cache if cache is not None else make_cache(target)
         self.source = source
         self.controller = controller
         self.stats = stats or SpecStats()
@@ -66,10 +70,11 @@ class Generation:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def prefill(self) -> None:
-        head = self.tokens[:-1]
+        head = self.tokens[self.cached_tokens : -1]
         if head:
             feed(self.target, self.cache, head)
             mx.eval([c.state for c in self.cache])
+        self._maybe_quantize()
         if self.source is not None:
             try:
                 self.source.prefill(self.tokens)
@@ -87,6 +92,13 @@ class Generation:
         """Tokens whose K/V are really in the target cache (may lead the stream by one)."""
         return int(self.cache[0].offset) if self.cache else 0
 
+    def _maybe_quantize(self) -> None:
+        opts = self.opts
+        if opts.kv_bits is not None:
+            maybe_quantize_kv_cache(
+                self.cache, opts.quantized_kv_start, opts.kv_group_size, opts.kv_bits
+            )
+
     # -- decoding ------------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[list[int]]:
@@ -100,6 +112,7 @@ class Generation:
                 continue
             t0 = time.perf_counter()
             new = self._speculative_round(k)
+            self._maybe_quantize()
             if self.controller is not None:
                 self.controller.observe_time(time.perf_counter() - t0, len(new))
             if new:
@@ -171,6 +184,7 @@ class Generation:
                 nxt = step(y, [])
                 mx.async_eval(nxt)
             new = self._commit([to_int(y)])
+            self._maybe_quantize()
             yield new
             if self.finish is not None:
                 break

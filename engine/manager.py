@@ -14,6 +14,7 @@ import mlx.core as mx
 
 from engine.events import Event, GenerationRequest
 from engine.pairing import ModelUnavailable, Pairing, load_pairing
+from engine.prefix_cache import PrefixCache
 from engine.runner import PairingRunner
 from engine.speculation import Costs
 from registry.schema import ModelEntry
@@ -64,7 +65,13 @@ class Loaded:
 class ModelManager:
     """Owns every PairingRunner; the API asks it for a loaded pairing and a stream of events."""
 
-    def __init__(self, default_keep_alive: float = 300.0, max_loaded: int = 3) -> None:
+    def __init__(
+        self,
+        default_keep_alive: float = 300.0,
+        max_loaded: int = 3,
+        prefix: PrefixCache | None = None,
+    ) -> None:
+        self.prefix = prefix  # shared by every pairing; namespaces keep them apart
         self.default_keep_alive = default_keep_alive
         self.max_loaded = max(1, max_loaded)
         self._loaded: dict[str, Loaded] = {}
@@ -114,7 +121,7 @@ class ModelManager:
             if slot is None:
                 self._make_room()
                 costs = probed.costs if probed is not None else None
-                slot = Loaded(PairingRunner(entry, costs), self.default_keep_alive)
+                slot = Loaded(PairingRunner(entry, costs, self.prefix), self.default_keep_alive)
                 self._loaded[entry.name] = slot
             if keep_alive is not None:
                 slot.keep_alive = keep_alive
@@ -207,3 +214,5 @@ class ModelManager:
             runner.stop()
         for runner in runners:
             await asyncio.to_thread(runner.join, 10.0)
+        if self.prefix is not None:
+            await asyncio.to_thread(self.prefix.close)  # RAM-only blocks reach the SSD tier

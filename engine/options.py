@@ -43,6 +43,9 @@ class SamplingOptions:
     num_ctx: int | None = None
     draft_num_predict: int | None = None
     draft_method: str = "auto"
+    kv_bits: int | None = None  # quantize the KV cache (4 or 8), as OLLAMA_KV_CACHE_TYPE does
+    kv_group_size: int = 64
+    quantized_kv_start: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -57,7 +60,10 @@ class SamplingOptions:
         )
 
 
-_INT = {"top_k", "seed", "num_predict", "repeat_last_n", "num_ctx", "draft_num_predict"}
+_INT = {
+    "top_k", "seed", "num_predict", "repeat_last_n", "num_ctx", "draft_num_predict",
+    "kv_bits", "kv_group_size", "quantized_kv_start",
+}  # fmt: skip
 _FLOAT = {
     "temperature",
     "top_p",
@@ -124,6 +130,10 @@ def parse_options(*layers: Mapping[str, Any] | None) -> SamplingOptions:
     seed = values.get("seed")
     if seed is not None and seed < 0:
         values["seed"] = None  # Ollama: -1 means a random seed
+    if values.get("kv_bits") not in (None, 4, 8):
+        raise OptionsError('option "kv_bits" must be 4 or 8')
+    if values.get("kv_group_size", 64) not in (32, 64, 128):
+        raise OptionsError('option "kv_group_size" must be 32, 64 or 128')
     opts = SamplingOptions(**values)
     if opts.top_p <= 0.0 or opts.top_p > 1.0:
         opts = replace(opts, top_p=1.0)

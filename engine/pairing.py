@@ -21,7 +21,7 @@ from engine.prompt import FimFormat, detect_fim
 from engine.sampling import Rng
 from engine.speculation import Costs, FixedDraftLength
 from registry.schema import ModelEntry
-from registry.store import resolve_local
+from registry.store import model_digest, resolve_local
 
 VERIFY_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 GREEDY = parse_options({"temperature": 0})
@@ -46,6 +46,8 @@ class Pairing:
     costs: Costs
     fim: FimFormat | None
     context_length: int
+    revision: str = ""  # digest of the target's files: part of every prefix-cache namespace
+    draft_revision: str = ""
 
     @property
     def eos_ids(self) -> set[int]:
@@ -193,6 +195,8 @@ def load_pairing(entry: ModelEntry, costs: Costs | None = None) -> Pairing:
         costs=costs,
         fim=detect_fim(vocab),
         context_length=context_length_of(entry, config),
+        revision=model_digest(target_dir),
+        draft_revision=model_digest(draft_dir) if draft_dir is not None else "",
     )
 
 

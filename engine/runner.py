@@ -17,11 +17,13 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from engine.cache_use import has_companion, namespace_for, offer, restore
 from engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from engine.events import Done, Event, Failed, GenerationRequest, Metrics, TextChunk
 from engine.generation import Generation
 from engine.options import SamplingOptions
 from engine.pairing import Pairing, load_pairing
+from engine.prefix_cache import PrefixCache
 from engine.sampling import Rng
 from engine.speculation import Costs, DraftLengthController, SpecStats
 from engine.textstream import IncrementalDetokenizer, StopMatcher
@@ -66,9 +68,12 @@ def generation_limit(opts: SamplingOptions, prompt_len: int, context_length: int
 class PairingRunner:
     """Owns one pairing: loads it on its thread, then serves generations one at a time."""
 
-    def __init__(self, entry: ModelEntry, costs: Costs | None = None) -> None:
+    def __init__(
+        self, entry: ModelEntry, costs: Costs | None = None, prefix: PrefixCache | None = None
+    ) -> None:
         self.entry = entry
         self.costs = costs
+        self.prefix = prefix
         self.pairing: Pairing | None = None
         self.loaded = concurrent.futures.Future[Pairing]()
         self.load_seconds = 0.0
@@ -111,9 +116,14 @@ class PairingRunner:
         rng = Rng(opts.seed)
         source, controller = make_draft_source(pairing, opts, rng)
         limit = generation_limit(opts, len(req.prompt_tokens), pairing.context_length)
+        ns = namespace_for(pairing, opts, source)
+        companion = has_companion(source)
+        restored, hit = None, 0
+        if self.prefix is not None:
+            restored, hit = restore(self.prefix, ns, pairing, req.prompt_tokens, source)
         gen = Generation(
             pairing.target, req.prompt_tokens, opts, pairing.eos_ids, limit, rng,
-            source, controller, SpecStats(),
+            source, controller, SpecStats(), cache=restored,
         )  # fmt: skip
         detok = IncrementalDetokenizer(pairing.tokenizer.decode)
         stops = StopMatcher(opts.stop)
@@ -122,6 +132,8 @@ class PairingRunner:
             t_prompt = time.perf_counter()
             gen.prefill()
             t_eval = time.perf_counter()
+            if self.prefix is not None:
+                offer(self.prefix, ns, gen, companion)
             for new in gen:
                 for tok in new:
                     if tok in pairing.eos_ids:
@@ -148,7 +160,9 @@ class PairingRunner:
                 eval_count=len(output),
                 eval_duration=int((t_end - t_eval) * 1e9),
             )
-            job.emit(Done(reason, metrics, output, gen.stats))
+            job.emit(Done(reason, metrics, output, gen.stats, hit))
+            if self.prefix is not None:
+                offer(self.prefix, ns, gen, companion)
         finally:
             gen.close()
 

@@ -143,7 +143,7 @@ class DraftLengthController:
         self.seconds = self.seconds * self.decay + seconds
         self.tokens = self.tokens * self.decay + committed
         self.timed_rounds += 1
-        if self.timed_rounds >= self.patience and self.tokens:
+        if self.timed_rounds >= self.patience and self.tokens:  # noqa: SIM102 - reads as the rule
             if self.seconds / self.tokens * self.floor > plain:
                 self.off = True
 

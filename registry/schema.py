@@ -31,6 +31,7 @@ from typing import Any
 
 import yaml
 
+from registry.embedded import EMBEDDED_DIR
 from registry.names import InvalidModelName, parse_name
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
 ]
 
 SCHEMA_VERSION = 1
+EMBEDDED_PREFIX = "embedded:"  # a model shipped inside the package (registry/embedded/...)
 
 ENTRY_KEYS: tuple[str, ...] = (
     "target",
@@ -73,6 +75,9 @@ KNOWN_OPTIONS: Mapping[str, str] = MappingProxyType(
         "main_gpu": "int",
         "num_thread": "int",
         "draft_num_predict": "int",
+        "kv_bits": "int",
+        "kv_group_size": "int",
+        "quantized_kv_start": "int",
         "mirostat": "int",
         "temperature": "float",
         "top_p": "float",
@@ -154,6 +159,8 @@ def resolve_target(raw: str, base_dir: Path) -> str:
     directory exists next to the registry file, so ``models/tiny`` works when present and
     ``mlx-community/X`` is a repo id otherwise.
     """
+    if raw.startswith(EMBEDDED_PREFIX):
+        return os.path.normpath(EMBEDDED_DIR / raw.removeprefix(EMBEDDED_PREFIX))
     if raw.startswith("~"):
         return os.path.normpath(os.path.expanduser(raw))
     if os.path.isabs(raw):

@@ -1,0 +1,79 @@
+"""How a generation uses the prefix cache: which namespace, what to restore, what to offer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from engine.drafting import DraftSource, HybridDraftSource, ModelDraftSource
+from engine.generation import Generation
+from engine.options import SamplingOptions
+from engine.pairing import Pairing
+from engine.prefix_cache import Block, Namespace, PrefixCache, build_caches, slice_layers
+
+log = logging.getLogger(__name__)
+
+
+def has_companion(source: DraftSource | None) -> bool:
+    return isinstance(source, ModelDraftSource | HybridDraftSource)
+
+
+def namespace_for(pairing: Pairing, opts: SamplingOptions, source: DraftSource | None) -> Namespace:
+    kv = f"{opts.kv_bits}/{opts.kv_group_size}/{opts.quantized_kv_start}" if opts.kv_bits else ""
+    draft = source.name if source is not None else "off"
+    if has_companion(source):
+        draft = f"{draft}:{pairing.draft_revision}"
+    return Namespace(model=pairing.revision, kv=kv, draft=draft)
+
+
+def restore(
+    cache: PrefixCache,
+    ns: Namespace,
+    pairing: Pairing,
+    prompt: Sequence[int],
+    source: DraftSource | None,
+) -> tuple[list[Any] | None, int]:
+    """Target caches holding the longest cached prefix of the prompt (all but its last token),
+    with the draft's companion state restored into `source`; (None, 0) on a miss."""
+    blocks = cache.lookup(ns, prompt[:-1])
+    if not blocks:
+        return None, 0
+    layers = len(pairing.target.layers)
+    tokens = len(blocks) * cache.block
+    try:
+        target = build_caches(blocks, 0, layers)
+        if has_companion(source) and pairing.draft is not None:
+            assert source is not None
+            draft = build_caches(blocks, layers, layers + len(pairing.draft.layers))
+            source.restore((draft, list(prompt[:tokens])))
+    except (ValueError, IndexError) as exc:
+        log.warning("prefix cache: unusable entry treated as a miss: %s", exc)
+        return None, 0
+    return target, tokens
+
+
+def offer(cache: PrefixCache, ns: Namespace, gen: Generation, companion: bool) -> int:
+    """Insert the full blocks of what the caches really hold; returns blocks inserted."""
+    covered = min(gen.cached_tokens, len(gen.tokens))
+    draft_cache: list[Any] = []
+    if companion:
+        state = gen.source.checkpoint() if gen.source is not None else None
+        if not state or not state[0]:
+            return 0  # the draft's state is gone (speculation stopped): keep the pair whole
+        draft_cache, draft_tokens = state
+        covered = min(covered, len(draft_tokens))
+    inserted = 0
+    for index, key in cache.missing(ns, gen.tokens[:covered]):
+        start, end = index * cache.block, (index + 1) * cache.block
+        block = slice_layers(gen.cache, start, end)
+        if block is None:
+            return inserted  # a cache kind the prefix cache cannot slice
+        if companion:
+            extra = slice_layers(draft_cache, start, end)
+            if extra is None:
+                return inserted
+            block = Block(block.kinds + extra.kinds, block.arrays + extra.arrays)
+        cache.insert(key, block)
+        inserted += 1
+    return inserted

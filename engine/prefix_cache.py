@@ -1,0 +1,401 @@
+"""Prefix cache: committed K/V in fixed-size token blocks, in RAM and on SSD.
+
+A block's key chains its parent's key, its tokens and the namespace (everything that changes
+K/V: model revision, adapter, KV quantization, draft method and draft revision), so a lookup
+walks the prompt block by block and stops at the first miss. A block holds every layer of the
+target and, with a draft model, the draft's layers for the same tokens: a hit restores both or
+neither. RAM is an LRU bounded by bytes; what it evicts spills to SSD. SSD writes happen on a
+writer thread (decoding never waits on disk); every SSD entry is versioned and checksummed, and
+anything that does not verify is a miss.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import queue
+import struct
+import threading
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models.cache import KVCache, QuantizedKVCache
+
+from engine.kvcache import BucketedKVCache
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MAGIC = b"MLXDKV\x00\x01"
+DEFAULT_BLOCK = 64
+
+
+@dataclass(frozen=True)
+class Namespace:
+    """Everything besides the tokens that decides what a cached K/V block contains."""
+
+    model: str
+    adapter: str = ""
+    kv: str = ""  # "bits/group_size/start" when the KV cache is quantized
+    draft: str = ""  # draft method and, with a draft model, its revision
+
+    @property
+    def seed(self) -> bytes:
+        return hashlib.sha256(
+            json.dumps([FORMAT_VERSION, self.model, self.adapter, self.kv, self.draft]).encode()
+        ).digest()
+
+
+def block_keys(tokens: Sequence[int], ns: Namespace, block: int) -> list[str]:
+    """Chained keys of every full block of `tokens`."""
+    keys: list[str] = []
+    parent = ns.seed
+    for start in range(0, len(tokens) - block + 1, block):
+        chunk = np.asarray(tokens[start : start + block], dtype=np.int64).tobytes()
+        parent = hashlib.sha256(parent + chunk).digest()
+        keys.append(parent.hex())
+    return keys
+
+
+# -- one block: every layer's slice of K/V -----------------------------------------------------
+
+
+@dataclass
+class Block:
+    """Per layer, a kind ("kv" or "q<bits>/<group>") and its arrays sliced to the block."""
+
+    kinds: list[str]
+    arrays: list[list[mx.array]]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for layer in self.arrays for a in layer)
+
+
+def _copy(x: mx.array) -> mx.array:
+    # A fresh buffer: a slice would keep the whole cache buffer alive.
+    return x * 1
+
+
+def slice_layers(caches: Sequence[Any], start: int, end: int) -> Block | None:
+    """The block [start, end) of each layer, or None for caches it cannot slice."""
+    kinds: list[str] = []
+    arrays: list[list[mx.array]] = []
+    for c in caches:
+        parts: list[mx.array]
+        if isinstance(c, QuantizedKVCache) and c.keys is not None and c.values is not None:
+            kinds.append(f"q{c.bits}/{c.group_size}")
+            parts = [*c.keys, *c.values]
+        elif isinstance(c, KVCache) and c.keys is not None and c.values is not None:
+            kinds.append("kv")
+            parts = [c.keys, c.values]
+        else:
+            return None
+        arrays.append([_copy(p[..., start:end, :]) for p in parts])
+    return Block(kinds, arrays)
+
+
+def build_caches(blocks: Sequence[Block], layer_from: int, layer_to: int) -> list[Any]:
+    """Caches for layers [layer_from, layer_to) holding the concatenated blocks."""
+    caches: list[Any] = []
+    for layer in range(layer_from, layer_to):
+        kinds = {b.kinds[layer] for b in blocks}
+        width = len(blocks[0].arrays[layer])
+        parts = [mx.concatenate([b.arrays[layer][i] for b in blocks], axis=2) for i in range(width)]
+        tokens = int(parts[0].shape[2])
+        kind = kinds.pop() if len(kinds) == 1 else "mixed"
+        if kind == "kv":
+            cache: Any = BucketedKVCache()
+            cache.update_and_fetch(parts[0], parts[1])
+        elif kind.startswith("q"):
+            bits, group = (int(x) for x in kind[1:].split("/"))
+            cache = QuantizedKVCache(group_size=group, bits=bits)
+            half = len(parts) // 2
+            cache.keys, cache.values = tuple(parts[:half]), tuple(parts[half:])
+            cache.offset = tokens
+        else:
+            raise ValueError("blocks of one layer disagree on their representation")
+        caches.append(cache)
+    return caches
+
+
+# -- SSD encoding: header, raw bytes, checksum ------------------------------------------------
+
+
+_DTYPES = {
+    "float32": (mx.float32, np.float32),
+    "float16": (mx.float16, np.float16),
+    "bfloat16": (mx.bfloat16, np.uint16),  # stored as its raw 16-bit pattern
+    "uint32": (mx.uint32, np.uint32),
+}
+
+
+def encode(key: str, block: Block) -> bytes:
+    metas: list[list[list[Any]]] = []
+    payload: list[bytes] = []
+    for layer in block.arrays:
+        metas.append([])
+        for a in layer:
+            dtype = str(a.dtype).removeprefix("mlx.core.")
+            raw = np.array(a.view(mx.uint16) if dtype == "bfloat16" else a)
+            metas[-1].append([dtype, list(a.shape)])
+            payload.append(raw.tobytes())
+    body = b"".join(payload)
+    header = json.dumps(
+        {"v": FORMAT_VERSION, "key": key, "kinds": block.kinds, "arrays": metas}
+    ).encode()
+    crc = zlib.crc32(header + body)
+    return MAGIC + struct.pack("<IQI", len(header), len(body), crc) + header + body
+
+
+def decode(key: str, data: bytes) -> Block | None:
+    """The block, or None for anything truncated, corrupted, foreign or of another version."""
+    try:
+        if not data.startswith(MAGIC):
+            return None
+        hlen, blen, crc = struct.unpack_from("<IQI", data, len(MAGIC))
+        start = len(MAGIC) + struct.calcsize("<IQI")
+        header, body = data[start : start + hlen], data[start + hlen :]
+        if len(body) != blen or zlib.crc32(header + body) != crc:
+            return None
+        meta = json.loads(header)
+        if meta.get("v") != FORMAT_VERSION or meta.get("key") != key:
+            return None
+        arrays: list[list[mx.array]] = []
+        pos = 0
+        for layer in meta["arrays"]:
+            arrays.append([])
+            for dtype, shape in layer:
+                mx_dtype, np_dtype = _DTYPES[dtype]
+                count = int(np.prod(shape))
+                raw = np.frombuffer(body, dtype=np_dtype, count=count, offset=pos).reshape(shape)
+                pos += raw.nbytes
+                arr = mx.array(raw)
+                arrays[-1].append(
+                    arr.view(mx.bfloat16) if dtype == "bfloat16" else arr.astype(mx_dtype)
+                )
+        return Block(list(meta["kinds"]), arrays)
+    except (ValueError, KeyError, TypeError, struct.error):
+        return None
+
+
+# -- tiers -------------------------------------------------------------------------------------
+
+
+class RamTier:
+    """LRU by bytes."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.entries: OrderedDict[str, Block] = OrderedDict()
+        self.nbytes = 0
+
+    def get(self, key: str) -> Block | None:
+        block = self.entries.get(key)
+        if block is not None:
+            self.entries.move_to_end(key)
+        return block
+
+    def put(self, key: str, block: Block) -> list[tuple[str, Block]]:
+        """Store; returns what had to be evicted to stay within the budget."""
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return []
+        if block.nbytes > self.budget:
+            return [(key, block)]
+        self.entries[key] = block
+        self.nbytes += block.nbytes
+        evicted = []
+        while self.nbytes > self.budget:
+            old_key, old = self.entries.popitem(last=False)
+            self.nbytes -= old.nbytes
+            evicted.append((old_key, old))
+        return evicted
+
+
+class SsdTier:
+    """diskcache on a directory, LRU and size-bounded, written behind by one thread."""
+
+    def __init__(self, directory: Path, size_limit: int, queue_blocks: int = 256) -> None:
+        import diskcache
+
+        directory.mkdir(parents=True, exist_ok=True)
+        # diskcache's defaults (1 GiB, least-recently-*stored*) do not fit a KV cache.
+        self.cache = diskcache.Cache(
+            str(directory),
+            size_limit=size_limit,
+            eviction_policy="least-recently-used",
+            cull_limit=16,
+            statistics=False,
+        )
+        self._queue: queue.Queue[tuple[str, Block] | None] = queue.Queue(maxsize=queue_blocks)
+        self._pending: set[str] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._write_loop, name="kvcache-writer", daemon=True)
+        self._thread.start()
+        self.dropped = 0
+
+    def put_async(self, key: str, block: Block) -> None:
+        with self._lock:
+            if key in self._pending:
+                return
+            self._pending.add(key)
+        try:
+            self._queue.put_nowait((key, block))
+        except queue.Full:
+            self.dropped += 1  # decoding never waits on disk
+            with self._lock:
+                self._pending.discard(key)
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, block = item
+            try:
+                if key not in self.cache:
+                    self.cache.set(key, encode(key, block))
+            except Exception:
+                log.exception("prefix cache: SSD write failed")
+            finally:
+                with self._lock:
+                    self._pending.discard(key)
+                self._queue.task_done()
+
+    def get(self, key: str) -> Block | None:
+        try:
+            data = self.cache.get(key)
+        except Exception:
+            log.exception("prefix cache: SSD read failed")
+            return None
+        if not isinstance(data, bytes | bytearray):
+            return None
+        block = decode(key, bytes(data))
+        if block is None:
+            with contextlib.suppress(Exception):
+                self.cache.delete(key)
+        return block
+
+    def flush(self) -> None:
+        """Wait until queued writes are on disk (tests, shutdown)."""
+        self._queue.join()
+
+    def close(self) -> None:
+        self.flush()
+        self._queue.put(None)
+        self._thread.join(10)
+        self.cache.close()
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.cache.volume())
+
+
+@dataclass
+class CacheStats:
+    lookups: int = 0
+    lookup_tokens: int = 0
+    hit_tokens: int = 0
+    ram_hit_blocks: int = 0
+    ssd_hit_blocks: int = 0
+    restored_bytes: int = 0
+    inserted_blocks: int = 0
+    restore_seconds: float = 0.0
+    by_tier: dict[str, int] = field(default_factory=dict)
+
+
+class PrefixCache:
+    """The facade the runners use: `lookup` before prefill, `insert` after."""
+
+    def __init__(
+        self,
+        ram_bytes: int,
+        ssd_dir: Path | None = None,
+        ssd_bytes: int = 0,
+        block: int = DEFAULT_BLOCK,
+    ) -> None:
+        self.block = block
+        self.ram = RamTier(ram_bytes)
+        self.ssd = SsdTier(ssd_dir, ssd_bytes) if ssd_dir is not None and ssd_bytes > 0 else None
+        self.stats = CacheStats()
+        self._lock = threading.Lock()
+
+    def lookup(self, ns: Namespace, tokens: Sequence[int]) -> list[Block]:
+        """The longest run of cached blocks that prefixes `tokens`."""
+        found: list[Block] = []
+        keys = block_keys(tokens, ns, self.block)
+        with self._lock:
+            self.stats.lookups += 1
+            self.stats.lookup_tokens += len(tokens)
+            for key in keys:
+                block = self.ram.get(key)
+                if block is not None:
+                    self.stats.ram_hit_blocks += 1
+                elif self.ssd is not None and (block := self.ssd.get(key)) is not None:
+                    self.stats.ssd_hit_blocks += 1
+                    self._spill(self.ram.put(key, block))
+                else:
+                    break
+                found.append(block)
+            self.stats.hit_tokens += len(found) * self.block
+            self.stats.restored_bytes += sum(b.nbytes for b in found)
+        return found
+
+    def missing(self, ns: Namespace, tokens: Sequence[int]) -> list[tuple[int, str]]:
+        """(block index, key) of the full blocks of `tokens` not yet in RAM."""
+        keys = block_keys(tokens, ns, self.block)
+        with self._lock:
+            return [(i, k) for i, k in enumerate(keys) if k not in self.ram.entries]
+
+    def insert(self, key: str, block: Block) -> None:
+        mx.eval([a for layer in block.arrays for a in layer])
+        with self._lock:
+            self.stats.inserted_blocks += 1
+            self._spill(self.ram.put(key, block))
+        if self.ssd is not None:
+            self.ssd.put_async(key, block)  # write-through, behind the decode path
+
+    def _spill(self, evicted: list[tuple[str, Block]]) -> None:
+        if self.ssd is not None:
+            for key, block in evicted:
+                self.ssd.put_async(key, block)
+
+    def persist(self) -> None:
+        """Write everything still only in RAM to SSD (shutdown), then wait for the writer."""
+        if self.ssd is None:
+            return
+        with self._lock:
+            items = list(self.ram.entries.items())
+        for key, block in items:
+            self.ssd.put_async(key, block)
+        self.ssd.flush()
+
+    def close(self) -> None:
+        if self.ssd is not None:
+            self.persist()
+            self.ssd.close()
+
+    def snapshot(self) -> dict[str, Any]:
+        s = self.stats
+        return {
+            "block_tokens": self.block,
+            "ram_bytes": self.ram.nbytes,
+            "ram_budget": self.ram.budget,
+            "ram_blocks": len(self.ram.entries),
+            "ssd_bytes": self.ssd.nbytes if self.ssd is not None else 0,
+            "ssd_dropped_writes": self.ssd.dropped if self.ssd is not None else 0,
+            "lookups": s.lookups,
+            "lookup_tokens": s.lookup_tokens,
+            "hit_tokens": s.hit_tokens,
+            "hit_rate": round(s.hit_tokens / s.lookup_tokens, 4) if s.lookup_tokens else 0.0,
+            "ram_hit_blocks": s.ram_hit_blocks,
+            "ssd_hit_blocks": s.ssd_hit_blocks,
+            "restored_bytes": s.restored_bytes,
+            "inserted_blocks": s.inserted_blocks,
+        }
