@@ -54,22 +54,39 @@ def restore(
 
 
 def offer(cache: PrefixCache, ns: Namespace, gen: Generation, companion: bool) -> int:
-    """Insert the full blocks of what the caches really hold; returns blocks inserted."""
-    covered = min(gen.cached_tokens, len(gen.tokens))
-    draft_cache: list[Any] = []
+    """Insert the full blocks of what a generation's caches really hold."""
+    draft: tuple[list[Any], list[int]] | None = None
     if companion:
         state = gen.source.checkpoint() if gen.source is not None else None
         if not state or not state[0]:
             return 0  # the draft's state is gone (speculation stopped): keep the pair whole
-        draft_cache, draft_tokens = state
+        draft = state
+    return offer_caches(cache, ns, gen.cache, gen.tokens, draft)
+
+
+def offer_caches(
+    cache: PrefixCache,
+    ns: Namespace,
+    target: list[Any],
+    tokens: Sequence[int],
+    draft: tuple[list[Any], list[int]] | None = None,
+) -> int:
+    """Insert the full blocks covered by `target` (and the draft's state, when given); the
+    key is derived from what the caches hold (their offset), never from what was streamed."""
+    if not target:
+        return 0
+    covered = min(int(target[0].offset), len(tokens))
+    draft_cache: list[Any] = []
+    if draft is not None:
+        draft_cache, draft_tokens = draft
         covered = min(covered, len(draft_tokens))
     inserted = 0
-    for index, key in cache.missing(ns, gen.tokens[:covered]):
+    for index, key in cache.missing(ns, list(tokens[:covered])):
         start, end = index * cache.block, (index + 1) * cache.block
-        block = slice_layers(gen.cache, start, end)
+        block = slice_layers(target, start, end)
         if block is None:
             return inserted  # a cache kind the prefix cache cannot slice
-        if companion:
+        if draft is not None:
             extra = slice_layers(draft_cache, start, end)
             if extra is None:
                 return inserted

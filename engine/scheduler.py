@@ -1,0 +1,295 @@
+"""The per-pairing loop: one request decodes speculatively; several decode as rows of one batch.
+
+A lone request runs the speculative Generation (draft sources, lossless verification). When
+others arrive it hands its caches to the batch between two rounds and carries on there: with
+more than one row, batched plain decoding beats speculation (every row already shares each
+weight read). Rows join and leave between steps; prefill is chunked and interleaved with the
+running rows' decode steps; each row keeps its own options, seed, stop strings and limits.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator
+from mlx_lm.models.cache import trim_prompt_cache
+
+from engine.cache_use import has_companion, namespace_for, offer, offer_caches, restore
+from engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
+from engine.events import Event, Failed, GenerationRequest
+from engine.generation import Generation
+from engine.options import SamplingOptions
+from engine.pairing import Pairing
+from engine.prefix_cache import PrefixCache
+from engine.rowstream import RowStream
+from engine.sampling import Rng, penalize, probabilities, sample, to_ints
+from engine.speculation import DraftLengthController
+
+log = logging.getLogger(__name__)
+
+PREFILL_CHUNK = 256  # prompt tokens per step while other rows decode
+
+
+@dataclass
+class Job:
+    request: GenerationRequest
+    emit: Callable[[Event], None]
+    done: Callable[[], None]  # called once, when the job leaves the scheduler
+
+
+def make_draft_source(
+    pairing: Pairing, opts: SamplingOptions, rng: Rng
+) -> tuple[DraftSource | None, DraftLengthController | None]:
+    """The draft source and controller a request asks for (none when speculation is off)."""
+    max_k = opts.draft_num_predict
+    if max_k is None:
+        max_k = pairing.default_draft_tokens
+    method = opts.draft_method
+    if max_k <= 0 or method == "off":
+        return None, None
+    source: DraftSource
+    draft_cost = pairing.costs.draft_step
+    if method == "lookup" or pairing.draft is None:
+        source, draft_cost = LookupDraftSource(), 0.0
+    elif method == "model":
+        source = ModelDraftSource(pairing.draft, opts, rng)
+    else:
+        source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(pairing.draft, opts, rng))
+    return source, DraftLengthController(pairing.costs, max_k, draft_cost)
+
+
+def generation_limit(opts: SamplingOptions, prompt_len: int, context_length: int) -> int:
+    num_ctx = min(opts.num_ctx or context_length, context_length)
+    room = max(num_ctx - prompt_len, 1)
+    return room if opts.num_predict < 0 else min(opts.num_predict, room)
+
+
+def row_sampler(opts: SamplingOptions, rng: Rng) -> Callable[[mx.array], mx.array]:
+    """The batch's per-row sampler; log-probabilities shape the same distribution as logits."""
+    if opts.greedy:
+        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+    return lambda logprobs: sample(probabilities(logprobs, opts), rng.next())
+
+
+def row_processors(opts: SamplingOptions) -> list[Callable[[mx.array, mx.array], mx.array]]:
+    if not opts.has_penalties:
+        return []
+    return [lambda tokens, logits: penalize(logits, to_ints(tokens), [], opts)]
+
+
+class Scheduler:
+    """Runs on the pairing's thread until the job queue yields None and all rows are done."""
+
+    def __init__(
+        self,
+        pairing: Pairing,
+        jobs: queue.Queue[Job | None],
+        prefix: PrefixCache | None = None,
+        num_parallel: int = 4,
+    ) -> None:
+        self.pairing = pairing
+        self.jobs = jobs
+        self.prefix = prefix
+        self.num_parallel = max(1, num_parallel)
+        self.waiting: deque[Job] = deque()
+        self.rows: dict[int, tuple[Job, RowStream, Any]] = {}  # uid -> (job, stream, namespace)
+        self.batch: BatchGenerator | None = None
+        self.stream = mx.new_stream(mx.default_device())
+
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        stopping = False
+        while True:
+            stopping = (
+                self._collect(block=not (self.rows or self.waiting) and not stopping) or stopping
+            )
+            if stopping and not (self.rows or self.waiting):
+                break
+            if not self.rows and len(self.waiting) == 1 and self.jobs.empty():
+                self._guarded(self.waiting.popleft(), self._solo)
+                continue
+            self._admit()
+            if self.rows:
+                self._step()
+        if self.batch is not None:
+            self.batch.close()
+            self.batch = None
+
+    def _collect(self, block: bool) -> bool:
+        """Move queued jobs to `waiting`; True once the stop marker arrived."""
+        try:
+            item = self.jobs.get() if block else self.jobs.get_nowait()
+            while True:
+                if item is None:
+                    return True
+                self.waiting.append(item)
+                item = self.jobs.get_nowait()
+        except queue.Empty:
+            return False
+
+    def _guarded(self, job: Job, fn: Callable[[Job], bool]) -> None:
+        """Run `fn`; a failure ends that request's stream with an error line, nothing else."""
+        handed = False
+        try:
+            handed = fn(job)
+        except Exception as exc:
+            log.exception("generation failed")
+            job.emit(Failed(str(exc) or type(exc).__name__))
+        finally:
+            if not handed:
+                job.done()
+
+    def _new_stream(self, job: Job) -> RowStream:
+        req = job.request
+        limit = generation_limit(req.options, len(req.prompt_tokens), self.pairing.context_length)
+        tok = self.pairing.tokenizer
+        return RowStream(req, job.emit, tok.decode, self.pairing.eos_ids, limit)
+
+    # -- one request: speculative decoding -----------------------------------------------------
+
+    def _solo(self, job: Job) -> bool:
+        """Decode one request speculatively; True when it was handed over to the batch."""
+        req, pairing = job.request, self.pairing
+        if req.cancel.is_set():
+            return False
+        opts = req.options
+        rng = Rng(opts.seed)
+        source, controller = make_draft_source(pairing, opts, rng)
+        row = self._new_stream(job)
+        ns = namespace_for(pairing, opts, source)
+        companion = has_companion(source)
+        restored = None
+        if self.prefix is not None:
+            restored, row.cached_tokens = restore(
+                self.prefix, ns, pairing, req.prompt_tokens, source
+            )
+        gen = Generation(
+            pairing.target, req.prompt_tokens, opts, pairing.eos_ids, row.limit, rng,
+            source, controller, row.stats, cache=restored,
+        )  # fmt: skip
+        try:
+            gen.prefill()
+            row.prefilled()
+            if self.prefix is not None:
+                offer(self.prefix, ns, gen, companion)
+            for new in gen:
+                if row.push(new):
+                    break
+                if not self.jobs.empty() or self.waiting:
+                    self._collect(block=False)
+                    return self._handover(job, row, gen)
+            row.finish(gen.finish or "length")
+            if self.prefix is not None and row.reason != "cancel":
+                offer(self.prefix, ns, gen, companion)
+            return False
+        finally:
+            if gen.cache:
+                gen.close()
+
+    def _handover(self, job: Job, row: RowStream, gen: Generation) -> bool:
+        """Continue a solo request as a batch row from exactly its committed state."""
+        pending = len(gen.tokens) - 1
+        extra = gen.cached_tokens - pending
+        if extra > 0 and trim_prompt_cache(gen.cache, extra) != extra:
+            return False  # cannot rewind: stay solo
+        if gen.source is not None:
+            row.stats.disabled_reason = "batched with other requests"
+        cache, gen.cache = gen.cache, []
+        gen.close()
+        ns = namespace_for(self.pairing, job.request.options, None)
+        self._insert(job, row, [gen.tokens[-1]], cache, gen.tokens[:-1], ns)
+        return True
+
+    # -- many requests: rows of one batch ------------------------------------------------------
+
+    def _ensure_batch(self) -> BatchGenerator:
+        if self.batch is None:
+            self.batch = BatchGenerator(
+                self.pairing.target,
+                stop_tokens=[[e] for e in sorted(self.pairing.eos_ids)],
+                completion_batch_size=self.num_parallel,
+                prefill_batch_size=self.num_parallel,
+                prefill_step_size=PREFILL_CHUNK,
+                stream=self.stream,
+            )
+        return self.batch
+
+    def _insert(
+        self, job: Job, row: RowStream, prompt: list[int], cache: list[Any] | None,
+        history: list[int], ns: Any,
+    ) -> None:  # fmt: skip
+        opts = job.request.options
+        rng = Rng(opts.seed)
+        uid = self._ensure_batch().insert(
+            [prompt],
+            max_tokens=[max(row.limit - len(row.output), 1)],
+            caches=[cache] if cache is not None else None,
+            all_tokens=[history],
+            samplers=[row_sampler(opts, rng)],
+            logits_processors=[row_processors(opts)],
+        )[0]
+        self.rows[uid] = (job, row, ns)
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.rows) < self.num_parallel:
+            job = self.waiting.popleft()
+            try:
+                if job.request.cancel.is_set():
+                    job.done()
+                    continue
+                self._admit_one(job)
+            except Exception as exc:
+                log.exception("could not start a request")
+                job.emit(Failed(str(exc) or type(exc).__name__))
+                job.done()
+
+    def _admit_one(self, job: Job) -> None:
+        req = job.request
+        row = self._new_stream(job)
+        ns = namespace_for(self.pairing, req.options, None)
+        restored = None
+        if self.prefix is not None:
+            restored, row.cached_tokens = restore(
+                self.prefix, ns, self.pairing, req.prompt_tokens, None
+            )
+        hit = row.cached_tokens
+        self._insert(job, row, req.prompt_tokens[hit:], restored, req.prompt_tokens[:hit], ns)
+
+    def _step(self) -> None:
+        batch = self._ensure_batch()
+        for uid, (job, _, _) in list(self.rows.items()):
+            if job.request.cancel.is_set():
+                self._retire(uid, "cancel")
+        if not self.rows:
+            return
+        _, responses = batch.next()
+        for r in responses:
+            if r.uid not in self.rows:
+                continue
+            _, row, _ = self.rows[r.uid]
+            finished = row.push([r.token])
+            if r.finish_reason is not None:
+                self._retire(r.uid, r.finish_reason, (r.prompt_cache, r.all_tokens))
+            elif finished:
+                self._retire(r.uid, row.reason)
+
+    def _retire(self, uid: int, reason: str | None, state: tuple[Any, Any] | None = None) -> None:
+        job, row, ns = self.rows.pop(uid)
+        try:
+            if state is None and self.batch is not None:
+                state = self.batch.remove([uid], return_prompt_caches=True).get(uid)
+            row.finish(reason)
+            if self.prefix is not None and state is not None and row.reason != "cancel":
+                cache, tokens = state
+                offer_caches(self.prefix, ns, list(cache), list(tokens))
+        except Exception:
+            log.exception("finishing a row failed")
+        finally:
+            job.done()
