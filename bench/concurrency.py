@@ -1,0 +1,232 @@
+"""Concurrent streaming clients: mlxd vs `mlx_lm.server`, same model, same run.
+
+    python bench/concurrency.py [--model DIR | --shape 8b] [--clients 1,2,4,8,16] [--tokens 128]
+
+Both servers are started by the bench on loopback ports and driven through the same OpenAI
+`/v1/completions` streaming endpoint (temperature 0, fixed token count, no stop). For each
+client count it prints aggregate tokens/s (all tokens / burst wall time), the median per-stream
+decode rate and the median time to first token, then mlxd's ratios: aggregate at N clients vs
+its own single stream, and vs mlx_lm.server at the same N. `--shape 8b` writes a random-weight
+Llama with 8B-class shapes (bf16) beside the code-pair tokenizer first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAPES = {
+    "8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "intermediate_size": 14336},
+    "1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "intermediate_size": 8192},
+}  # fmt: skip
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def random_model(out: Path, tokenizer_dir: Path, shape: dict[str, int]) -> Path:
+    """A random-weight Llama of the given shape, bf16, with `tokenizer_dir`'s tokenizer."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    if (out / "model.safetensors").exists() or (out / "model.safetensors.index.json").exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = json.loads((tokenizer_dir / "config.json").read_text())["vocab_size"]
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 8192,
+        "tie_word_embeddings": False, "torch_dtype": "bfloat16", "eos_token_id": [2, 0], **shape,
+    }  # fmt: skip
+    mx.random.seed(0)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    model.set_dtype(mx.bfloat16)
+    weights = dict(tree_flatten(model.parameters()))
+    shard: dict[str, mx.array] = {}
+    index: dict[str, str] = {}
+    size, part = 0, 0
+
+    def flush() -> None:
+        nonlocal shard, size, part
+        if shard:
+            name = f"model-{part:05d}.safetensors"
+            mx.save_safetensors(str(out / name), shard, metadata={"format": "mlx"})
+            index.update(dict.fromkeys(shard, name))
+            shard, size, part = {}, 0, part + 1
+
+    for name, w in weights.items():
+        shard[name] = w
+        size += w.nbytes
+        if size > 4 * 2**30:
+            flush()
+    flush()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": index})
+    )
+    (out / "config.json").write_text(json.dumps(config))
+    for f in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "generation_config.json",
+    ):
+        if (tokenizer_dir / f).exists():
+            shutil.copy(tokenizer_dir / f, out / f)
+    return out
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited early: {proc.args}")
+        try:
+            if httpx.get(url, timeout=2).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"server did not start: {proc.args}")
+
+
+def stream_once(base: str, model: str, prompt: str, tokens: int) -> tuple[float, float, int]:
+    """(time to first token, per-stream decode tok/s, tokens) for one streaming completion."""
+    body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
+            "stream": True}  # fmt: skip
+    t0 = time.perf_counter()
+    stamps: list[float] = []
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=900) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            choices = chunk.get("choices") or []
+            if choices and choices[0].get("text"):
+                stamps.append(time.perf_counter())
+    if not stamps:
+        return 0.0, 0.0, 0
+    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+    return stamps[0] - t0, rate, len(stamps)
+
+
+def burst(base: str, model: str, prompts: list[str], clients: int, tokens: int) -> dict[str, float]:
+    results: list[tuple[float, float, int]] = []
+    lock = threading.Lock()
+
+    def one(i: int) -> None:
+        r = stream_once(base, model, prompts[i % len(prompts)], tokens)
+        with lock:
+            results.append(r)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    return {
+        "aggregate": sum(r[2] for r in results) / wall,
+        "per_stream": statistics.median(r[1] for r in results),
+        "ttft": statistics.median(r[0] for r in results),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    pair = ROOT.parent / "shared/models/code-pair"
+    ap.add_argument("--model", type=Path, default=pair / "target")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mlxd-bench")
+    ap.add_argument("--clients", default="1,2,4,8,16")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--parallel", type=int, default=16, help="MLXD_NUM_PARALLEL for mlxd")
+    args = ap.parse_args()
+
+    model = args.model
+    if args.shape:
+        model = random_model(args.workdir / f"random-{args.shape}", args.model, SHAPES[args.shape])
+    prompts = [
+        f'def function_{i}(values, threshold={i}):\n    """Return the values above the threshold."""\n'
+        for i in range(16)
+    ]
+    counts = [int(c) for c in args.clients.split(",")]
+    home = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
+    registry = home / "models.yaml"
+    registry.write_text(f"models:\n  bench:\n    target: {model.resolve()}\n", encoding="utf-8")
+
+    table: dict[str, dict[int, dict[str, float]]] = {}
+    for name in ("mlxd", "mlx_lm.server"):
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+        if name == "mlxd":
+            env.update(
+                MLXD_HOME=str(home),
+                MLXD_HOST=f"127.0.0.1:{port}",
+                MLXD_NUM_PARALLEL=str(args.parallel),
+            )
+            cmd = [sys.executable, "-m", "daemon.cli", "serve", "--registry", str(registry)]
+            served = "bench"
+        else:
+            cmd = [
+                sys.executable,
+                "-m",
+                "mlx_lm.server",
+                "--model",
+                str(model),
+                "--port",
+                str(port),
+            ]
+            served = str(model)
+        proc = subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        try:
+            wait_up(f"{base}/v1/models", proc)
+            burst(base, served, prompts, 2, 16)  # warm-up
+            table[name] = {n: burst(base, served, prompts, n, args.tokens) for n in counts}
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    print(f"model {model}  tokens per stream {args.tokens}")
+    print(
+        f"{'clients':>8} | {'mlxd agg':>9} {'stream':>8} {'ttft ms':>8} | {'mlx_lm agg':>10} {'stream':>8} {'ttft ms':>8} | {'vs own 1':>8} {'vs mlx_lm':>9}"
+    )
+    single = table["mlxd"][counts[0]]["aggregate"]
+    for n in counts:
+        a, b = table["mlxd"][n], table["mlx_lm.server"][n]
+        print(
+            f"{n:>8} | {a['aggregate']:>9.1f} {a['per_stream']:>8.1f} {a['ttft'] * 1e3:>8.0f} | "
+            f"{b['aggregate']:>10.1f} {b['per_stream']:>8.1f} {b['ttft'] * 1e3:>8.0f} | "
+            f"{a['aggregate'] / single:>7.2f}x {a['aggregate'] / b['aggregate']:>8.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()
