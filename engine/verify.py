@@ -36,10 +36,14 @@ def verify(
 ) -> Verdict:
     """`logits` is (n + 1, V) for [pending] + n drafts; `history` ends with the pending token."""
     n = draft.count
-    drafts = to_ints(draft.tokens) if n else []
-    logits = penalize(logits, history, drafts, opts)
+    if opts.has_penalties:  # penalties need the drafts on the host before the target's rows
+        logits = penalize(logits, history, to_ints(draft.tokens) if n else [], opts)
+    # Everything below stays lazy until one eval: the draft chain, the verify forward and the
+    # acceptance test run as one graph, with one host sync per round.
     if opts.greedy:
-        choice = to_ints(mx.argmax(logits, axis=-1))
+        choice_arr = mx.argmax(logits, axis=-1)
+        mx.eval(draft.tokens, choice_arr)
+        drafts, choice = to_ints(draft.tokens) if n else [], to_ints(choice_arr)
         a = 0
         while a < n and drafts[a] == choice[a]:
             a += 1
@@ -48,7 +52,7 @@ def verify(
     p = probabilities(logits, opts)
     if n == 0:
         return Verdict(0, [to_int(sample(p, rng.next()))])
-    idx = mx.array(drafts, dtype=mx.uint32)
+    idx = draft.tokens.astype(mx.uint32)
     if draft.probs is not None:
         q = draft.probs
     else:
@@ -63,8 +67,8 @@ def verify(
     residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:n])
     resampled = sample(residual, rng.next())
     bonus = sample(p[n : n + 1], rng.next())
-    mx.eval(accept, resampled, bonus)
-    ok = to_ints(accept)
+    mx.eval(idx, accept, resampled, bonus)
+    drafts, ok = to_ints(idx), to_ints(accept)
     a = 0
     while a < n and ok[a]:
         a += 1
