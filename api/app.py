@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from api import ollama, openai
+from api import lifecycle, models, ollama, openai
 from api.cors import CorsMiddleware, CorsPolicy
 from api.errors import ApiError, api_error_handler
 from api.ollama import ServerState
@@ -49,6 +49,8 @@ def build_app(state: ServerState, bind_host: str = "127.0.0.1") -> Starlette:
         Route("/api/show", ollama.show, methods=["POST"]),
         Route("/api/generate", ollama.generate, methods=["POST"]),
         Route("/api/chat", ollama.chat, methods=["POST"]),
+        *lifecycle.routes(),
+        *models.routes(),
         *openai.routes(),
     ]
     app = Starlette(

@@ -18,7 +18,7 @@ from api.durations import DurationError, parse_keep_alive
 from api.errors import ApiError, field, read_json
 from api.modelinfo import find_local, show_json, tag_json
 from engine.events import Done, Failed, GenerationRequest, TextChunk
-from engine.manager import Loaded, ModelManager
+from engine.manager import Loaded, ModelManager, QueueFull
 from engine.options import OptionsError, SamplingOptions, parse_options
 from engine.pairing import ModelUnavailable, Pairing
 from engine.prompt import PromptError, encode, render_chat, render_generate, with_system
@@ -151,6 +151,8 @@ async def _acquire(
 ) -> tuple[Loaded, float]:
     try:
         return await state.manager.acquire(entry, keep_alive)
+    except QueueFull as exc:
+        raise ApiError(503, str(exc)) from exc
     except ModelUnavailable as exc:
         message = str(exc)
         if "not available locally" in message:
@@ -178,6 +180,12 @@ def _render(pairing: Pairing, tokens_before: list[int], text: str, templated: bo
     tokens = tokens_before + encode(pairing.tokenizer, text, templated)
     if not tokens:
         raise ApiError(400, "prompt is empty after rendering")
+    if len(tokens) >= pairing.context_length:
+        raise ApiError(
+            400,
+            f"the input length ({len(tokens)} tokens) exceeds the context length "
+            f"({pairing.context_length} tokens)",
+        )
     return tokens
 
 

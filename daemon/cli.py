@@ -10,11 +10,14 @@ import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
+
+import httpx
 
 from daemon.client import Client, ClientError
 from daemon.config import ConfigError, Settings, client_base_url
 from registry.home import ensure_home
+from registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, InvalidModelName, parse_name
 
 VERSION = "0.1.0"
 
@@ -72,6 +75,51 @@ def human_ago(stamp: str) -> str:
             n = int(seconds // size)
             return f"{n} {unit}{'s' if n > 1 else ''} ago"
     return "Less than a minute ago"
+
+
+def human_duration(seconds: float) -> str:
+    """Ollama's `format.HumanDuration`."""
+    if seconds < 1:
+        return "Less than a second"
+    if seconds < 60:
+        return "1 second" if int(seconds) == 1 else f"{int(seconds)} seconds"
+    minutes = int(seconds // 60)
+    if minutes < 60:
+        return "About a minute" if minutes == 1 else f"{minutes} minutes"
+    hours = round(seconds / 3600)
+    for limit, unit, size in ((48, "hours", 1), (24 * 14, "days", 24), (24 * 60, "weeks", 168)):
+        if hours < limit:
+            return "About an hour" if hours == 1 else f"{hours // size} {unit}"
+    if hours < 24 * 365 * 2:
+        return f"{hours // 720} months"
+    return f"{hours // 8760} years"
+
+
+def human_until(stamp: str) -> str:
+    """`ollama ps` UNTIL: "4 minutes from now", "Forever" (over 20 years out), "Stopping..."."""
+    try:
+        then = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
+    except ValueError:
+        return stamp
+    seconds = (then - datetime.now(timezone.utc)).total_seconds()
+    if seconds < 0:
+        return "Stopping..."
+    if seconds > 20 * 365 * 86400:
+        return "Forever"
+    return f"{human_duration(seconds)} from now"
+
+
+def processor_label(model: dict[str, Any], device: str | None) -> str:
+    """PROCESSOR: from the daemon's MLX device, else from size_vram as Ollama's CLI reads it."""
+    if device in ("cpu", "gpu"):
+        return f"100% {device.upper()}"
+    size, vram = int(model.get("size", 0)), int(model.get("size_vram", 0))
+    if vram == 0:
+        return "100% CPU"
+    if vram >= size:
+        return "100% GPU"
+    cpu = round(100 * (size - vram) / size)
+    return f"{cpu}%/{100 - cpu}% CPU/GPU"
 
 
 def table(rows: list[list[str]]) -> str:
@@ -132,6 +180,49 @@ def cmd_list(args: argparse.Namespace) -> int:
         size, ago = human_size(m["size"]), human_ago(m["modified_at"])
         rows.append([m["name"], m["digest"][:12], size, ago, status])
     print(table(rows))
+    return 0
+
+
+def _require_daemon(client: Client) -> None:
+    if not client.heartbeat():
+        raise ClientError("could not connect to mlxd server, run 'mlxd serve' to start it")
+
+
+def _device(client: Client) -> str | None:
+    try:
+        device = client.get("/api/mlxd/stats").get("device")
+    except (ClientError, ValueError, AttributeError):
+        return None
+    return device if isinstance(device, str) else None
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    client = _client()
+    _require_daemon(client)
+    models = client.get("/api/ps")["models"]
+    device = _device(client) if models else None
+    rows = [["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]]
+    for m in models:
+        rows.append([
+            m["name"], m.get("digest", "")[:12], human_size(int(m.get("size", 0))),
+            processor_label(m, device), str(m.get("context_length", "")),
+            human_until(m.get("expires_at", "")),
+        ])  # fmt: skip
+    print(table(rows))
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    """As `ollama stop`: /api/show, then an empty generate with keep_alive 0."""
+    client = _client()
+    _require_daemon(client)
+    try:
+        client.post("/api/show", {"model": args.model})
+        client.post("/api/generate", {"model": args.model, "keep_alive": 0, "stream": False})
+    except ClientError as exc:
+        if "not found" in str(exc):
+            return _fail(f'couldn\'t find model "{args.model}" to stop')
+        raise
     return 0
 
 
@@ -268,7 +359,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     client = _client()
     ensure_daemon(client)
     try:
-        client.post("/api/show", {"model": args.model})
+        args.model = show_or_pull(client, args.model)
     except ClientError as exc:
         return _fail(str(exc))
     options: dict[str, Any] = {}
@@ -304,6 +395,160 @@ def cmd_run(args: argparse.Namespace) -> int:
     return interactive(client, args, options)
 
 
+# -- pull, rm, cp ----------------------------------------------------------------------------
+
+
+class PullProgress:
+    """Draws `mlxd pull` progress on stderr from the /api/pull stream.
+
+    On a terminal each digest gets one bar, redrawn in place (`pulling 1a2b3c4d5e6f:  42%
+    ▕██████████               ▏ 1.2 MB/2.9 MB`); otherwise plain lines are printed when a file
+    starts, at every tenth and when it is done, so logs stay short. Status lines without a
+    digest (`pulling manifest`, `verifying sha256 digest`, `success`) print as they come.
+    """
+
+    WIDTH = 25
+
+    def __init__(self, out: TextIO | None = None, tty: bool | None = None) -> None:
+        self.out = out if out is not None else sys.stderr
+        self.tty = self.out.isatty() if tty is None else tty
+        self.current: str | None = None  # digest of the bar being drawn
+        self.tenth = -1  # plain mode: last tenth printed for the current digest
+        self.open = False  # tty mode: a bar is drawn on a line not yet ended
+
+    def update(self, obj: dict[str, Any]) -> None:
+        status = str(obj.get("status", ""))
+        digest = obj.get("digest")
+        if not digest:
+            self._end()
+            self.current = None
+            self.out.write(status + "\n")
+        else:
+            total = int(obj.get("total") or 0)
+            completed = int(obj.get("completed") or 0)
+            if digest != self.current:
+                self._end()
+                self.current, self.tenth = digest, -1
+            if self.tty:
+                self.out.write("\r" + self._bar(status, total, completed) + "\x1b[K")
+                self.open = True
+            else:
+                tenth = 10 if completed >= total else completed * 10 // total
+                if tenth > self.tenth:
+                    self.tenth = tenth
+                    self.out.write(self._bar(status, total, completed) + "\n")
+        self.out.flush()
+
+    def _bar(self, status: str, total: int, completed: int) -> str:
+        percent = 100 if completed >= total else completed * 100 // total
+        sizes = (
+            human_size(total)
+            if completed >= total
+            else f"{human_size(completed)}/{human_size(total)}"
+        )
+        if not self.tty:
+            return f"{status}: {percent:3d}% {sizes}"
+        filled = self.WIDTH * percent // 100
+        return f"{status}: {percent:3d}% ▕{'█' * filled}{' ' * (self.WIDTH - filled)}▏ {sizes}"
+
+    def _end(self) -> None:
+        if self.open:
+            self.out.write("\n")
+            self.open = False
+
+    def close(self) -> None:
+        self._end()
+        self.out.flush()
+
+
+def pull_model(client: Client, model: str, insecure: bool = False) -> None:
+    """POST /api/pull, drawing its progress; an error line raises ClientError."""
+    progress = PullProgress()
+    try:
+        for obj in client.stream("/api/pull", {"model": model, "insecure": insecure}):
+            progress.update(obj)
+    finally:
+        progress.close()
+
+
+def _hub_name(model: str) -> str | None:
+    """The `hf.co/org/repo:tag` name a pull of `org/repo[:tag]` or `hf.co/org/repo[:tag]`
+    registers; None for names that cannot be a hub repo (`llama3.2`)."""
+    try:
+        name = parse_name(model)
+    except InvalidModelName:
+        return None
+    host = name.host.lower()
+    if host in ("hf.co", "huggingface.co") or (
+        host == DEFAULT_HOST and name.namespace.lower() != DEFAULT_NAMESPACE
+    ):
+        return f"hf.co/{name.namespace}/{name.model}:{name.tag}"
+    return None
+
+
+def show_or_pull(client: Client, model: str) -> str:
+    """`/api/show`, pulling first when it answers 404 (as `ollama run` does); returns the name
+    to run, which for `org/repo` is the `hf.co/org/repo:tag` name the pull registered."""
+    try:
+        client.post("/api/show", {"model": model})
+        return model
+    except ClientError as exc:
+        if exc.status != 404:
+            raise
+        missing = exc
+    hub = _hub_name(model)
+    try:
+        pull_model(client, model)
+    except ClientError as exc:
+        if hub is None and "file does not exist" in str(exc):
+            raise missing from exc  # neither registered nor a hub repo: say so plainly
+        raise
+    try:
+        client.post("/api/show", {"model": model})
+        return model
+    except ClientError as exc:
+        if exc.status != 404 or hub is None:
+            raise
+    client.post("/api/show", {"model": hub})
+    return hub
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    client = _client()
+    ensure_daemon(client)
+    pull_model(client, args.model, args.insecure)
+    return 0
+
+
+def _delete(client: Client, model: str) -> None:
+    response = httpx.request(
+        "DELETE", f"{client.base_url}/api/delete", json={"model": model}, timeout=None
+    )
+    if response.status_code >= 400:
+        try:
+            message = response.json().get("error", response.text)
+        except ValueError:
+            message = response.text
+        raise ClientError(str(message), response.status_code)
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    client = _client()
+    ensure_daemon(client)
+    for model in args.models:
+        _delete(client, model)
+        print(f"deleted '{model}'")
+    return 0
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    client = _client()
+    ensure_daemon(client)
+    client.post("/api/copy", {"source": args.source, "destination": args.destination})
+    print(f"copied '{args.source}' to '{args.destination}'")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlxd", description="Serve MLX models with an Ollama-compatible API"
@@ -335,6 +580,27 @@ def build_parser() -> argparse.ArgumentParser:
     for flag in ("modelfile", "parameters", "template", "system"):
         p.add_argument(f"--{flag}", action="store_true")
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("ps", help="list running models")
+    p.set_defaults(func=cmd_ps)
+
+    p = sub.add_parser("stop", help="stop a running model")
+    p.add_argument("model")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("pull", help="pull a model from the Hugging Face hub")
+    p.add_argument("model", help="a registry name, org/repo or hf.co/org/repo[:revision]")
+    p.add_argument("--insecure", action="store_true", help="accepted for ollama compatibility")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("rm", help="remove models")
+    p.add_argument("models", nargs="+", metavar="model")
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("cp", help="copy a model")
+    p.add_argument("source")
+    p.add_argument("destination")
+    p.set_defaults(func=cmd_cp)
     return parser
 
 

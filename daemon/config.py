@@ -85,6 +85,16 @@ def _size(environ: Mapping[str, str], name: str, default: int) -> int:
     return parse_bytes(value) if value else default
 
 
+def _count(environ: Mapping[str, str], name: str, default: int) -> int:
+    """A positive integer setting; unset, 0 or negative means the default."""
+    value = env(environ, name)
+    try:
+        number = int(value) if value else 0
+    except ValueError as exc:
+        raise ConfigError(f"invalid {name} {value!r}: expected an integer") from exc
+    return number if number > 0 else default
+
+
 @dataclass(frozen=True)
 class Settings:
     host: str
@@ -95,24 +105,26 @@ class Settings:
     cache_ram_bytes: int = 2 * 2**30  # prefix cache, RAM tier
     cache_ssd_bytes: int = 20 * 2**30  # prefix cache, SSD tier (0 turns it off)
     cache_dir: Path | None = None  # default: $MLXD_HOME/kvcache
+    max_queue: int = 512  # requests waiting for a model before 503
+    num_parallel: int = 4  # rows per loaded pairing (KV budget and scheduler)
+    memory_budget: int | None = None  # bytes for loaded pairings; None: 75% of total memory
 
     @classmethod
     def from_env(
         cls, environ: Mapping[str, str] = os.environ, registry: Path | None = None
     ) -> Settings:
         host, port = parse_host(env(environ, "HOST"))
-        max_loaded = env(environ, "MAX_LOADED_MODELS")
-        try:
-            loaded = int(max_loaded) if max_loaded else 0
-        except ValueError as exc:
-            raise ConfigError(f"invalid MAX_LOADED_MODELS {max_loaded!r}") from exc
+        budget = env(environ, "MEMORY_BUDGET")
         return cls(
             host=host,
             port=port,
             registry=registry,
             keep_alive=_keep_alive(env(environ, "KEEP_ALIVE")),
-            max_loaded=loaded if loaded > 0 else 3,
+            max_loaded=_count(environ, "MAX_LOADED_MODELS", 3),
             cache_ram_bytes=_size(environ, "CACHE_RAM", 2 * 2**30),
             cache_ssd_bytes=_size(environ, "CACHE_SSD", 20 * 2**30),
             cache_dir=Path(environ["MLXD_CACHE_DIR"]) if environ.get("MLXD_CACHE_DIR") else None,
+            max_queue=_count(environ, "MAX_QUEUE", 512),
+            num_parallel=_count(environ, "NUM_PARALLEL", 4),
+            memory_budget=parse_bytes(budget) if budget else None,
         )

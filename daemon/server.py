@@ -54,7 +54,12 @@ def build_state(settings: Settings) -> ServerState:
     cache_dir = settings.cache_dir or ensure_home() / "kvcache"
     prefix = PrefixCache(settings.cache_ram_bytes, cache_dir, settings.cache_ssd_bytes)
     manager = ModelManager(
-        default_keep_alive=settings.keep_alive, max_loaded=settings.max_loaded, prefix=prefix
+        default_keep_alive=settings.keep_alive,
+        max_loaded=settings.max_loaded,
+        prefix=prefix,
+        max_queue=settings.max_queue,
+        num_parallel=settings.num_parallel,
+        memory_budget=settings.memory_budget,
     )
     life = Lifecycle(live, manager)
     return ServerState(

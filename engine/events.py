@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +21,12 @@ class GenerationRequest:
     started: float = field(default_factory=time.perf_counter)
     cancel: threading.Event = field(default_factory=threading.Event)
     load_duration: float = 0.0  # seconds spent loading the model for this request
+    on_start: Callable[[], None] | None = None  # called once when it stops waiting in the queue
+
+    def started_now(self) -> None:
+        if self.on_start is not None:
+            self.on_start()
+            self.on_start = None
 
 
 @dataclass(frozen=True)

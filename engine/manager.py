@@ -1,4 +1,8 @@
-"""Which pairings are loaded: load on demand, keep_alive expiry, a cap on loaded models."""
+"""Which pairings are loaded: load on demand, keep_alive expiry, a cap on loaded models, a memory
+budget checked before every load, and a bounded count of requests waiting to run.
+
+Everything here runs on the event loop except `Ticket.start`, which a runner thread may call.
+"""
 
 from __future__ import annotations
 
@@ -6,14 +10,17 @@ import asyncio
 import contextlib
 import gc
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import mlx.core as mx
 
 from engine.events import Event, GenerationRequest
-from engine.pairing import ModelUnavailable, Pairing, load_pairing
+from engine.memory import Budget, MemoryNeed, estimate, human_bytes, resolve_budget
+from engine.pairing import ModelUnavailable, Pairing, load_pairing, locate
 from engine.prefix_cache import PrefixCache
 from engine.runner import PairingRunner
 from engine.speculation import Costs
@@ -23,6 +30,21 @@ from registry.store import resolve_local
 log = logging.getLogger(__name__)
 
 FOREVER = float("inf")
+DEFAULT_MAX_QUEUE = 512
+DEFAULT_NUM_PARALLEL = 4
+JOIN_TIMEOUT = 60.0  # seconds to wait for a stopped runner's thread to let go of its memory
+QUEUE_FULL = "server busy, please try again.  maximum pending requests exceeded"
+
+
+class QueueFull(RuntimeError):
+    """Too many requests are waiting already (Ollama answers 503)."""
+
+    def __init__(self) -> None:
+        super().__init__(QUEUE_FULL)
+
+
+class InsufficientMemory(ModelUnavailable):
+    """The pairing cannot fit in the memory budget even with every other model unloaded."""
 
 
 @dataclass(frozen=True)
@@ -54,12 +76,154 @@ def _probe_blocking(entry: ModelEntry) -> ProbeResult:
     return ProbeResult(True, None, costs, time.perf_counter() - t0)
 
 
-@dataclass
-class Loaded:
+def estimate_need(entry: ModelEntry, rows: int) -> MemoryNeed:
+    """What `entry` will hold once loaded (blocking: reads its files; 404-style error if absent)."""
+    dirs: list[Path] = [locate(entry.target, "target")]
+    if entry.draft:
+        dirs.append(locate(entry.draft, "draft"))
+    return estimate(dirs, entry, rows)
+
+
+# -- waiting requests --------------------------------------------------------------------------
+
+
+class WaitCounter:
+    """Requests that hold (or wait for) a model but have not started generating.
+
+    Each request owns a Ticket and leaves the count exactly once, whichever side notices first
+    (its first event, its release, or a runner thread that starts its row), so the count stays
+    right however many rows a runner runs at a time.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit if limit > 0 else DEFAULT_MAX_QUEUE
+        self._count = 0
+        self._lock = threading.Lock()
+
+    @property
+    def count(self) -> int:
+        return self._count
+
+    def enter(self) -> Ticket:
+        with self._lock:
+            if self._count >= self.limit:
+                raise QueueFull()
+            self._count += 1
+        return Ticket(self)
+
+
+class Ticket:
+    """One request's place in the wait count."""
+
+    def __init__(self, counter: WaitCounter) -> None:
+        self._counter = counter
+        self._model: Resident | None = None
+        self.waiting = True
+
+    def attach(self, model: Resident) -> None:
+        """The request now holds `model`: count it among that model's waiting requests."""
+        with self._counter._lock:
+            self._model = model
+            if self.waiting:
+                model.waiting += 1
+
+    def start(self) -> None:
+        """The request's generation began, or it gave up (idempotent; any thread)."""
+        with self._counter._lock:
+            if not self.waiting:
+                return
+            self.waiting = False
+            self._counter._count -= 1
+            if self._model is not None:
+                self._model.waiting -= 1
+
+
+# -- loaded pairings -------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class Resident:
+    """A pairing loaded (or loading) on its runner, and what keeps it there."""
+
+    entry: ModelEntry
     runner: PairingRunner
+    need: MemoryNeed
     keep_alive: float  # seconds; inf = forever, 0 = unload when idle
-    expires_at: float = FOREVER  # monotonic time; inf while in use
-    users: int = 0
+    users: int = 0  # requests holding it (waiting or generating)
+    waiting: int = 0  # of those, the ones not generating yet
+    expires_at: float = FOREVER  # monotonic; inf while in use or kept forever
+    last_used: float = field(default_factory=time.monotonic)
+    retired: bool = False  # leaving: stops once idle, then its memory comes back
+    stopped: bool = False  # its runner was told to stop
+    timer: asyncio.TimerHandle | None = None
+
+    @property
+    def loading(self) -> bool:
+        return not self.runner.loaded.done()
+
+    @property
+    def active(self) -> int:
+        return max(0, self.users - self.waiting)
+
+    def cancel_timer(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+
+@dataclass(eq=False)
+class Loaded:
+    """One request's hold on a resident pairing: what `acquire` returns and `release` ends."""
+
+    model: Resident
+    ticket: Ticket
+    released: bool = False
+
+    @property
+    def runner(self) -> PairingRunner:
+        return self.model.runner
+
+    @property
+    def keep_alive(self) -> float:
+        return self.model.keep_alive
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """What /api/ps and the stats endpoint report about one loaded pairing."""
+
+    entry: ModelEntry
+    need: MemoryNeed
+    keep_alive: float
+    expires_in: float | None  # seconds from now; None = forever
+    active: int
+    waiting: int
+    loading: bool
+    stopping: bool
+
+
+def _status(model: Resident, now: float) -> ModelStatus:
+    if model.retired:
+        left: float | None = 0.0
+    elif model.users:
+        left = None if model.keep_alive == FOREVER else model.keep_alive
+    else:
+        left = None if model.expires_at == FOREVER else max(0.0, model.expires_at - now)
+    return ModelStatus(
+        entry=model.entry,
+        need=model.need,
+        keep_alive=model.keep_alive,
+        expires_in=left,
+        active=model.active,
+        waiting=model.waiting,
+        loading=model.loading,
+        stopping=model.retired or (model.users > 0 and model.keep_alive <= 0),
+    )
+
+
+def _eviction_order(model: Resident) -> tuple[float, float]:
+    """Shortest keep_alive first, then least recently used."""
+    return (model.keep_alive, model.last_used)
 
 
 class ModelManager:
@@ -70,15 +234,24 @@ class ModelManager:
         default_keep_alive: float = 300.0,
         max_loaded: int = 3,
         prefix: PrefixCache | None = None,
+        *,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        num_parallel: int = DEFAULT_NUM_PARALLEL,
+        memory_budget: int | None = None,
     ) -> None:
         self.prefix = prefix  # shared by every pairing; namespaces keep them apart
         self.default_keep_alive = default_keep_alive
         self.max_loaded = max(1, max_loaded)
-        self._loaded: dict[str, Loaded] = {}
+        self.num_parallel = max(1, num_parallel)  # rows per pairing: the KV budget, the scheduler
+        self.queue = WaitCounter(max_queue)
+        self.budget: Budget = resolve_budget(memory_budget)
+        self._loaded: dict[str, Resident] = {}
+        self._retiring: list[Resident] = []  # unloaded, but still holding memory
         self._probes: dict[ModelEntry, ProbeResult] = {}
         self._probe_lock = asyncio.Lock()
-        self._lock = asyncio.Lock()
-        self._reaper: asyncio.Task[None] | None = None
+        self._load_lock = asyncio.Lock()  # one load decision at a time, as Ollama's scheduler
+        self._waiters: list[asyncio.Future[None]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
 
     # -- probe-open ----------------------------------------------------------------------------
 
@@ -104,53 +277,57 @@ class ModelManager:
     def probe_result(self, entry: ModelEntry) -> ProbeResult | None:
         return self._probes.get(entry)
 
-    # -- loading -----------------------------------------------------------------------------
+    # -- acquiring and releasing -------------------------------------------------------------
 
     async def acquire(self, entry: ModelEntry, keep_alive: float | None) -> tuple[Loaded, float]:
-        """The loaded pairing for `entry` and the seconds this call spent waiting for its load."""
-        self._ensure_reaper()
+        """Hold the loaded pairing for `entry`; also the seconds spent waiting for it.
+
+        Raises QueueFull when too many requests wait already, InsufficientMemory when the
+        pairing can never fit, ModelUnavailable when it fails to load.
+        """
         t0 = time.perf_counter()
         probed = self._probes.get(entry)
         if probed is not None and not probed.ok:
             raise ModelUnavailable(f"model '{entry.name}' is unavailable: {probed.reason}")
-        async with self._lock:
-            slot = self._loaded.get(entry.name)
-            if slot is not None and slot.runner.entry != entry:
-                self._unload(entry.name)  # the registry entry changed: reload
-                slot = None
-            if slot is None:
-                self._make_room()
-                costs = probed.costs if probed is not None else None
-                slot = Loaded(PairingRunner(entry, costs, self.prefix), self.default_keep_alive)
-                self._loaded[entry.name] = slot
-            if keep_alive is not None:
-                slot.keep_alive = keep_alive
-            slot.users += 1
-            slot.expires_at = FOREVER
+        ticket = self.queue.enter()
         try:
-            await slot.runner.wait_loaded()
-        except BaseException as exc:
-            async with self._lock:
-                if self._loaded.get(entry.name) is slot:
-                    del self._loaded[entry.name]
-            if isinstance(exc, ModelUnavailable):
-                raise
-            if isinstance(exc, Exception):
-                raise ModelUnavailable(str(exc)) from exc
+            model = self._ready(entry)  # fast path: loaded, no load decision to wait for
+            if model is not None:
+                lease = self._attach(model, keep_alive, ticket)
+            else:
+                lease = await self._load(entry, keep_alive, ticket)
+        except BaseException:
+            ticket.start()
             raise
-        return slot, time.perf_counter() - t0
+        try:
+            await lease.runner.wait_loaded()
+        except BaseException as exc:
+            self._load_failed(lease, exc)
+            if isinstance(exc, Exception) and not isinstance(exc, ModelUnavailable):
+                raise ModelUnavailable(str(exc) or type(exc).__name__) from exc
+            raise
+        return lease, time.perf_counter() - t0
 
     def release(self, slot: Loaded) -> None:
-        slot.users -= 1
-        if slot.users <= 0:
-            slot.users = 0
-            slot.expires_at = time.monotonic() + slot.keep_alive
-            if slot.keep_alive <= 0:
-                self._unload_slot(slot)
+        """The request is done with its pairing (idempotent)."""
+        if slot.released:
+            return
+        slot.released = True
+        slot.ticket.start()
+        model = slot.model
+        model.users = max(0, model.users - 1)
+        model.last_used = time.monotonic()
+        if model.users == 0:
+            self._on_idle(model)
 
     async def generate(self, slot: Loaded, request: GenerationRequest) -> AsyncIterator[Event]:
-        async for event in slot.runner.generate(request):
-            yield event
+        request.on_start = slot.ticket.start  # the scheduler calls it when the request starts
+        try:
+            async for event in slot.runner.generate(request):
+                slot.ticket.start()  # (idempotent) no longer waiting once the runner answers
+                yield event
+        finally:
+            slot.ticket.start()
 
     def pairing(self, slot: Loaded) -> Pairing:
         pairing = slot.runner.pairing
@@ -158,61 +335,168 @@ class ModelManager:
             raise ModelUnavailable("model was unloaded")
         return pairing
 
+    def _ready(self, entry: ModelEntry) -> Resident | None:
+        model = self._loaded.get(entry.name)
+        return model if model is not None and model.entry == entry else None
+
+    def _attach(self, model: Resident, keep_alive: float | None, ticket: Ticket) -> Loaded:
+        if keep_alive is not None:
+            model.keep_alive = keep_alive
+        model.users += 1
+        model.expires_at = FOREVER
+        model.last_used = time.monotonic()
+        model.cancel_timer()
+        ticket.attach(model)
+        return Loaded(model, ticket)
+
+    def _load_failed(self, lease: Loaded, exc: BaseException) -> None:
+        if isinstance(exc, Exception):  # the load itself failed: forget the pairing
+            model = lease.model
+            if self._loaded.get(model.entry.name) is model:
+                del self._loaded[model.entry.name]
+            model.retired = True
+        self.release(lease)
+
+    # -- loading -----------------------------------------------------------------------------
+
+    async def _load(self, entry: ModelEntry, keep_alive: float | None, ticket: Ticket) -> Loaded:
+        async with self._load_lock:
+            model = self._ready(entry)
+            if model is None:
+                current = self._loaded.get(entry.name)
+                if current is not None:  # the registry entry changed: reload
+                    self._retire(current)
+                need = await asyncio.to_thread(estimate_need, entry, self.num_parallel)
+                await self._make_room(need)
+                model = self._start(entry, need)
+            return self._attach(model, keep_alive, ticket)
+
+    def _start(self, entry: ModelEntry, need: MemoryNeed) -> Resident:
+        probed = self._probes.get(entry)
+        costs = probed.costs if probed is not None else None
+        runner = PairingRunner(entry, costs, self.prefix, self.num_parallel)
+        model = Resident(entry, runner, need, self.default_keep_alive)
+        self._loaded[entry.name] = model
+        log.info("loading %s (%s)", entry.name, human_bytes(need.total))
+        return model
+
+    def memory_used(self) -> int:
+        return sum(m.need.total for m in [*self._loaded.values(), *self._retiring])
+
+    def _fits(self, need: MemoryNeed) -> bool:
+        count = len(self._loaded) + len(self._retiring)
+        return count < self.max_loaded and self.memory_used() + need.total <= self.budget.bytes
+
+    async def _make_room(self, need: MemoryNeed) -> None:
+        """Unload idle models, else wait for busy ones to finish, until `need` fits."""
+        if need.total > self.budget.bytes:
+            raise InsufficientMemory(
+                f"model requires {human_bytes(need.total)} but only"
+                f" {human_bytes(self.budget.bytes)} are available"
+                f" (memory budget: {self.budget.source})"
+            )
+        while not self._fits(need):
+            self._evict_one()
+            await self._changed()
+
+    def _evict_one(self) -> None:
+        order = sorted(self._loaded.values(), key=_eviction_order)
+        idle = [m for m in order if m.users == 0]
+        if idle:
+            log.info("unloading %s to make room", idle[0].entry.name)
+            self._retire(idle[0])
+        elif order and not self._retiring:  # nothing on its way out: let a busy one finish
+            log.info("waiting for %s to finish to make room", order[0].entry.name)
+            self._retire(order[0])
+
+    async def _changed(self) -> None:
+        """Until a model becomes idle or lets go of its memory."""
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            with contextlib.suppress(ValueError):
+                self._waiters.remove(waiter)
+
+    def _notify(self) -> None:
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
     # -- unloading ---------------------------------------------------------------------------
 
-    def _make_room(self) -> None:
-        while len(self._loaded) >= self.max_loaded:
-            idle = [(s.keep_alive, name) for name, s in self._loaded.items() if s.users == 0]
-            if not idle:
-                return  # everything is busy: load anyway rather than fail a request
-            self._unload(min(idle)[1])
+    def _on_idle(self, model: Resident) -> None:
+        if model.retired or model.keep_alive <= 0:
+            self._retire(model)
+            return
+        model.expires_at = time.monotonic() + model.keep_alive
+        if model.keep_alive != FOREVER:
+            loop = asyncio.get_running_loop()
+            model.timer = loop.call_later(model.keep_alive, self._expire, model)
+        self._notify()
 
-    def _unload(self, name: str) -> None:
-        slot = self._loaded.pop(name, None)
-        if slot is not None:
-            slot.runner.stop()
-            log.info("unloaded %s", name)
+    def _expire(self, model: Resident) -> None:
+        model.timer = None
+        if model.users == 0 and self._loaded.get(model.entry.name) is model:
+            log.info("keep_alive expired for %s", model.entry.name)
+            self._retire(model)
 
-    def _unload_slot(self, slot: Loaded) -> None:
-        for name, s in list(self._loaded.items()):
-            if s is slot:
-                self._unload(name)
+    def _retire(self, model: Resident) -> None:
+        """Take `model` out of service; it stops now if idle, else when its last user leaves."""
+        model.cancel_timer()
+        if self._loaded.get(model.entry.name) is model:
+            del self._loaded[model.entry.name]
+        if model not in self._retiring:
+            self._retiring.append(model)
+        model.retired = True
+        if model.users == 0 and not model.stopped:
+            model.stopped = True
+            model.runner.stop()
+            task = asyncio.get_running_loop().create_task(self._reap(model))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            log.info("unloading %s", model.entry.name)
+
+    async def _reap(self, model: Resident) -> None:
+        """Once the runner's thread has exited, its memory counts as free again."""
+        try:
+            await asyncio.to_thread(model.runner.join, JOIN_TIMEOUT)
+        finally:
+            if model in self._retiring:
+                self._retiring.remove(model)
+            self._notify()
 
     def unload(self, name: str) -> bool:
-        """Unload now if idle, else as soon as its requests finish."""
-        slot = self._loaded.get(name)
-        if slot is None:
+        """Unload now if idle, else as soon as its requests finish; never waits."""
+        model = self._loaded.get(name)
+        if model is None:
             return False
-        slot.keep_alive = 0
-        if slot.users == 0:
-            self._unload(name)
+        model.keep_alive = 0
+        if model.users == 0:
+            self._retire(model)
         return True
 
-    def loaded(self) -> dict[str, Loaded]:
+    def loaded(self) -> dict[str, Resident]:
         return dict(self._loaded)
 
-    def _ensure_reaper(self) -> None:
-        if self._reaper is None or self._reaper.done():
-            self._reaper = asyncio.get_running_loop().create_task(self._reap())
-
-    async def _reap(self) -> None:
-        while True:
-            await asyncio.sleep(0.5)
-            now = time.monotonic()
-            for name, slot in list(self._loaded.items()):
-                if slot.users == 0 and slot.expires_at <= now:
-                    self._unload(name)
+    def status(self) -> list[ModelStatus]:
+        """Every model in service, plus busy ones on their way out."""
+        now = time.monotonic()
+        busy_leaving = [m for m in self._retiring if m.users > 0]
+        return [_status(m, now) for m in [*self._loaded.values(), *busy_leaving]]
 
     async def shutdown(self) -> None:
-        if self._reaper is not None:
-            self._reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reaper
-        runners = [slot.runner for slot in self._loaded.values()]
+        for task in list(self._tasks):
+            task.cancel()
+        models = [*self._loaded.values(), *self._retiring]
         self._loaded.clear()
-        for runner in runners:
-            runner.stop()
-        for runner in runners:
-            await asyncio.to_thread(runner.join, 10.0)
+        self._retiring.clear()
+        for model in models:
+            model.cancel_timer()
+            model.runner.stop()
+        for model in models:
+            await asyncio.to_thread(model.runner.join, 10.0)
+        self._notify()
         if self.prefix is not None:
             await asyncio.to_thread(self.prefix.close)  # RAM-only blocks reach the SSD tier

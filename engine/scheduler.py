@@ -64,8 +64,14 @@ def make_draft_source(
     return source, DraftLengthController(pairing.costs, max_k, draft_cost)
 
 
+DEFAULT_NUM_CTX = 4096  # Ollama's default context when a request and the registry set none
+
+
 def generation_limit(opts: SamplingOptions, prompt_len: int, context_length: int) -> int:
-    num_ctx = min(opts.num_ctx or context_length, context_length)
+    """Tokens a request may generate: num_predict within the context (num_ctx, default 4096,
+    stretched to fit the prompt, never past the model's trained length)."""
+    num_ctx = opts.num_ctx or max(DEFAULT_NUM_CTX, prompt_len + 1)
+    num_ctx = min(num_ctx, context_length)
     room = max(num_ctx - prompt_len, 1)
     return room if opts.num_predict < 0 else min(opts.num_predict, room)
 
@@ -159,6 +165,7 @@ class Scheduler:
         req, pairing = job.request, self.pairing
         if req.cancel.is_set():
             return False
+        req.started_now()
         opts = req.options
         rng = Rng(opts.seed)
         source, controller = make_draft_source(pairing, opts, rng)
@@ -252,6 +259,7 @@ class Scheduler:
 
     def _admit_one(self, job: Job) -> None:
         req = job.request
+        req.started_now()
         row = self._new_stream(job)
         ns = namespace_for(self.pairing, req.options, None)
         restored = None

@@ -10,6 +10,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import uvicorn
@@ -63,14 +64,18 @@ class RunningServer:
 class ServerThread:
     """uvicorn serving the real app in a background thread of the test process."""
 
-    def __init__(self, registry: Path, keep_alive: float = 300.0, max_loaded: int = 3) -> None:
+    def __init__(
+        self, registry: Path, keep_alive: float = 300.0, max_loaded: int = 3, **settings: Any
+    ) -> None:
+        """`settings`: further `Settings` fields by name (max_queue, memory_budget, ...)."""
         from api.app import build_app
         from daemon.config import Settings
         from daemon.server import build_state
 
         self.port = free_port()
-        settings = Settings("127.0.0.1", self.port, registry, keep_alive, max_loaded)
-        self.state = build_state(settings)
+        self.state = build_state(
+            Settings("127.0.0.1", self.port, registry, keep_alive, max_loaded, **settings)
+        )
         config = uvicorn.Config(
             build_app(self.state), host="127.0.0.1", port=self.port, log_level="warning",
             timeout_graceful_shutdown=5,

@@ -309,7 +309,7 @@ def test_serve_answers_and_stops_on_sigterm(served_then_terminated: Served) -> N
 
 
 def test_serve_sigterm_exit_status_is_zero(served_then_terminated: Served) -> None:
-    assert served_then_terminated.returncode == 0
+    assert served_then_terminated.returncode == 0, served_then_terminated.log[-3000:]
 
 
 # -- run starts a daemon when none is listening ------------------------------------------------

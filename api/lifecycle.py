@@ -1,0 +1,167 @@
+"""Loaded models: `GET /api/ps` in Ollama's shape and `GET /api/mlxd/stats`, mlxd's counters.
+
+The stats object is built from the small functions in `STATS`, one per top-level key; a new
+section (e.g. the prefix cache's) is one more entry there.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from api.modelinfo import LocalModel, details_json, find_local, rfc3339
+from api.ollama import ServerState, state_of
+from engine.manager import ModelStatus
+from engine.memory import processor
+from registry.schema import ModelEntry
+
+# Go's largest Duration, as Ollama stores a negative keep_alive: "forever" lands in 2318.
+FOREVER_SECONDS = (2**63 - 1) / 1e9
+
+
+def expires_at(status: ModelStatus, now: datetime) -> str:
+    left = FOREVER_SECONDS if status.expires_in is None else status.expires_in
+    return rfc3339(now + timedelta(seconds=left))
+
+
+def keep_alive_json(seconds: float) -> float:
+    """Seconds; -1 for forever (as Ollama re-marshals a negative duration)."""
+    return -1 if math.isinf(seconds) else seconds
+
+
+def _by_expiry(statuses: list[ModelStatus]) -> list[ModelStatus]:
+    """Latest expiry first, as Ollama sorts /api/ps."""
+    return sorted(statuses, key=lambda s: math.inf if s.expires_in is None else s.expires_in)[::-1]
+
+
+def _local(entry: ModelEntry) -> LocalModel | None:
+    try:
+        return find_local(entry)
+    except Exception:  # files vanished or broke while loaded: still list the model
+        return None
+
+
+# -- /api/ps ---------------------------------------------------------------------------------
+
+
+def ps_entry(status: ModelStatus, local: LocalModel | None, now: datetime) -> dict[str, Any]:
+    size = status.need.total
+    return {
+        "name": status.entry.name,
+        "model": status.entry.name,
+        "size": size,
+        "size_vram": size,
+        "digest": local.digest if local is not None else "",
+        "details": details_json(local.details) if local is not None else {},
+        "expires_at": expires_at(status, now),
+        "context_length": status.need.context,
+    }
+
+
+async def ps(request: Request) -> Response:
+    statuses = _by_expiry(state_of(request).manager.status())
+    locals_ = await run_in_threadpool(lambda: [_local(s.entry) for s in statuses])
+    now = datetime.now(timezone.utc)
+    models = [ps_entry(s, local, now) for s, local in zip(statuses, locals_, strict=True)]
+    return JSONResponse({"models": models})
+
+
+# -- /api/mlxd/stats -------------------------------------------------------------------------
+
+StatsPart = Callable[[ServerState], Any]
+
+
+def model_stats(status: ModelStatus, now: datetime) -> dict[str, Any]:
+    need = status.need
+    return {
+        "name": status.entry.name,
+        "loading": status.loading,
+        "stopping": status.stopping,
+        "active": status.active,
+        "waiting": status.waiting,
+        "size": need.total,
+        "weights_bytes": need.weights,
+        "kv_bytes": need.kv,
+        "overhead_bytes": need.overhead,
+        "context_length": need.context,
+        "parallel": need.rows,
+        "keep_alive": keep_alive_json(status.keep_alive),
+        "expires_in": status.expires_in,
+        "expires_at": expires_at(status, now),
+    }
+
+
+def _models(state: ServerState) -> list[dict[str, Any]]:
+    now = datetime.now(timezone.utc)
+    return [model_stats(s, now) for s in _by_expiry(state.manager.status())]
+
+
+def _totals(state: ServerState) -> dict[str, int]:
+    statuses = state.manager.status()
+    return {
+        "loaded": len(statuses),
+        "active": sum(s.active for s in statuses),
+        "waiting": sum(s.waiting for s in statuses),
+        "size": sum(s.need.total for s in statuses),
+    }
+
+
+def _queue(state: ServerState) -> dict[str, int]:
+    queue = state.manager.queue
+    return {"waiting": queue.count, "max": queue.limit}
+
+
+def _memory(state: ServerState) -> dict[str, Any]:
+    manager = state.manager
+    used = manager.memory_used()
+    return {
+        "budget": manager.budget.bytes,
+        "budget_source": manager.budget.source,
+        "used": used,
+        "free": max(0, manager.budget.bytes - used),
+    }
+
+
+def _limits(state: ServerState) -> dict[str, Any]:
+    manager = state.manager
+    return {
+        "max_loaded_models": manager.max_loaded,
+        "num_parallel": manager.num_parallel,
+        "default_keep_alive": keep_alive_json(manager.default_keep_alive),
+    }
+
+
+def _device(state: ServerState) -> str:
+    return processor()
+
+
+STATS: dict[str, StatsPart] = {
+    "models": _models,
+    "totals": _totals,
+    "queue": _queue,
+    "memory": _memory,
+    "limits": _limits,
+    "device": _device,
+}
+
+
+def stats_json(state: ServerState) -> dict[str, Any]:
+    return {name: part(state) for name, part in STATS.items()}
+
+
+async def stats(request: Request) -> Response:
+    return JSONResponse(stats_json(state_of(request)))
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/api/ps", ps, methods=["GET"]),
+        Route("/api/mlxd/stats", stats, methods=["GET"]),
+    ]

@@ -1,0 +1,188 @@
+"""Memory a pairing needs before it is loaded, and how much the daemon may use in all.
+
+A pairing's need is estimated from its files alone, so a load that cannot fit is refused (or
+makes room) before anything is allocated: the weights' bytes on disk, the KV cache for the
+context every parallel row may fill, and a fixed allowance for activations and buffers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from registry.schema import ModelEntry
+from registry.store import model_files
+
+DEFAULT_NUM_CTX = 4096  # tokens of KV budgeted per row when the entry sets no num_ctx
+DEFAULT_CONTEXT_LENGTH = 4096  # a config that names no context length
+OVERHEAD_BYTES = 128 * 1024 * 1024  # activations, logits, compute buffers per pairing
+BUDGET_FRACTION = 0.75  # of total memory, when MLXD_MEMORY_BUDGET is not set
+DEFAULT_KV_DTYPE_BYTES = 2
+
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8}
+
+
+# -- sizes -----------------------------------------------------------------------------------
+
+
+def human_bytes(n: float) -> str:
+    """Ollama's `format.HumanBytes2`: `4.2 GiB`, `512.0 MiB`, `900 B`."""
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+# -- what one pairing needs --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes a pairing will hold once loaded (target and draft together)."""
+
+    weights: int
+    kv: int
+    overhead: int
+    context: int  # KV tokens per row
+    rows: int  # parallel sequences
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.overhead
+
+
+def _read_config(model_dir: Path) -> dict[str, Any]:
+    try:
+        with open(model_dir / "config.json", encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def weight_bytes(model_dir: Path) -> int:
+    """Bytes of the safetensors files: what the weights take once loaded."""
+    return sum(f.stat().st_size for f in model_files(model_dir) if f.suffix == ".safetensors")
+
+
+def _first_int(config: Mapping[str, Any], *keys: str) -> int | None:
+    for scope in (config, config.get("text_config") or {}):
+        for key in keys:
+            value = scope.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def _dtype_bytes(config: Mapping[str, Any]) -> int:
+    for scope in (config, config.get("text_config") or {}):
+        for key in ("torch_dtype", "dtype"):
+            size = _DTYPE_BYTES.get(str(scope.get(key, "")).lower())
+            if size:
+                return size
+    return DEFAULT_KV_DTYPE_BYTES
+
+
+def kv_element_bytes(config: Mapping[str, Any], options: Mapping[str, Any]) -> float:
+    """Bytes per cached element: the model's dtype, or `kv_bits` plus a scale and bias per
+    group when the entry quantizes its KV cache."""
+    dtype = _dtype_bytes(config)
+    bits = options.get("kv_bits")
+    if bits not in (4, 8):
+        return float(dtype)
+    group = options.get("kv_group_size", 64)
+    group = group if isinstance(group, int) and group > 0 else 64
+    return bits / 8 + 2 * dtype / group
+
+
+def kv_bytes_per_token(config: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> int:
+    """2 (keys and values) × layers × KV heads × head dim × bytes per element."""
+    layers = _first_int(config, "num_hidden_layers", "n_layer", "num_layers") or 0
+    heads = _first_int(config, "num_attention_heads", "n_head", "num_heads") or 1
+    kv_heads = _first_int(config, "num_key_value_heads", "n_head_kv", "num_kv_heads") or heads
+    head_dim = _first_int(config, "head_dim")
+    if head_dim is None:
+        hidden = _first_int(config, "hidden_size", "n_embd", "d_model") or 0
+        head_dim = hidden // heads
+    return int(2 * layers * kv_heads * head_dim * kv_element_bytes(config, options or {}))
+
+
+def context_tokens(entry: ModelEntry, config: Mapping[str, Any]) -> int:
+    """The context a pairing is budgeted (and reported) for: min(num_ctx, context length)."""
+    length = entry.context_length or _first_int(
+        config, "max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"
+    )
+    num_ctx = entry.options.get("num_ctx")
+    if not isinstance(num_ctx, int) or isinstance(num_ctx, bool) or num_ctx <= 0:
+        num_ctx = DEFAULT_NUM_CTX
+    return min(num_ctx, length or DEFAULT_CONTEXT_LENGTH)
+
+
+def estimate(dirs: list[Path], entry: ModelEntry, rows: int) -> MemoryNeed:
+    """The need of a pairing whose files are in `dirs` (target first, then the draft)."""
+    configs = [_read_config(d) for d in dirs]
+    context = context_tokens(entry, configs[0])
+    rows = max(1, rows)
+    kv = sum(kv_bytes_per_token(c, entry.options) for c in configs) * context * rows
+    return MemoryNeed(
+        weights=sum(weight_bytes(d) for d in dirs),
+        kv=kv,
+        overhead=OVERHEAD_BYTES,
+        context=context,
+        rows=rows,
+    )
+
+
+# -- what the daemon may use -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Budget:
+    bytes: int
+    source: str  # "MLXD_MEMORY_BUDGET" or "75% of 32.0 GiB"
+
+
+def _device_memory() -> int:
+    import mlx.core as mx
+
+    try:
+        info = mx.device_info()
+    except Exception:
+        return 0
+    for key in ("memory_size", "total_memory"):
+        value = info.get(key)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def _physical_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def total_memory() -> int:
+    """The device's memory (unified memory on Metal), else the machine's physical memory."""
+    return _device_memory() or _physical_memory()
+
+
+def resolve_budget(configured: int | None) -> Budget:
+    if configured is not None and configured > 0:
+        return Budget(configured, "MLXD_MEMORY_BUDGET")
+    total = total_memory()
+    if total <= 0:
+        return Budget(2**63 - 1, "unknown total memory: unlimited")
+    return Budget(int(total * BUDGET_FRACTION), f"{BUDGET_FRACTION:.0%} of {human_bytes(total)}")
+
+
+def processor() -> str:
+    """`gpu` when MLX computes on Metal or CUDA, else `cpu` (the `mlxd ps` PROCESSOR column)."""
+    import mlx.core as mx
+
+    return "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
