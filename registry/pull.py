@@ -1,0 +1,893 @@
+"""Pulling models from the Hugging Face hub, with Ollama-shaped progress; removing and copying.
+
+:func:`pull` is a generator of :class:`Progress` objects, the same statuses ``ollama pull``
+streams: ``pulling manifest``, one ``pulling <digest12>`` series per file, ``verifying sha256
+digest``, ``writing manifest``, ``success``. What it pulls:
+
+- a registry name (``qwen2.5-coder:7b``): the entry's target and draft repos;
+- ``org/repo`` or ``hf.co/org/repo[:revision]``: that repo, registered afterwards in the user
+  registry as ``hf.co/org/repo:<revision or latest>``.
+
+Files land in the ordinary Hugging Face hub cache, so ``mlx_lm`` and the ``hf`` CLI share
+them, and a model already there is not downloaded again. How a file gets there:
+
+1. the repo's listing (``HfApi.model_info(files_metadata=True)``) gives each file's size,
+   git oid and, for LFS files, sha256; only :data:`~registry.store.MODEL_FILE_PATTERNS` files
+   are fetched, pinned to the listed commit;
+2. a missing file is downloaded with huggingface_hub's ``http_get`` into
+   ``blobs/<etag>.incomplete``, which is kept when a pull fails or is cancelled, so the next
+   pull resumes it with a ``Range`` request (huggingface_hub's own temporary files are unique
+   per attempt and deleted on failure, so they cannot resume across pulls);
+3. once every file is down, each new one is checked (size, and sha256 for LFS files or the
+   git blob hash for the others); only then is it moved to ``blobs/<etag>`` and linked into
+   ``snapshots/<commit>`` by ``hf_hub_download`` (which finds the blob and just links it);
+4. last, ``refs/<revision>`` is written and, for hub names, the registry entry: until then
+   :func:`~registry.store.resolve_local` cannot see the new snapshot, so a partial or
+   unverified download is never listed or served.
+
+Configuration is read from the environment at call time (``HF_ENDPOINT``, ``HF_HOME`` /
+``HF_HUB_CACHE``, ``HF_TOKEN``, ``HF_HUB_OFFLINE``); huggingface_hub itself reads most of
+these once at import, so they are passed explicitly to every call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import shutil
+import threading
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+from huggingface_hub import (
+    HfApi,
+    get_hf_file_metadata,
+    hf_hub_download,
+    hf_hub_url,
+    scan_cache_dir,
+)
+from huggingface_hub import constants as hf_constants
+from huggingface_hub.errors import (
+    CacheNotFound,
+    EntryNotFoundError,
+    GatedRepoError,
+    HfHubHTTPError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
+from huggingface_hub.file_download import http_get, repo_folder_name
+from huggingface_hub.utils import build_hf_headers, filter_repo_objects
+
+from registry.home import user_registry_path
+from registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, ModelName, parse_name
+from registry.registry import Registry
+from registry.schema import ModelEntry, RegistryError
+from registry.store import MODEL_FILE_PATTERNS, hub_cache_dir, model_files, resolve_local
+from registry.userfile import entry_fields, file_lock, remove_entry, set_entry
+
+__all__ = [
+    "DEFAULT_ENDPOINT",
+    "HUB_HOSTS",
+    "DeleteError",
+    "HubRef",
+    "Progress",
+    "PullError",
+    "PullPlan",
+    "Removal",
+    "copy_model",
+    "delete_model",
+    "hub_endpoint",
+    "hub_name",
+    "hub_offline",
+    "plan_pull",
+    "pull",
+    "user_file_in_use",
+]
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+HUB_HOSTS = ("hf.co", "huggingface.co")
+PROGRESS_INTERVAL = 0.08  # seconds between progress objects while a file downloads
+DOWNLOAD_CHUNK = 1024 * 1024  # bytes per read: how often progress moves and a cancel is seen
+
+_COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+_HASH_CHUNK = 4 * 1024 * 1024
+
+
+# -- results and errors ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One object of Ollama's pull stream (``ProgressResponse``)."""
+
+    status: str
+    digest: str | None = None
+    total: int | None = None
+    completed: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        """The wire form: Ollama omits empty fields, including ``completed`` while it is 0."""
+        out: dict[str, Any] = {"status": self.status}
+        if self.digest:
+            out["digest"] = self.digest
+        if self.total:
+            out["total"] = self.total
+        if self.completed:
+            out["completed"] = self.completed
+        return out
+
+
+class PullError(Exception):
+    """A pull that cannot finish; the message is what the client sees."""
+
+
+class PullCancelled(PullError):
+    def __init__(self) -> None:
+        super().__init__("pull cancelled")
+
+
+class DeleteError(Exception):
+    """A model that cannot be deleted; ``status`` is the HTTP status to answer with."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+# -- environment ----------------------------------------------------------------------------
+
+
+def _is_true(value: str | None) -> bool:
+    return value is not None and value.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_endpoint(env: Mapping[str, str] = os.environ) -> str:
+    """``$HF_ENDPOINT`` (a mirror or a test server), else the public hub."""
+    return (env.get("HF_ENDPOINT") or DEFAULT_ENDPOINT).strip().rstrip("/")
+
+
+def hub_offline(env: Mapping[str, str] = os.environ) -> bool:
+    """``$HF_HUB_OFFLINE`` (or ``$TRANSFORMERS_OFFLINE``) as huggingface_hub reads it."""
+    return _is_true(env.get("HF_HUB_OFFLINE") or env.get("TRANSFORMERS_OFFLINE"))
+
+
+def _token(env: Mapping[str, str]) -> str | None:
+    """``$HF_TOKEN``; None lets huggingface_hub look further (the saved login token)."""
+    return (env.get("HF_TOKEN") or env.get("HUGGING_FACE_HUB_TOKEN") or "").strip() or None
+
+
+_session_lock = threading.Lock()
+_session_users = 0
+_session_saved: tuple[bool, int] = (False, 0)
+
+
+@contextlib.contextmanager
+def _hub_session(offline: bool) -> Iterator[None]:
+    """Make huggingface_hub follow this pull's view of offline mode, and read in small chunks.
+
+    huggingface_hub decides ``HF_HUB_OFFLINE`` once, at import, and refuses every request
+    afterwards if it was set then; a daemon started offline must still pull once the
+    variable is cleared. Its download chunk (10 MiB) would also make progress jump and
+    cancels lag, so pulls read :data:`DOWNLOAD_CHUNK` at a time. Both are process-wide
+    settings: they are changed while at least one pull runs and restored after the last.
+    """
+    global _session_users, _session_saved
+    with _session_lock:
+        if _session_users == 0:
+            _session_saved = (hf_constants.HF_HUB_OFFLINE, hf_constants.DOWNLOAD_CHUNK_SIZE)
+        _session_users += 1
+        hf_constants.HF_HUB_OFFLINE = offline
+        hf_constants.DOWNLOAD_CHUNK_SIZE = DOWNLOAD_CHUNK
+    try:
+        yield
+    finally:
+        with _session_lock:
+            _session_users -= 1
+            if _session_users == 0:
+                hf_constants.HF_HUB_OFFLINE, hf_constants.DOWNLOAD_CHUNK_SIZE = _session_saved
+
+
+def _norm(path: Path | str) -> Path:
+    return Path(path).expanduser().absolute()
+
+
+def user_file_in_use(registry: Registry, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether ``registry`` reads the user registry file (not so under ``--registry``)."""
+    user = _norm(user_registry_path(env))
+    return any(_norm(p) == user for p in registry.paths)
+
+
+# -- what to pull ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HubRef:
+    """A hub repo at a revision: a branch or tag (``main`` for ``latest``) or a commit."""
+
+    repo_id: str
+    revision: str = "main"
+
+    @property
+    def pinned(self) -> bool:
+        return _COMMIT_RE.fullmatch(self.revision) is not None
+
+
+@dataclass(frozen=True)
+class PullPlan:
+    """What a pull fetches and under which name the result is served."""
+
+    name: str  # Ollama display name
+    hub: tuple[HubRef, ...]  # target first, then the draft
+    local: tuple[Path, ...] = ()  # local directories the entry points at (must exist)
+    register: bool = False  # add ``name`` to the user registry once the files are in
+
+
+def hub_name(name: ModelName) -> ModelName | None:
+    """``org/repo[:tag]`` or ``hf.co/org/repo[:tag]`` as the hub name mlxd registers it under,
+    ``hf.co/org/repo:tag``; None for names that cannot be a hub repo (``llama3.2``)."""
+    host = name.host.lower()
+    if host in HUB_HOSTS or (host == DEFAULT_HOST and name.namespace.lower() != DEFAULT_NAMESPACE):
+        return ModelName(host="hf.co", namespace=name.namespace, model=name.model, tag=name.tag)
+    return None
+
+
+def _cache_ref(target: str, env: Mapping[str, str]) -> HubRef | Path:
+    """A registry ``target``/``draft`` as a hub ref; a path into the hub cache's
+    ``snapshots/<commit>`` is that repo pinned at that commit, any other path stays a path."""
+    if not os.path.isabs(target):
+        return HubRef(target)
+    path = Path(target)
+    try:
+        rel = path.resolve().relative_to(hub_cache_dir(env).expanduser().resolve())
+    except ValueError:
+        return path
+    parts = rel.parts
+    if (
+        len(parts) == 3
+        and parts[0].startswith("models--")
+        and parts[1] == "snapshots"
+        and _COMMIT_RE.fullmatch(parts[2])
+    ):
+        return HubRef(parts[0][len("models--") :].replace("--", "/"), parts[2])
+    return path
+
+
+def _entry_plan(entry: ModelEntry, env: Mapping[str, str]) -> PullPlan:
+    hub: list[HubRef] = []
+    local: list[Path] = []
+    for ref in (entry.target, entry.draft):
+        if not ref:
+            continue
+        found = _cache_ref(ref, env)
+        if isinstance(found, HubRef):
+            hub.append(found)
+        else:
+            local.append(found)
+    return PullPlan(name=entry.name, hub=tuple(hub), local=tuple(local))
+
+
+def plan_pull(
+    ref: str, registry: Registry | None = None, env: Mapping[str, str] = os.environ
+) -> PullPlan:
+    """Resolve what ``ref`` means: a registry entry first, else a hub repo.
+
+    Raises :class:`~registry.names.InvalidModelName` for a malformed name and
+    :class:`PullError` for one that is neither registered nor a hub repo.
+    """
+    name = parse_name(ref)
+    if registry is not None:
+        entry = registry.get(ref)
+        if entry is not None:
+            return _entry_plan(entry, env)
+    hub = hub_name(name)
+    if hub is None:
+        raise PullError("pull model manifest: file does not exist")
+    if registry is not None:
+        entry = registry.get(hub.display)
+        if entry is not None:  # pulled before (or configured) under its hub name
+            return _entry_plan(entry, env)
+    revision = "main" if hub.tag.lower() == "latest" else hub.tag
+    return PullPlan(
+        name=hub.display,
+        hub=(HubRef(f"{hub.namespace}/{hub.model}", revision),),
+        register=True,
+    )
+
+
+# -- manifests and jobs ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _RemoteFile:
+    path: str
+    size: int
+    oid: str  # git blob sha1 ("" when unknown, offline)
+    sha256: str | None  # LFS files only
+
+    @property
+    def etag(self) -> str:
+        """The hub's ETag for this file, which is also its blob name in the cache."""
+        return self.sha256 or self.oid
+
+
+@dataclass(frozen=True)
+class _Manifest:
+    ref: HubRef
+    commit: str
+    files: tuple[_RemoteFile, ...]
+    storage: Path  # <cache>/models--org--repo
+    offline: bool = False
+
+    @property
+    def snapshot(self) -> Path:
+        return self.storage / "snapshots" / self.commit
+
+
+@dataclass
+class _Job:
+    manifest: _Manifest
+    file: _RemoteFile
+    state: str  # "cached" (linked in the snapshot), "link" (blob present), "download"
+
+    @property
+    def repo_id(self) -> str:
+        return self.manifest.ref.repo_id
+
+    @property
+    def blob(self) -> Path:
+        return self.manifest.storage / "blobs" / self.file.etag
+
+    @property
+    def partial(self) -> Path:
+        return self.blob.with_name(self.file.etag + ".incomplete")
+
+    @property
+    def lock(self) -> Path:
+        folder = self.manifest.storage.name
+        return self.manifest.storage.parent / ".locks" / folder / f"{self.file.etag}.mlxd.lock"
+
+    @property
+    def digest(self) -> str:
+        """``sha256:<hex>``: the LFS sha256, or a stable stand-in for small git files."""
+        if self.file.sha256:
+            return f"sha256:{self.file.sha256}"
+        key = f"{self.repo_id}/{self.file.path}\0{self.file.size}".encode()
+        return f"sha256:{hashlib.sha256(key).hexdigest()}"
+
+    @property
+    def status(self) -> str:
+        return f"pulling {self.digest[7:19]}"
+
+    def progress(self, completed: int) -> Progress:
+        return Progress(self.status, self.digest, self.file.size, completed)
+
+
+def _size(path: Path) -> int | None:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
+
+
+def _fetch_manifest(ref: HubRef, api: HfApi, cache: Path) -> _Manifest:
+    info = api.model_info(ref.repo_id, revision=ref.revision, files_metadata=True)
+    commit = info.sha or ""
+    if not _COMMIT_RE.fullmatch(commit):
+        raise PullError(
+            f"pull model manifest: {ref.repo_id}: the hub sent no commit for {ref.revision}"
+        )
+    files: list[_RemoteFile] = []
+    for sibling in filter_repo_objects(
+        info.siblings or [], allow_patterns=list(MODEL_FILE_PATTERNS), key=lambda s: s.rfilename
+    ):
+        if sibling.size is None or not sibling.blob_id:
+            raise PullError(
+                f"pull model manifest: {ref.repo_id}: no size or id for {sibling.rfilename}"
+            )
+        sha = sibling.lfs.sha256 if sibling.lfs is not None else None
+        files.append(_RemoteFile(sibling.rfilename, int(sibling.size), sibling.blob_id, sha))
+    names = {f.path for f in files}
+    if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+        raise PullError(
+            f"pull model manifest: {ref.repo_id} has no MLX model files"
+            " (config.json and *.safetensors)"
+        )
+    storage = cache / repo_folder_name(repo_id=ref.repo_id, repo_type="model")
+    return _Manifest(ref, commit, tuple(sorted(files, key=lambda f: f.path)), storage)
+
+
+def _offline_manifest(ref: HubRef, cache: Path, env: Mapping[str, str]) -> _Manifest:
+    folder = resolve_local(ref.repo_id, revision=ref.revision, env=env)
+    if folder is None:
+        raise PullError(
+            f"pull model manifest: {ref.repo_id} is not in the local cache and offline mode"
+            " is enabled (HF_HUB_OFFLINE is set)"
+        )
+    files = tuple(_RemoteFile(f.name, f.stat().st_size, "", None) for f in model_files(folder))
+    storage = cache / repo_folder_name(repo_id=ref.repo_id, repo_type="model")
+    return _Manifest(ref, folder.name, files, storage, offline=True)
+
+
+def _plan_job(manifest: _Manifest, file: _RemoteFile) -> _Job:
+    if manifest.offline or _size(manifest.snapshot / file.path) == file.size:
+        return _Job(manifest, file, "cached")
+    job = _Job(manifest, file, "download")
+    if _size(job.blob) == file.size:
+        job.state = "link"
+    return job
+
+
+def _check_space(jobs: Sequence[_Job], cache: Path) -> None:
+    need = sum(j.file.size - (_size(j.partial) or 0) for j in jobs if j.state == "download")
+    if need <= 0:
+        return
+    probe = cache
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError:
+        return
+    if need > free:
+        raise PullError(
+            f"no space left on device: the download needs {_human(need)} in {cache},"
+            f" {_human(free)} is free"
+        )
+
+
+def _human(n: int) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+# -- errors ---------------------------------------------------------------------------------
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _network_error(exc: BaseException) -> bool:
+    """httpx (or httpx2, which huggingface_hub 2.x uses) transport errors, by class name so
+    either library version works: connect/read failures, timeouts, broken connections."""
+    return any(
+        cls.__name__ in ("TransportError", "TimeoutException")
+        and cls.__module__.split(".")[0].startswith("httpx")
+        for cls in type(exc).__mro__
+    )
+
+
+def _explain(exc: BaseException, what: str, endpoint: str) -> PullError:
+    """Turn whatever huggingface_hub, httpx or the OS raised into a message for the client."""
+    for link in _chain(exc):
+        if isinstance(link, PullError):
+            return link
+        if isinstance(link, OSError) and link.errno == errno.ENOSPC:
+            return PullError("no space left on device")
+    if isinstance(exc, GatedRepoError):
+        return PullError(
+            f"{what}: access to this repo is gated: accept its conditions on the hub"
+            " and set HF_TOKEN"
+        )
+    if isinstance(exc, (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError)):
+        return PullError(f"{what}: file does not exist")
+    if isinstance(exc, OfflineModeIsEnabled):
+        return PullError(f"{what}: offline mode is enabled (HF_HUB_OFFLINE is set)")
+    if isinstance(exc, HfHubHTTPError):  # an answer, even if an earlier attempt broke off
+        status = exc.response.status_code if exc.response is not None else "?"
+        return PullError(f"{what}: {endpoint} answered HTTP {status}")
+    for link in _chain(exc):
+        if _network_error(link):
+            reason = str(link) or type(link).__name__
+            return PullError(f"{what}: cannot reach {endpoint}: {reason}")
+    return PullError(f"{what}: {exc or type(exc).__name__}")
+
+
+# -- downloading ----------------------------------------------------------------------------
+
+
+def _cancel_hook(cancel: threading.Event) -> type:
+    """A stand-in for huggingface_hub's tqdm bar: ``http_get`` calls ``update`` after every
+    chunk, which is where a cancelled pull stops the transfer."""
+
+    class _Hook:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def __enter__(self) -> _Hook:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+        def update(self, n: float | None = 1) -> None:
+            if cancel.is_set():
+                raise PullCancelled()
+
+        def close(self) -> None:
+            pass
+
+    return _Hook
+
+
+def _download(job: _Job, endpoint: str, token: str | None, cancel: threading.Event) -> None:
+    """Fetch one file into its ``.incomplete`` file, resuming what is already there."""
+    with file_lock(job.lock, cancel=cancel):
+        if _size(job.blob) == job.file.size:
+            job.state = "link"  # another pull finished it while we waited
+            return
+        url = hf_hub_url(
+            job.repo_id, job.file.path, revision=job.manifest.commit, endpoint=endpoint
+        )
+        meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
+        if meta.etag and job.file.etag and meta.etag != job.file.etag:
+            raise PullError(
+                f"pull {job.repo_id}/{job.file.path}: the hub serves a different file than it"
+                " lists; try again"
+            )
+        location = meta.location or url
+        headers = build_hf_headers(token=token)
+        if urlsplit(location).netloc != urlsplit(url).netloc:
+            headers.pop("authorization", None)  # never send the token to a CDN
+        job.partial.parent.mkdir(parents=True, exist_ok=True)
+        resume = _size(job.partial) or 0
+        if resume > job.file.size:
+            job.partial.unlink()
+            resume = 0
+        with open(job.partial, "ab") as f:
+            f.seek(0, os.SEEK_END)
+            http_get(
+                location,
+                f,
+                resume_size=resume,
+                headers=headers,
+                expected_size=job.file.size,
+                displayed_filename=job.file.path,
+                tqdm_class=cast(Any, _cancel_hook(cancel)),
+            )
+
+
+def _transfer(
+    job: _Job, endpoint: str, token: str | None, cancel: threading.Event
+) -> Iterator[Progress]:
+    """Progress for one file: once if present, else every PROGRESS_INTERVAL while it downloads
+    (the size of the ``.incomplete`` file, which also shows another pull filling it)."""
+    total = job.file.size
+    if job.state != "download":
+        yield job.progress(total)
+        return
+    failure: list[BaseException] = []
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            _download(job, endpoint, token, cancel)
+        except BaseException as exc:
+            failure.append(exc)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=work, name=f"mlxd-pull {job.file.path}", daemon=True)
+    yield job.progress(min(_size(job.partial) or 0, total))  # where it starts (or resumes)
+    worker.start()
+    try:
+        while not done.wait(PROGRESS_INTERVAL):
+            yield job.progress(min(_size(job.partial) or 0, total))
+    finally:
+        if not done.is_set():  # the consumer went away: stop the transfer, keep the partial
+            cancel.set()
+            done.wait()
+    if failure:
+        exc = failure[0]
+        if isinstance(exc, (PullCancelled, InterruptedError)):
+            raise PullCancelled() from exc
+        raise _explain(exc, f"pull {job.repo_id}/{job.file.path}", endpoint) from exc
+    yield job.progress(total)
+
+
+# -- verifying and committing ---------------------------------------------------------------
+
+
+def _file_hashes(path: Path, size: int) -> tuple[str, str]:
+    """(sha256, git blob sha1) of a file, in one read."""
+    sha256 = hashlib.sha256()
+    git = hashlib.sha1(f"blob {size}\0".encode(), usedforsecurity=False)
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            sha256.update(chunk)
+            git.update(chunk)
+    return sha256.hexdigest(), git.hexdigest()
+
+
+def _verify_and_commit(job: _Job, cancel: threading.Event) -> None:
+    """Check a downloaded file against the hub's hashes and move it into ``blobs/``."""
+    with file_lock(job.lock, cancel=cancel):
+        if _size(job.blob) == job.file.size:
+            with contextlib.suppress(FileNotFoundError):
+                job.partial.unlink()  # another pull committed the same blob
+            job.state = "link"
+            return
+        got = _size(job.partial)
+        name = f"{job.file.path} in {job.repo_id}"
+        if got != job.file.size:
+            with contextlib.suppress(FileNotFoundError):
+                job.partial.unlink()
+            raise PullError(
+                f"digest mismatch for {name}: expected {job.file.size} bytes, got {got or 0}"
+            )
+        sha256, git = _file_hashes(job.partial, job.file.size)
+        expected, actual = (job.file.sha256, sha256) if job.file.sha256 else (job.file.oid, git)
+        if expected and actual != expected:
+            job.partial.unlink()
+            raise PullError(
+                f"digest mismatch for {name}: the hub lists {expected[:12]}…, the download"
+                f" hashes to {actual[:12]}…"
+            )
+        os.replace(job.partial, job.blob)
+        job.state = "link"
+
+
+def _link(job: _Job, cache: Path, endpoint: str, token: str | None) -> None:
+    """Link a blob into ``snapshots/<commit>``: huggingface_hub finds the blob and only links."""
+    hf_hub_download(
+        job.repo_id,
+        job.file.path,
+        revision=job.manifest.commit,
+        cache_dir=cache,
+        endpoint=endpoint,
+        token=token,
+    )
+    job.state = "cached"
+
+
+def _write_ref(manifest: _Manifest) -> None:
+    """Point ``refs/<revision>`` at the commit: the moment the new snapshot becomes visible."""
+    ref = manifest.ref
+    if ref.pinned or manifest.offline:
+        return
+    path = manifest.storage / "refs" / ref.revision
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        if path.read_text() == manifest.commit:
+            return
+    except OSError:
+        pass
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    tmp.write_text(manifest.commit)
+    os.replace(tmp, path)
+
+
+def _registration(manifest: _Manifest) -> dict[str, Any]:
+    ref = manifest.ref
+    if ref.revision == "main":
+        return {"target": ref.repo_id}
+    return {"target": str(manifest.snapshot)}  # a tag, branch or commit: that exact snapshot
+
+
+# -- pull -----------------------------------------------------------------------------------
+
+
+def pull(
+    ref: str,
+    *,
+    registry: Registry | None = None,
+    env: Mapping[str, str] | None = None,
+    cancel: threading.Event | None = None,
+) -> Iterator[Progress]:
+    """Pull ``ref`` (a registry name, ``org/repo`` or ``hf.co/org/repo[:revision]``).
+
+    Yields :class:`Progress` objects; raises :class:`PullError` with the message to show
+    (after ``pulling manifest`` has been yielded, as Ollama streams its errors) and
+    :class:`~registry.names.InvalidModelName` for a malformed name before anything. Setting
+    ``cancel`` (or closing the generator) stops the transfer and keeps what was downloaded
+    for the next pull to resume.
+    """
+    env = os.environ if env is None else env
+    cancel = cancel if cancel is not None else threading.Event()
+    parse_name(ref)
+    yield Progress("pulling manifest")
+    endpoint = hub_endpoint(env)
+    try:
+        plan = plan_pull(ref, registry, env)
+        if plan.register and registry is not None and not user_file_in_use(registry, env):
+            paths = ", ".join(str(p) for p in registry.paths)
+            raise PullError(
+                f"pull model manifest: the server reads its models from {paths} only, so a"
+                f" pulled {plan.name} could not be served; restart it without --registry"
+                f" (or add {user_registry_path(env)} to MLXD_REGISTRY)"
+            )
+        for path in plan.local:
+            if resolve_local(str(path), env=env) is None:
+                raise PullError(f"pull model manifest: {path} does not exist")
+    except Exception as exc:
+        raise _explain(exc, "pull model manifest", endpoint) from exc
+
+    offline = hub_offline(env)
+    token = _token(env)
+    cache = hub_cache_dir(env).expanduser()
+    with _hub_session(offline):
+        try:
+            if offline:
+                manifests = [_offline_manifest(r, cache, env) for r in plan.hub]
+            else:
+                api = HfApi(endpoint=endpoint, token=token)
+                manifests = [_fetch_manifest(r, api, cache) for r in plan.hub]
+        except Exception as exc:
+            raise _explain(exc, "pull model manifest", endpoint) from exc
+        jobs = [_plan_job(m, f) for m in manifests for f in m.files]
+        _check_space(jobs, cache)
+
+        downloaded: list[_Job] = []
+        for job in jobs:
+            if cancel.is_set():
+                raise PullCancelled()
+            fetching = job.state == "download"
+            yield from _transfer(job, endpoint, token, cancel)
+            if fetching and job.state == "download":
+                downloaded.append(job)
+
+        yield Progress("verifying sha256 digest")
+        try:
+            for job in downloaded:
+                _verify_and_commit(job, cancel)
+            for job in jobs:
+                if job.state == "link":
+                    _link(job, cache, endpoint, token)
+        except Exception as exc:
+            raise _explain(exc, "verify", endpoint) from exc
+
+        yield Progress("writing manifest")
+        try:
+            for manifest in manifests:
+                _write_ref(manifest)
+            if plan.register:
+                set_entry(plan.name, _registration(manifests[0]), path=user_registry_path(env))
+        except Exception as exc:
+            raise _explain(exc, "write manifest", endpoint) from exc
+    yield Progress("success")
+
+
+# -- delete and copy ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Removal:
+    """What :func:`delete_model` did."""
+
+    name: str
+    entry_removed: bool  # taken out of the user registry file
+    revisions: tuple[str, ...]  # hub cache revisions deleted
+    freed: int  # bytes
+    kept: tuple[str, ...]  # repos left alone because another entry still uses them
+
+
+def _hub_refs(entry: ModelEntry, env: Mapping[str, str]) -> list[HubRef | Path]:
+    return [_cache_ref(ref, env) for ref in (entry.target, entry.draft) if ref]
+
+
+def _others(
+    entry: ModelEntry, registry: Registry, env: Mapping[str, str], removed: bool
+) -> list[ModelEntry]:
+    """The entries left once ``entry`` is gone (re-read, so a packaged entry that a removed
+    user entry overrode counts again)."""
+    if removed:
+        try:
+            fresh = Registry.load(list(registry.paths), optional=(user_registry_path(env),))
+            return [e for e in fresh.entries() if e != entry]
+        except RegistryError:
+            pass
+    return [e for e in registry.entries() if e.key != entry.key]
+
+
+def _installed(entry: ModelEntry, env: Mapping[str, str]) -> bool:
+    return all(
+        resolve_local(ref, env=env) is not None for ref in (entry.target, entry.draft) if ref
+    )
+
+
+def delete_model(
+    entry: ModelEntry, registry: Registry, env: Mapping[str, str] = os.environ
+) -> Removal:
+    """Remove a model: its user-registry entry, and its hub-cache files unless shared.
+
+    An entry in the user registry (``$MLXD_HOME/models.yaml``) is taken out of that file. An
+    entry that lives in the packaged registry or a ``--registry`` file cannot be removed from
+    there (mlxd does not rewrite those files); deleting its downloaded files instead makes it
+    disappear from ``/api/tags`` until it is pulled again. Files are deleted only from the
+    hub cache (never a local directory an entry points at), and only revisions no other
+    registry entry still uses. Raises :class:`DeleteError`.
+    """
+    user_file = user_registry_path(env)
+    in_user_file = _norm(entry.source) == _norm(user_file)
+    if not in_user_file and not _installed(entry, env):
+        raise DeleteError(404, f"model '{entry.name}' not found")  # configured, not pulled
+    removed = remove_entry(entry.name, path=user_file) if in_user_file else False
+    others = _others(entry, registry, env, removed)
+
+    whole: set[str] = set()  # repos another entry uses at main: keep every revision
+    pinned: set[tuple[str, str]] = set()
+    users: dict[str, list[str]] = {}  # repo -> the other entries using it
+    for other in others:
+        for ref in _hub_refs(other, env):
+            if isinstance(ref, HubRef):
+                key = ref.repo_id.lower()
+                users.setdefault(key, []).append(other.name)
+                if ref.pinned:
+                    pinned.add((key, ref.revision))
+                else:
+                    whole.add(key)
+
+    cache = hub_cache_dir(env).expanduser()
+    try:
+        scan = scan_cache_dir(cache)
+        cached = {r.repo_id.lower(): r for r in scan.repos if r.repo_type == "model"}
+    except (CacheNotFound, ValueError, OSError):
+        scan, cached = None, {}
+
+    doomed: set[str] = set()
+    wipe: list[Path] = []  # repo folders to remove entirely
+    kept: list[str] = []
+    hub_refs = [r for r in _hub_refs(entry, env) if isinstance(r, HubRef)]
+    for ref in hub_refs:
+        key = ref.repo_id.lower()
+        if key in whole:
+            kept.append(ref.repo_id)
+            continue
+        repo = cached.get(key)
+        storage = cache / repo_folder_name(repo_id=ref.repo_id, repo_type="model")
+        revisions = {r.commit_hash for r in repo.revisions} if repo is not None else set()
+        wanted = {ref.revision} if ref.pinned else set(revisions)
+        still_used = {c for (k, c) in pinned if k == key}
+        if wanted & still_used:
+            kept.append(ref.repo_id)
+        doomed |= (wanted & revisions) - still_used
+        if not ref.pinned and not still_used and storage.is_dir():
+            wipe.append(storage)  # also partial downloads and a repo scan found corrupt
+
+    freed = 0
+    if doomed and scan is not None:
+        strategy = scan.delete_revisions(*sorted(doomed))
+        freed = strategy.expected_freed_size
+        strategy.execute()
+    for storage in wipe:
+        shutil.rmtree(storage, ignore_errors=True)
+    deleted = tuple(sorted(doomed))
+
+    if not in_user_file and not doomed and not wipe:
+        if kept:
+            sharers = sorted({n for r in kept for n in users.get(r.lower(), [])})
+            raise DeleteError(
+                400,
+                f"model '{entry.name}' is defined in {entry.source}, which mlxd does not edit,"
+                f" and its files are also used by {', '.join(repr(n) for n in sharers)};"
+                " remove it from that file instead",
+            )
+        if hub_refs:
+            raise DeleteError(404, f"model '{entry.name}' not found")
+        raise DeleteError(
+            400,
+            f"model '{entry.name}' is defined in {entry.source} and points at local files"
+            " that mlxd does not manage; remove it from that file instead",
+        )
+    return Removal(entry.name, removed, deleted, freed, tuple(kept))
+
+
+def copy_model(entry: ModelEntry, destination: str, env: Mapping[str, str] = os.environ) -> str:
+    """Register ``destination`` in the user registry with ``entry``'s fields; the display name."""
+    name = parse_name(destination).display
+    set_entry(name, entry_fields(entry), path=user_registry_path(env))
+    return name

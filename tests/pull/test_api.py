@@ -1,0 +1,194 @@
+"""/api/pull, /api/delete and /api/copy through a real server, with the `ollama` client and raw
+HTTP, pulling from the local hub."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import ollama
+import pytest
+
+from registry.schema import load_registry_file
+from registry.store import resolve_local
+from tests.conftest import RunningServer
+from tests.pull.conftest import DRAFT_REPO, GREEDY, TARGET_REPO, HubEnv
+
+STATUSES = ["pulling manifest", "verifying sha256 digest", "writing manifest", "success"]
+HUB_NAME = "hf.co/org/tiny:latest"
+
+
+def client(server: RunningServer) -> ollama.Client:
+    return ollama.Client(host=server.base_url, timeout=120)
+
+
+def tags(server: RunningServer) -> list[str]:
+    r = httpx.get(f"{server.base_url}/api/tags", timeout=60)
+    assert r.status_code == 200
+    return [m["name"] for m in r.json()["models"]]
+
+
+def ndjson(response: httpx.Response) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in response.text.splitlines() if line.strip()]
+
+
+def raw_pull(server: RunningServer, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/api/pull", json=body, timeout=120)
+
+
+def test_pull_with_the_ollama_client_then_list_and_generate(
+    mlxd: RunningServer, hub_env: HubEnv
+) -> None:
+    c = client(mlxd)
+    assert HUB_NAME not in tags(mlxd)
+    parts = list(c.pull("hf.co/org/tiny", stream=True))
+    assert [p.status for p in parts if not p.digest] == STATUSES
+    files = {p.digest for p in parts if p.digest}
+    assert len(files) == 6
+    for digest in files:
+        lines = [p for p in parts if p.digest == digest]
+        assert lines[0].status == f"pulling {digest[7:19]}"
+        assert lines[-1].completed == lines[-1].total and lines[-1].total
+    assert HUB_NAME in tags(mlxd)
+    assert HUB_NAME in [m.model for m in c.list().models]
+    out = c.generate(model=HUB_NAME, prompt="Why is the sky blue?", options=GREEDY)
+    assert out.done and out.eval_count == GREEDY["num_predict"] and out.response
+
+
+def test_raw_stream_shape_and_stream_false(mlxd: RunningServer, hub_env: HubEnv) -> None:
+    r = raw_pull(mlxd, {"model": "org/tiny"})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("application/x-ndjson")
+    lines = ndjson(r)
+    assert lines[0] == {"status": "pulling manifest"}
+    assert lines[-1] == {"status": "success"}
+    for line in lines:
+        assert set(line) <= {"status", "digest", "total", "completed"}
+        assert line.get("completed", 1) != 0  # omitted while 0
+        if "digest" in line:
+            assert line["status"] == f"pulling {line['digest'][7:19]}"
+            assert line["total"] > 0
+
+    r = raw_pull(mlxd, {"name": "org/tiny", "stream": False, "insecure": True})
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json() == {"status": "success"}
+
+
+def test_pull_errors(mlxd: RunningServer, hub_env: HubEnv) -> None:
+    r = raw_pull(mlxd, {"model": "org/nope"})
+    assert r.status_code == 200
+    assert ndjson(r) == [
+        {"status": "pulling manifest"},
+        {"error": "pull model manifest: file does not exist"},
+    ]
+    with pytest.raises(ollama.ResponseError, match="file does not exist"):
+        list(client(mlxd).pull("org/nope", stream=True))
+
+    r = raw_pull(mlxd, {"model": "org/nope", "stream": False})
+    assert (r.status_code, r.json()) == (500, {"error": "pull model manifest: file does not exist"})
+    r = raw_pull(mlxd, {"model": "a/b/c/d"})
+    assert (r.status_code, r.json()) == (400, {"error": "invalid model name"})
+    r = raw_pull(mlxd, {})
+    assert (r.status_code, r.json()) == (400, {"error": "model is required"})
+
+
+def test_a_corrupted_pull_is_never_listed(mlxd: RunningServer, hub_env: HubEnv) -> None:
+    hub_env.hub.corrupt(TARGET_REPO, "model.safetensors")
+    lines = ndjson(raw_pull(mlxd, {"model": "org/tiny"}))
+    assert lines[-2] == {"status": "verifying sha256 digest"}
+    assert lines[-1]["error"].startswith("digest mismatch for model.safetensors")
+    assert HUB_NAME not in tags(mlxd)
+    r = httpx.post(f"{mlxd.base_url}/api/show", json={"model": HUB_NAME})
+    assert r.status_code == 404
+
+
+def test_a_registered_model_is_pulled_on_demand(mlxd: RunningServer, hub_env: HubEnv) -> None:
+    assert "hubpair:latest" not in tags(mlxd)
+    lines = ndjson(raw_pull(mlxd, {"model": "hubpair"}))
+    assert lines[-1] == {"status": "success"}
+    assert len({line["digest"] for line in lines if "digest" in line}) >= 11  # target + draft
+    assert {"hubpair:latest", "hubtiny:latest"} <= set(tags(mlxd))
+    assert not hub_env.user_file.exists()  # nothing to register
+
+
+def test_delete(mlxd: RunningServer, hub_env: HubEnv) -> None:
+    hub_env.hub.add_repo("org/solo", hub_env.pair.target)
+    c = client(mlxd)
+    c.pull("hf.co/org/solo")
+    c.generate(model="hf.co/org/solo", prompt="hi", options=GREEDY)  # loaded, then deleted
+    r = httpx.request("DELETE", f"{mlxd.base_url}/api/delete", json={"model": "hf.co/org/solo"})
+    assert (r.status_code, r.content) == (200, b"")
+    assert "hf.co/org/solo:latest" not in tags(mlxd)
+    assert "hf.co/org/solo:latest" not in load_registry_file(hub_env.user_file)
+    assert not hub_env.storage("org/solo").exists()
+    with pytest.raises(ollama.ResponseError) as info:
+        c.delete("hf.co/org/solo")
+    assert info.value.status_code == 404
+    assert info.value.error == "model 'hf.co/org/solo' not found"
+
+    # org/tiny is also the target of `hubtiny` and `hubpair` (base registry): files stay
+    c.pull("hf.co/org/tiny")
+    assert c.delete(HUB_NAME).status == "success"
+    assert HUB_NAME not in tags(mlxd)
+    assert "hubtiny:latest" in tags(mlxd)
+    assert resolve_local(TARGET_REPO) is not None
+    r = httpx.request("DELETE", f"{mlxd.base_url}/api/delete", json={"model": "a/b/c/d"})
+    assert (r.status_code, r.json()) == (400, {"error": 'name "a/b/c/d" is invalid'})
+
+
+def test_copy_then_delete_keeps_shared_files(mlxd: RunningServer, hub_env: HubEnv) -> None:
+    c = client(mlxd)
+    c.pull("org/tiny")
+    assert c.copy(HUB_NAME, "mine").status == "success"
+    assert {HUB_NAME, "mine:latest"} <= set(tags(mlxd))
+    entries = load_registry_file(hub_env.user_file)
+    assert entries["mine:latest"].target == TARGET_REPO
+    out = c.generate(model="mine", prompt="hello", options=GREEDY)
+    assert out.eval_count == GREEDY["num_predict"]
+
+    assert c.delete("mine").status == "success"
+    assert "mine:latest" not in tags(mlxd) and HUB_NAME in tags(mlxd)
+    assert resolve_local(TARGET_REPO) is not None  # still used by hf.co/org/tiny
+
+    with pytest.raises(ollama.ResponseError) as info:
+        c.copy("nope", "x")
+    assert (info.value.status_code, info.value.error) == (404, 'model "nope" not found')
+    r = httpx.post(f"{mlxd.base_url}/api/copy", json={"source": HUB_NAME, "destination": "a/b/c/d"})
+    assert (r.status_code, r.json()) == (400, {"error": 'destination "a/b/c/d" is invalid'})
+    r = httpx.post(f"{mlxd.base_url}/api/copy", json={"source": "", "destination": "x"})
+    assert (r.status_code, r.json()) == (400, {"error": 'source "" is invalid'})
+
+
+def test_deleting_a_packaged_entry_removes_its_files(mlxd: RunningServer, hub_env: HubEnv) -> None:
+    """Entries from another registry file stay configured; their unshared downloads go."""
+    c = client(mlxd)
+    c.pull("hubpair")
+    assert {"hubtiny:latest", "hubpair:latest"} <= set(tags(mlxd))
+    assert c.delete("hubpair").status == "success"
+    names = tags(mlxd)
+    assert "hubpair:latest" not in names  # its draft is gone...
+    assert "hubtiny:latest" in names  # ...its target, shared with hubtiny, is not
+    assert resolve_local(DRAFT_REPO) is None and resolve_local(TARGET_REPO) is not None
+    with pytest.raises(ollama.ResponseError) as info:
+        c.delete("hubpair")  # configured, but nothing of its own is installed any more
+    assert info.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as info:
+        c.delete("hubtiny")  # its only repo is hubpair's target too
+    assert info.value.status_code == 400
+    assert "also used by 'hubpair:latest'" in info.value.error
+    c.pull("hubpair")
+    assert "hubpair:latest" in tags(mlxd)
+
+
+def test_a_fixed_registry_refuses_hub_names_and_copies(
+    mlxd_fixed: RunningServer, hub_env: HubEnv
+) -> None:
+    lines = ndjson(raw_pull(mlxd_fixed, {"model": "org/tiny"}))
+    assert "could not be served" in lines[-1]["error"]
+    r = httpx.post(
+        f"{mlxd_fixed.base_url}/api/copy", json={"source": "hubtiny", "destination": "x"}
+    )
+    assert r.status_code == 400 and "--registry" in r.json()["error"]
+    assert ndjson(raw_pull(mlxd_fixed, {"model": "hubtiny"}))[-1] == {"status": "success"}
