@@ -16,8 +16,10 @@ import hashlib
 import json
 import logging
 import queue
+import sqlite3
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -167,7 +169,7 @@ def decode(key: str, data: bytes) -> Block | None:
         if len(body) != blen or zlib.crc32(header + body) != crc:
             return None
         meta = json.loads(header)
-        if meta.get("v") != FORMAT_VERSION or meta.get("key") != key:
+        if not isinstance(meta, dict) or meta.get("v") != FORMAT_VERSION or meta.get("key") != key:
             return None
         arrays: list[list[mx.array]] = []
         pos = 0
@@ -183,7 +185,7 @@ def decode(key: str, data: bytes) -> Block | None:
                     arr.view(mx.bfloat16) if dtype == "bfloat16" else arr.astype(mx_dtype)
                 )
         return Block(list(meta["kinds"]), arrays)
-    except (ValueError, KeyError, TypeError, struct.error):
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError, struct.error):
         return None
 
 
@@ -221,22 +223,45 @@ class RamTier:
         return evicted
 
 
-class SsdTier:
-    """diskcache on a directory, LRU and size-bounded, written behind by one thread."""
+def _open_diskcache(directory: Path, size_limit: int) -> Any:
+    """The SSD tier's store; a damaged one is moved aside and started afresh, since a cache
+    may lose its contents but must never keep the daemon from starting."""
+    import diskcache
 
-    def __init__(self, directory: Path, size_limit: int, queue_blocks: int = 256) -> None:
-        import diskcache
-
+    def open_() -> Any:
         directory.mkdir(parents=True, exist_ok=True)
         # diskcache's defaults (1 GiB, least-recently-*stored*) do not fit a KV cache.
-        self.cache = diskcache.Cache(
+        return diskcache.Cache(
             str(directory),
             size_limit=size_limit,
             eviction_policy="least-recently-used",
             cull_limit=16,
             statistics=False,
         )
-        self._queue: queue.Queue[tuple[str, Block] | None] = queue.Queue(maxsize=queue_blocks)
+
+    try:
+        return open_()
+    except sqlite3.DatabaseError as exc:
+        aside = directory.with_name(f"{directory.name}.damaged-{int(time.time())}")
+        log.error("prefix cache: %s is damaged (%s); moved to %s", directory, exc, aside)
+        directory.rename(aside)
+        return open_()
+
+
+class SsdTier:
+    """diskcache on a directory, LRU and size-bounded, written behind by one thread.
+
+    Writes queue without bound in count but within `max_pending_bytes`: decoding never waits
+    on the disk, and only a backlog larger than that drops blocks (counted in `dropped`).
+    """
+
+    def __init__(
+        self, directory: Path, size_limit: int, max_pending_bytes: int = 4 * 2**30
+    ) -> None:
+        self.cache = _open_diskcache(directory, size_limit)
+        self.max_pending_bytes = max_pending_bytes
+        self._pending_bytes = 0
+        self._queue: queue.Queue[tuple[str, Block] | None] = queue.Queue()
         self._pending: set[str] = set()
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._write_loop, name="kvcache-writer", daemon=True)
@@ -247,13 +272,12 @@ class SsdTier:
         with self._lock:
             if key in self._pending:
                 return
+            if self._pending_bytes + block.nbytes > self.max_pending_bytes:
+                self.dropped += 1  # the disk is far behind: drop rather than hold memory
+                return
             self._pending.add(key)
-        try:
-            self._queue.put_nowait((key, block))
-        except queue.Full:
-            self.dropped += 1  # decoding never waits on disk
-            with self._lock:
-                self._pending.discard(key)
+            self._pending_bytes += block.nbytes
+        self._queue.put_nowait((key, block))
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -266,6 +290,7 @@ class SsdTier:
             finally:
                 with self._lock:
                     self._pending.discard(key)
+                    self._pending_bytes -= block.nbytes
                 self._queue.task_done()
 
     def get(self, key: str) -> Block | None:

@@ -1,0 +1,812 @@
+"""The prefix cache, end to end through the real server and unit by unit on its tiers.
+
+Server tests run their own daemons (like tests/conftest.py's ServerThread, but with the cache
+settings of `daemon.config.Settings`) on a private cache directory, so every namespace starts
+cold and no other test's requests can warm it. Prompts are raw, long enough for several
+64-token blocks, and decoded greedily so a warm answer must equal the cold one.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import diskcache
+import httpx
+import mlx.core as mx
+import numpy as np
+import pytest
+import uvicorn
+
+from daemon.config import Settings
+from engine import prefix_cache as pc
+from engine.prefix_cache import (
+    Block,
+    Namespace,
+    PrefixCache,
+    RamTier,
+    SsdTier,
+    block_keys,
+    decode,
+    encode,
+)
+from tests.cache.blocks import BLOCK, KILL_NS, chain, kill_block, kill_keys, kill_tokens, make_block
+from tests.conftest import free_port
+from tests.fixtures.tiny_models import TARGET_SHAPE, TinyPair, write_model
+
+ROOT = Path(__file__).resolve().parents[2]
+GREEDY: dict[str, Any] = {"temperature": 0, "num_predict": 16}
+MiB = 2**20
+
+# -- servers with cache settings --------------------------------------------------------------
+
+
+class CacheServer:
+    """tests.conftest.ServerThread with a prefix-cache directory and budgets."""
+
+    def __init__(
+        self,
+        registry: Path,
+        cache_dir: Path,
+        ram_bytes: int = 256 * MiB,
+        ssd_bytes: int = 256 * MiB,
+    ) -> None:
+        from api.app import build_app
+        from daemon.server import build_state
+
+        self.port = free_port()
+        settings = Settings(
+            "127.0.0.1", self.port, registry, 300.0, 4,
+            cache_ram_bytes=ram_bytes, cache_ssd_bytes=ssd_bytes, cache_dir=cache_dir,
+        )  # fmt: skip
+        self.state = build_state(settings)
+        config = uvicorn.Config(
+            build_app(self.state), host="127.0.0.1", port=self.port, log_level="warning",
+            timeout_graceful_shutdown=5,
+        )  # fmt: skip
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.base_url = f"http://127.0.0.1:{self.port}"
+
+    @property
+    def prefix(self) -> PrefixCache:
+        cache = self.state.manager.prefix
+        assert cache is not None
+        return cache
+
+    def __enter__(self) -> CacheServer:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "server did not shut down"
+
+
+@dataclass(frozen=True)
+class Models:
+    registry: Path  # tiny, pair, kv, other
+    small_registry: Path  # tiny only: quick to start, for restart tests
+    target: Path  # the tiny target's directory
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair: TinyPair, tmp_path_factory: pytest.TempPathFactory) -> Models:
+    root = tmp_path_factory.mktemp("cache-models")
+    # head_dim 32 (the tiny target's 16 is below the smallest KV quantization group).
+    kv = write_model(
+        root / "kv", tiny_pair.tokenizer_dir, seed=3, hidden_size=64, num_layers=2,
+        num_heads=2, num_kv_heads=2, intermediate_size=128,
+    )  # fmt: skip
+    other = write_model(root / "other", tiny_pair.tokenizer_dir, seed=11, **TARGET_SHAPE)
+    registry = root / "models.yaml"
+    registry.write_text(
+        "models:\n"
+        f"  tiny:\n    target: {tiny_pair.target}\n"
+        f"  pair:\n    target: {tiny_pair.target}\n    draft: {tiny_pair.draft}\n"
+        f"  kv:\n    target: {kv}\n"
+        f"  other:\n    target: {other}\n",
+        encoding="utf-8",
+    )
+    small = root / "small.yaml"
+    small.write_text(f"models:\n  tiny:\n    target: {tiny_pair.target}\n", encoding="utf-8")
+    return Models(registry, small, tiny_pair.target)
+
+
+@pytest.fixture(scope="module")
+def shared(models: Models, tmp_path_factory: pytest.TempPathFactory) -> Iterator[CacheServer]:
+    """One daemon with its own cache for the tests that only need distinct prompts."""
+    with CacheServer(models.registry, tmp_path_factory.mktemp("kvcache")) as srv:
+        yield srv
+
+
+_TEXT = (
+    "the quick brown fox jumps over lazy dog small model can still say hello world answer "
+    "question tell short story about weather once upon time there was daemon that served "
+    "language models streamed tokens cached prompts and let draft guess ahead why sky blue"
+)
+_WORDS = tuple(re.findall(r"[a-z]+", _TEXT))
+
+
+def prompt_text(tag: str, words: int = 70) -> str:
+    """A deterministic raw prompt of roughly 4 tokens per word, unique to `tag`."""
+    rng = random.Random(tag)
+    return f"[{tag}] " + " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+def generate(base_url: str, model: str, prompt: str, **options: Any) -> dict[str, Any]:
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "raw": True,
+        "stream": False,
+        "options": {**GREEDY, **options},
+    }
+    r = httpx.post(f"{base_url}/api/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    assert out["done"] is True
+    return out
+
+
+def chat(base_url: str, model: str, messages: list[dict[str, str]]) -> dict[str, Any]:
+    body = {"model": model, "messages": messages, "stream": False, "options": GREEDY}
+    r = httpx.post(f"{base_url}/api/chat", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out: dict[str, Any] = r.json()
+    return out
+
+
+def full_blocks_before_last(prompt_tokens: int) -> int:
+    """What a warm request can restore: every full block of the prompt but its last token."""
+    return (prompt_tokens - 1) // BLOCK * BLOCK
+
+
+# -- 1. a repeated prompt hits -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("model", "method"),
+    [("tiny", "off"), ("pair", "off"), ("pair", "model"), ("pair", "lookup"), ("pair", "auto")],
+)
+def test_repeated_prompt_hits(shared: CacheServer, model: str, method: str) -> None:
+    prompt = prompt_text(f"repeat-{model}-{method}")
+    cold = generate(shared.base_url, model, prompt, draft_method=method)
+    warm = generate(shared.base_url, model, prompt, draft_method=method)
+    n = cold["prompt_eval_count"]
+    assert n >= 200
+    assert cold["prompt_cache_tokens"] == 0
+    assert warm["prompt_eval_count"] == n  # the whole prompt still counts
+    assert warm["prompt_cache_tokens"] > 0
+    assert warm["prompt_cache_tokens"] % BLOCK == 0
+    assert warm["prompt_cache_tokens"] == full_blocks_before_last(n)
+    assert warm["response"] == cold["response"]
+    assert cold["eval_count"] == warm["eval_count"] == GREEDY["num_predict"]
+
+
+def test_longer_prompt_reuses_the_shared_prefix(shared: CacheServer) -> None:
+    """A prompt that extends a cached one restores the common blocks and no more."""
+    base = prompt_text("extend", words=60)
+    first = generate(shared.base_url, "tiny", base, draft_method="off")
+    longer = generate(
+        shared.base_url, "tiny", base + " " + prompt_text("tail", 30), draft_method="off"
+    )
+    assert first["prompt_cache_tokens"] == 0
+    assert longer["prompt_cache_tokens"] >= full_blocks_before_last(first["prompt_eval_count"])
+    assert longer["prompt_cache_tokens"] < longer["prompt_eval_count"]
+
+
+# -- 2. the next turn of a chat hits -----------------------------------------------------------
+
+
+def test_next_chat_turn_hits(shared: CacheServer) -> None:
+    system = "You are a careful assistant. " + prompt_text("chat-system", 60)
+    turn1 = [
+        {"role": "system", "content": system},
+        {"role": "user", "content": prompt_text("chat-user-1", 12)},
+    ]
+    first = chat(shared.base_url, "tiny", turn1)
+    assert first["prompt_cache_tokens"] == 0
+    n1 = first["prompt_eval_count"]
+    assert n1 >= 200
+    reply = first["message"]["content"]
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": reply},
+        {"role": "user", "content": prompt_text("chat-user-2", 12)},
+    ]
+    second = chat(shared.base_url, "tiny", turn2)
+    hit = second["prompt_cache_tokens"]
+    assert second["prompt_eval_count"] > n1
+    assert hit > 0 and hit % BLOCK == 0
+    # At least every full block of turn 1's prompt (its final "\n" may re-tokenize with the
+    # reply that follows it, so allow one block less).
+    assert hit >= full_blocks_before_last(n1) - BLOCK
+
+
+# -- 3. namespaces never share -----------------------------------------------------------------
+
+
+def test_draft_methods_do_not_share(shared: CacheServer) -> None:
+    prompt = prompt_text("ns-draft")
+    firsts = {
+        method: generate(shared.base_url, "pair", prompt, draft_method=method)
+        for method in ("off", "lookup", "model", "auto")
+    }
+    for method, out in firsts.items():
+        assert out["prompt_cache_tokens"] == 0, method
+    # ... yet each of them did cache: a repeat of each hits, with the same text.
+    for method, out in firsts.items():
+        again = generate(shared.base_url, "pair", prompt, draft_method=method)
+        assert again["prompt_cache_tokens"] > 0, method
+        assert again["response"] == out["response"], method
+
+
+def test_kv_quantization_does_not_share(shared: CacheServer) -> None:
+    prompt = prompt_text("ns-kv")
+    variants: list[dict[str, Any]] = [
+        {},
+        {"kv_bits": 8, "kv_group_size": 32},
+        {"kv_bits": 4, "kv_group_size": 32},
+        {"kv_bits": 8, "kv_group_size": 32, "quantized_kv_start": 128},
+    ]
+    for opts in variants:
+        out = generate(shared.base_url, "kv", prompt, draft_method="off", **opts)
+        assert out["prompt_cache_tokens"] == 0, opts
+    for opts in variants:
+        out = generate(shared.base_url, "kv", prompt, draft_method="off", **opts)
+        assert out["prompt_cache_tokens"] > 0, opts
+
+
+def test_models_do_not_share(shared: CacheServer) -> None:
+    prompt = prompt_text("ns-model")
+    tiny = generate(shared.base_url, "tiny", prompt, draft_method="off")
+    other = generate(shared.base_url, "other", prompt, draft_method="off")
+    assert tiny["prompt_cache_tokens"] == 0
+    assert other["prompt_cache_tokens"] == 0
+    assert other["response"] != tiny["response"]  # really a different model
+    # The same target files under another registry name are the same K/V: they do share.
+    pair = generate(shared.base_url, "pair", prompt, draft_method="off")
+    assert pair["prompt_cache_tokens"] > 0
+    assert pair["response"] == tiny["response"]
+
+
+# -- 4. warm equals cold with a quantized KV cache --------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["off", "lookup"])
+def test_warm_equals_cold_with_kv_bits_8(shared: CacheServer, method: str) -> None:
+    prompt = prompt_text(f"kv8-{method}")
+    opts = {"kv_bits": 8, "kv_group_size": 32, "draft_method": method}
+    cold = generate(shared.base_url, "kv", prompt, **opts)
+    warm = generate(shared.base_url, "kv", prompt, **opts)
+    assert cold["prompt_cache_tokens"] == 0
+    assert warm["prompt_cache_tokens"] == full_blocks_before_last(cold["prompt_eval_count"])
+    assert warm["response"] == cold["response"]
+
+
+# -- 5. a restarted daemon serves from SSD -----------------------------------------------------
+
+
+def test_restart_serves_from_ssd(models: Models, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "kvcache"
+    prompt = prompt_text("restart", 90)
+    with CacheServer(models.small_registry, cache_dir) as a:
+        cold = generate(a.base_url, "tiny", prompt, draft_method="off")
+        assert cold["prompt_cache_tokens"] == 0
+    # A's shutdown persisted its RAM blocks; B starts with an empty RAM tier.
+    with CacheServer(models.small_registry, cache_dir) as b:
+        assert b.prefix.snapshot()["ram_blocks"] == 0
+        warm = generate(b.base_url, "tiny", prompt, draft_method="off")
+        snap = b.prefix.snapshot()
+    assert warm["prompt_cache_tokens"] == full_blocks_before_last(cold["prompt_eval_count"])
+    assert snap["ssd_hit_blocks"] == warm["prompt_cache_tokens"] // BLOCK
+    assert snap["ram_hit_blocks"] == 0
+    assert warm["response"] == cold["response"]
+
+
+# -- 6. corrupted SSD entries are misses -------------------------------------------------------
+
+
+def _stored_files(cache_dir: Path) -> list[Path]:
+    return sorted(cache_dir.rglob("*.val"))
+
+
+def _corrupt_database_values(cache_dir: Path) -> int:
+    """Flip a byte in every value diskcache keeps inline in its database (< 32 KiB)."""
+    con = sqlite3.connect(cache_dir / "cache.db")
+    try:
+        rows = con.execute("SELECT rowid, value FROM Cache WHERE value IS NOT NULL").fetchall()
+        for rowid, value in rows:
+            data = bytearray(value)
+            data[len(data) // 2] ^= 0xFF
+            con.execute("UPDATE Cache SET value = ? WHERE rowid = ?", (bytes(data), rowid))
+        con.commit()
+    finally:
+        con.close()
+    return len(rows)
+
+
+def test_corrupted_ssd_after_restart_is_a_miss(models: Models, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "kvcache"
+    prompt = prompt_text("corrupt", 90)
+    with CacheServer(models.small_registry, cache_dir) as a:
+        cold = generate(a.base_url, "tiny", prompt, draft_method="off")
+    files = _stored_files(cache_dir)
+    assert len(files) >= 3  # the tiny target's blocks are ~32 KiB: stored as files
+    for i, path in enumerate(files):
+        data = bytearray(path.read_bytes())
+        if i % 3 == 2:
+            path.write_bytes(bytes(data[: len(data) // 2]))  # truncated
+        else:
+            mid = len(data) // 2
+            data[mid : mid + 16] = bytes(16)  # zeroed in the middle
+            data[mid + 100] ^= 0x5A
+            path.write_bytes(bytes(data))
+    inline = _corrupt_database_values(cache_dir)
+    with diskcache.Cache(str(cache_dir)) as dc:
+        assert len(files) + inline == len(dc)  # every stored value was damaged
+    with CacheServer(models.small_registry, cache_dir) as b:
+        warm = generate(b.base_url, "tiny", prompt, draft_method="off")
+        snap = b.prefix.snapshot()
+        again = generate(b.base_url, "tiny", prompt, draft_method="off")
+    assert warm["prompt_cache_tokens"] == 0
+    assert snap["ssd_hit_blocks"] == 0
+    assert warm["response"] == cold["response"]
+    # The recomputed blocks replaced the bad entries.
+    assert again["prompt_cache_tokens"] == full_blocks_before_last(cold["prompt_eval_count"])
+    assert again["response"] == cold["response"]
+
+
+def test_partly_corrupted_ssd_restores_the_good_prefix(models: Models, tmp_path: Path) -> None:
+    """Only the third block is damaged: a restart restores blocks 1-2 and recomputes the rest."""
+    cache_dir = tmp_path / "kvcache"
+    prompt = prompt_text("corrupt-third", 90)
+    with CacheServer(models.small_registry, cache_dir) as a:
+        cold = generate(a.base_url, "tiny", prompt, draft_method="off")
+    keys = _prompt_keys(models.target, prompt)
+    assert len(keys) == full_blocks_before_last(cold["prompt_eval_count"]) // BLOCK >= 4
+    with diskcache.Cache(str(cache_dir)) as dc:
+        handle = dc.get(keys[2], read=True)
+        assert handle is not None
+        path = Path(handle.name)
+        handle.close()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with CacheServer(models.small_registry, cache_dir) as b:
+        warm = generate(b.base_url, "tiny", prompt, draft_method="off")
+    assert warm["prompt_cache_tokens"] == 2 * BLOCK
+    assert warm["response"] == cold["response"]
+
+
+def test_corrupted_cache_database_does_not_stop_the_daemon(models: Models, tmp_path: Path) -> None:
+    cache_dir = tmp_path / "kvcache"
+    prompt = prompt_text("corrupt-db", 90)
+    with CacheServer(models.small_registry, cache_dir) as a:
+        cold = generate(a.base_url, "tiny", prompt, draft_method="off")
+    (cache_dir / "cache.db").write_bytes(b"\x00not a database\x00" * 2048)
+    with CacheServer(models.small_registry, cache_dir) as b:
+        warm = generate(b.base_url, "tiny", prompt, draft_method="off")
+    assert warm["prompt_cache_tokens"] == 0
+    assert warm["response"] == cold["response"]
+
+
+def _prompt_keys(target: Path, prompt: str) -> list[str]:
+    """The block keys a raw `prompt` to `target` with speculation off is cached under."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    from registry.store import model_digest
+
+    tokens = list(load_tokenizer(target).encode(prompt))  # what raw mode sends to the engine
+    ns = Namespace(model=model_digest(target), draft="off")
+    return block_keys(tokens[:-1], ns, BLOCK)
+
+
+# -- encode / decode ---------------------------------------------------------------------------
+
+
+def mixed_block(seed: int) -> Block:
+    """float32, float16, bfloat16 and a quantized layer in one block."""
+    rng = np.random.default_rng(seed)
+
+    def normal(dtype: mx.Dtype) -> mx.array:
+        return mx.array(rng.standard_normal((1, 2, BLOCK, 32)).astype(np.float32)).astype(dtype)
+
+    wq_k, s_k, b_k = mx.quantize(normal(mx.float16), group_size=32, bits=8)
+    wq_v, s_v, b_v = mx.quantize(normal(mx.float16), group_size=32, bits=8)
+    return Block(
+        ["kv", "kv", "kv", "q8/32"],
+        [
+            [normal(mx.float32), normal(mx.float32)],
+            [normal(mx.float16), normal(mx.float16)],
+            [normal(mx.bfloat16), normal(mx.bfloat16)],
+            [wq_k, s_k, b_k, wq_v, s_v, b_v],
+        ],
+    )
+
+
+def assert_same_block(got: Block | None, want: Block) -> None:
+    assert got is not None
+    assert got.kinds == want.kinds
+    assert len(got.arrays) == len(want.arrays)
+    for got_layer, want_layer in zip(got.arrays, want.arrays, strict=True):
+        assert len(got_layer) == len(want_layer)
+        for g, w in zip(got_layer, want_layer, strict=True):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            assert mx.array_equal(g, w).item()
+
+
+KEY = "ab" * 32
+
+
+def test_encode_decode_round_trip() -> None:
+    for block in (make_block(1), mixed_block(2)):
+        assert_same_block(decode(KEY, encode(KEY, block)), block)
+
+
+def test_every_flipped_byte_is_a_miss() -> None:
+    data = encode(KEY, make_block(3, layers=1, tokens=8, head_dim=4))
+    for pos in range(len(data)):
+        bad = bytearray(data)
+        bad[pos] ^= 0x01
+        assert decode(KEY, bytes(bad)) is None, pos
+
+
+def test_truncated_or_extended_is_a_miss() -> None:
+    data = encode(KEY, make_block(4))
+    for cut in (0, 1, 7, 8, 12, 20, 40, len(data) // 2, len(data) - 4, len(data) - 1):
+        assert decode(KEY, data[:cut]) is None, cut
+    assert decode(KEY, data + b"\x00") is None
+
+
+def test_wrong_key_is_a_miss() -> None:
+    data = encode(KEY, make_block(5))
+    assert decode("cd" * 32, data) is None
+    assert decode("", data) is None
+
+
+def test_other_version_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
+    block = make_block(6)
+    monkeypatch.setattr(pc, "FORMAT_VERSION", pc.FORMAT_VERSION + 1)
+    newer = encode(KEY, block)  # a valid checksum over a header that says version 2
+    monkeypatch.undo()
+    assert decode(KEY, newer) is None
+    other_magic = b"MLXDKV\x00\x02" + encode(KEY, block)[len(pc.MAGIC) :]
+    assert decode(KEY, other_magic) is None
+
+
+def test_garbage_is_a_miss() -> None:
+    rng = random.Random(7)
+    samples = [b"", b"\x00" * 100, pc.MAGIC, pc.MAGIC + b"\xff" * 64]
+    samples += [bytes(rng.getrandbits(8) for _ in range(rng.randrange(1, 4096))) for _ in range(50)]
+    samples += [pc.MAGIC + bytes(rng.getrandbits(8) for _ in range(200)) for _ in range(50)]
+    for data in samples:
+        assert decode(KEY, data) is None
+
+
+def _envelope(header: bytes, body: bytes = b"") -> bytes:
+    """A well-formed entry (right magic, lengths and checksum) around any header."""
+    import struct
+    import zlib
+
+    crc = zlib.crc32(header + body)
+    return pc.MAGIC + struct.pack("<IQI", len(header), len(body), crc) + header + body
+
+
+def test_checksummed_entry_with_a_bad_header_is_a_miss() -> None:
+    bad_headers = [
+        b"not json",
+        b'{"v": 1}',  # no key, kinds or arrays
+        b'{"v": 1, "key": "%s", "kinds": ["kv"], "arrays": [[["int8", [4]]]]}' % KEY.encode(),
+        b'{"v": 1, "key": "%s", "kinds": ["kv"], "arrays": [[["float32", [999]]]]}' % KEY.encode(),
+    ]
+    for header in bad_headers:
+        assert decode(KEY, _envelope(header, b"\x00" * 16)) is None, header
+
+
+@pytest.mark.parametrize("header", [b"[]", b"1", b'"v"', b"null"])
+def test_checksummed_non_object_header_is_a_miss(header: bytes) -> None:
+    assert decode(KEY, _envelope(header)) is None
+
+
+# -- SsdTier -----------------------------------------------------------------------------------
+
+
+def test_ssd_tier_round_trip_and_bad_values(tmp_path: Path) -> None:
+    tier = SsdTier(tmp_path / "ssd", 64 * MiB)
+    try:
+        blocks = {f"{i:064x}": make_block(i) for i in range(4)}
+        small = make_block(99, layers=1, tokens=4)  # < 32 KiB: stored inside the database
+        blocks["small".ljust(64, "0")] = small
+        for key, block in blocks.items():
+            tier.put_async(key, block)
+        tier.flush()
+        for key, block in blocks.items():
+            assert_same_block(tier.get(key), block)
+        assert tier.get("f" * 64) is None  # never stored
+
+        keys = list(blocks)
+        stored = bytes(tier.cache[keys[0]])
+        flipped = bytearray(stored)
+        flipped[len(flipped) // 2] ^= 0x80
+        tier.cache.set(keys[0], bytes(flipped))
+        tier.cache.set(keys[1], stored[: len(stored) - 100])
+        tier.cache.set(keys[2], stored)  # key 0's entry under key 2: a foreign entry
+        tier.cache.set(keys[3], "not bytes")
+        tier.cache.set(keys[4], 12345)
+        for key in keys:
+            assert tier.get(key) is None, key
+        # A bad entry is deleted on read, so it is rewritten by the next put.
+        assert keys[0] not in tier.cache
+        tier.put_async(keys[0], blocks[keys[0]])
+        tier.flush()
+        assert_same_block(tier.get(keys[0]), blocks[keys[0]])
+    finally:
+        tier.close()
+
+
+def test_value_files_corrupted_on_disk_are_misses(tmp_path: Path) -> None:
+    tier = SsdTier(tmp_path / "ssd", 64 * MiB)
+    keys = [f"{i:064x}" for i in range(6)]
+    for i, key in enumerate(keys):
+        tier.put_async(key, make_block(i))
+    tier.close()
+    files = _stored_files(tmp_path / "ssd")
+    assert len(files) == len(keys)
+    files[0].write_bytes(b"")
+    files[1].write_bytes(files[1].read_bytes()[:100])
+    data = bytearray(files[2].read_bytes())
+    data[len(data) // 3 : len(data) // 3 + 64] = b"\xee" * 64
+    files[2].write_bytes(bytes(data))
+    files[3].unlink()
+    tier = SsdTier(tmp_path / "ssd", 64 * MiB)
+    try:
+        results = {key: tier.get(key) for key in keys}
+        bad = [k for k, b in results.items() if b is None]
+        assert len(bad) == 4
+        for i, key in enumerate(keys):
+            if results[key] is not None:
+                assert_same_block(results[key], make_block(i))
+    finally:
+        tier.close()
+
+
+# -- 7. budgets hold under pressure ------------------------------------------------------------
+
+
+def test_ram_tier_stays_within_budget_and_evicts_lru_first() -> None:
+    sizes = [BLOCK // 4 * (1 + i % 4) for i in range(40)]  # varied block sizes
+    blocks = {f"k{i}": make_block(i, layers=1, tokens=t, head_dim=8) for i, t in enumerate(sizes)}
+    budget = 6 * blocks["k3"].nbytes
+    ram = RamTier(budget)
+    order: list[str] = []  # our own model of recency, least recent first
+    rng = random.Random(3)
+    for key, block in blocks.items():
+        if order and rng.random() < 0.5:  # touch one: it becomes most recent
+            touched = rng.choice(order)
+            assert ram.get(touched) is not None
+            order.remove(touched)
+            order.append(touched)
+        evicted = ram.put(key, block)
+        order.append(key)
+        expected = []
+        total = sum(blocks[k].nbytes for k in order)
+        while total > budget:
+            old = order.pop(0)
+            expected.append(old)
+            total -= blocks[old].nbytes
+        assert [k for k, _ in evicted] == expected
+        assert list(ram.entries) == order
+        assert ram.nbytes == sum(b.nbytes for b in ram.entries.values()) <= budget
+
+
+def test_ram_tier_rejects_a_block_larger_than_its_budget() -> None:
+    block = make_block(1)
+    ram = RamTier(block.nbytes - 1)
+    assert ram.put("big", block) == [("big", block)]
+    assert ram.nbytes == 0 and not ram.entries
+    assert ram.get("big") is None
+
+
+def test_small_ram_spills_to_ssd_and_lookup_finds_it(tmp_path: Path) -> None:
+    ns = Namespace(model="spill")
+    tokens = chain(12)
+    keys = block_keys(tokens, ns, BLOCK)
+    blocks = [make_block(100 + i) for i in range(len(keys))]
+    budget = 3 * blocks[0].nbytes
+    cache = PrefixCache(budget, tmp_path / "ssd", 64 * MiB)
+    try:
+        for key, block in zip(keys, blocks, strict=True):
+            cache.insert(key, block)
+            assert cache.ram.nbytes <= budget
+        cache.ssd.flush() if cache.ssd is not None else None
+        found = cache.lookup(ns, tokens)
+        assert len(found) == len(keys)
+        for got, want in zip(found, blocks, strict=True):
+            assert_same_block(got, want)
+        snap = cache.snapshot()
+        assert snap["ssd_hit_blocks"] >= len(keys) - 3
+        assert snap["ram_bytes"] <= budget
+    finally:
+        cache.close()
+
+
+def test_blocks_evicted_from_ram_survive_a_restart(tmp_path: Path) -> None:
+    """Blocks long evicted from a tiny RAM tier are on SSD, and a fresh cache on the same
+    directory (a restart) restores every one."""
+    ns = Namespace(model="spill2")
+    tokens = chain(8, seed=1)
+    keys = block_keys(tokens, ns, BLOCK)
+    blocks = [make_block(200 + i) for i in range(len(keys))]
+    cache = PrefixCache(2 * blocks[0].nbytes, tmp_path / "ssd", 64 * MiB)
+    for key, block in zip(keys, blocks, strict=True):
+        cache.insert(key, block)
+    cache.close()
+    reopened = PrefixCache(64 * MiB, tmp_path / "ssd", 64 * MiB)
+    try:
+        found = reopened.lookup(ns, tokens)
+        assert len(found) == len(keys)
+        assert reopened.snapshot()["ssd_hit_blocks"] == len(keys)
+    finally:
+        reopened.close()
+
+
+def test_shutdown_persists_a_burst_larger_than_the_writer_queue(tmp_path: Path) -> None:
+    """One offer of a long prompt inserts hundreds of blocks at once; close() (the daemon's
+    shutdown) must still leave every RAM block on SSD."""
+    ns = Namespace(model="persist")
+    tokens = chain(600, seed=2)
+    keys = block_keys(tokens, ns, BLOCK)
+    block = make_block(7, layers=1, tokens=4, head_dim=4)
+    cache = PrefixCache(256 * MiB, tmp_path / "ssd", 256 * MiB)
+    for key in keys:
+        cache.insert(key, block)
+    assert len(cache.ram.entries) == len(keys)  # all of them fit in RAM
+    cache.close()
+    reopened = PrefixCache(256 * MiB, tmp_path / "ssd", 256 * MiB)
+    try:
+        assert len(reopened.lookup(ns, tokens)) == len(keys)
+    finally:
+        reopened.close()
+
+
+def test_shutdown_persists_what_fits_the_writer_queue(tmp_path: Path) -> None:
+    """Below the queue size nothing is lost: every block inserted before close() is on SSD."""
+    ns = Namespace(model="persist-small")
+    tokens = chain(100, seed=3)
+    keys = block_keys(tokens, ns, BLOCK)
+    cache = PrefixCache(256 * MiB, tmp_path / "ssd", 256 * MiB)
+    for i, key in enumerate(keys):
+        cache.insert(key, make_block(i, layers=1, tokens=8, head_dim=8))
+    cache.close()
+    reopened = PrefixCache(256 * MiB, tmp_path / "ssd", 256 * MiB)
+    try:
+        found = reopened.lookup(ns, tokens)
+        assert len(found) == len(keys)
+        for i, got in enumerate(found):
+            assert_same_block(got, make_block(i, layers=1, tokens=8, head_dim=8))
+    finally:
+        reopened.close()
+
+
+def test_ssd_volume_stays_near_its_limit(tmp_path: Path) -> None:
+    limit = 2 * MiB
+    block = make_block(8)  # ~32 KiB each
+    tier = SsdTier(tmp_path / "ssd", limit)
+    try:
+        keys = [f"{i:064x}" for i in range(300)]  # ~10 MiB in all: five times the limit
+        for start in range(0, len(keys), 20):
+            for key in keys[start : start + 20]:
+                tier.put_async(key, block)
+            tier.flush()
+            assert tier.nbytes <= 1.5 * limit + len(encode(keys[0], block))
+        assert tier.dropped == 0
+        # LRU: the newest entries survive, the oldest were culled.
+        assert_same_block(tier.get(keys[-1]), block)
+        assert tier.get(keys[0]) is None
+        assert len(tier.cache) < len(keys)
+    finally:
+        tier.close()
+
+
+# -- 8. kill -9 during SSD writes --------------------------------------------------------------
+
+_WRITER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from tests.cache.blocks import kill_block, kill_keys
+    from engine.prefix_cache import PrefixCache
+
+    cache = PrefixCache(1 << 20, Path(sys.argv[1]), 1 << 30)
+    for i, key in enumerate(kill_keys()):
+        cache.insert(key, kill_block(i))
+        if i % 8 == 7:
+            cache.ssd.flush()
+            print(i + 1, flush=True)
+    print("finished", flush=True)
+    """
+)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def test_kill_9_during_ssd_writes_leaves_a_usable_cache(tmp_path: Path) -> None:
+    directory = tmp_path / "ssd"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    stderr = open(tmp_path / "writer.err", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _WRITER, str(directory)],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=stderr, text=True,
+    )  # fmt: skip
+    flushed = 0
+    try:
+        assert proc.stdout is not None
+        while flushed < 48 or _dir_bytes(directory) < 2 * MiB:
+            line = proc.stdout.readline()
+            assert line, "writer ended early: " + (tmp_path / "writer.err").read_text()
+            assert line.strip() != "finished", "writer finished before it was killed"
+            flushed = int(line)
+        proc.send_signal(signal.SIGKILL)  # mid-stream: it keeps writing until killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+        stderr.close()
+    assert proc.returncode == -signal.SIGKILL
+
+    keys = kill_keys()
+    cache = PrefixCache(256 * MiB, directory, 1 << 30)
+    try:
+        assert cache.ssd is not None
+        present = 0
+        for i, key in enumerate(keys):
+            got = cache.ssd.get(key)
+            if got is not None:
+                assert_same_block(got, kill_block(i))
+                present += 1
+            elif i < flushed:
+                pytest.fail(f"block {i} was flushed before the kill but is gone")
+        assert present >= flushed
+        # A chained lookup restores the longest intact prefix, every block exact.
+        tokens = kill_tokens()
+        found = cache.lookup(KILL_NS, tokens)
+        assert len(found) >= flushed
+        for i, got in enumerate(found):
+            assert_same_block(got, kill_block(i))
+        # New writes and reads work.
+        fresh = Namespace(model="after-kill")
+        fresh_tokens = chain(3, seed=10)
+        for i, key in enumerate(block_keys(fresh_tokens, fresh, BLOCK)):
+            cache.ssd.put_async(key, make_block(500 + i))
+        cache.ssd.flush()
+        cache.ram = RamTier(cache.ram.budget)  # forget RAM: read back from SSD
+        again = cache.lookup(fresh, fresh_tokens)
+        assert len(again) == 3
+        for i, got in enumerate(again):
+            assert_same_block(got, make_block(500 + i))
+    finally:
+        cache.close()
