@@ -8,6 +8,7 @@ import fnmatch
 import hashlib
 import os
 import shutil
+import threading
 from collections import namedtuple
 from pathlib import Path
 from typing import Any
@@ -279,3 +280,27 @@ def test_closing_the_stream_cancels_cleanly(hub_env: HubEnv) -> None:
     assert user_entries(hub_env) == {}
     assert run("org/tiny")[-1].status == "success"
     assert resolve_local(TARGET_REPO) is not None
+
+
+def test_two_simultaneous_pulls_download_each_file_once(hub_env: HubEnv) -> None:
+    results: list[list[Progress]] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            results.append(run("org/tiny"))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and len(results) == 2
+    assert all(items[-1].status == "success" for items in results)
+    files = model_files(hub_env.pair.target)
+    assert sorted(r.path.rsplit("/", 1)[-1] for r in hub_env.hub.gets()) == sorted(files)
+    snapshot = resolve_local(TARGET_REPO)
+    assert snapshot is not None and model_files(snapshot) == files
+    assert list(user_entries(hub_env)) == ["hf.co/org/tiny:latest"]
