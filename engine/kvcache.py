@@ -13,11 +13,15 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+
+# On a GPU a new attention shape costs a compile, so buckets are wide; on the CPU padding costs
+# compute, so they stay at mlx-lm's 256.
+BUCKET = 1024 if mx.default_device().type == mx.DeviceType.gpu else 256
 
 
 class BucketedKVCache(KVCache):
-    step = 256
+    step = BUCKET
 
     def _capacity_for(self, n: int) -> int:
         need = self.offset + n
@@ -55,6 +59,41 @@ class BucketedKVCache(KVCache):
         rows = mx.arange(n)[:, None] + self.offset
         cols = mx.arange(capacity)[None, :]
         return cols <= rows
+
+    @classmethod
+    def merge(cls, caches: Any) -> Any:
+        """Rows joining a continuous batch keep the bucketed shapes."""
+        return BucketedBatchKVCache.merge(caches)
+
+
+class BucketedBatchKVCache(BatchKVCache):
+    """The batch cache, handing attention its whole allocated buffer with a (B, 1, N, capacity)
+    mask: batched decoding otherwise masks over a key length that changes every step."""
+
+    step = BUCKET
+
+    def _capacity_for(self, n: int) -> int:
+        prev = self._idx
+        if self.keys is None:
+            return ((self.step + n - 1) // self.step) * self.step
+        have = int(self.keys.shape[2])
+        if prev + n <= have:
+            return have
+        base = prev if prev % self.step != 0 else have  # mirrors BatchKVCache's growth
+        return base + ((self.step + n - 1) // self.step) * self.step
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        super().update_and_fetch(keys, values)
+        assert self.keys is not None and self.values is not None
+        return self.keys, self.values
+
+    def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
+        n = N
+        capacity = self._capacity_for(n)
+        cols = mx.arange(capacity)[None, None, None, :]
+        rows = (mx.arange(n) + self._idx)[None, None, :, None]
+        left = mx.expand_dims(self.left_padding, (1, 2, 3))
+        return (cols <= rows) & (cols >= left)
 
 
 def make_cache(model: nn.Module) -> list[Any]:

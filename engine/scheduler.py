@@ -24,6 +24,7 @@ from engine.cache_use import has_companion, namespace_for, offer, offer_caches, 
 from engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from engine.events import Event, Failed, GenerationRequest
 from engine.generation import Generation
+from engine.kvcache import make_cache
 from engine.options import SamplingOptions
 from engine.pairing import Pairing
 from engine.prefix_cache import PrefixCache
@@ -237,7 +238,7 @@ class Scheduler:
         uid = self._ensure_batch().insert(
             [prompt],
             max_tokens=[max(row.limit - len(row.output), 1)],
-            caches=[cache] if cache is not None else None,
+            caches=[cache if cache is not None else make_cache(self.pairing.target)],
             all_tokens=[history],
             samplers=[row_sampler(opts, rng)],
             logits_processors=[row_processors(opts)],
