@@ -77,10 +77,15 @@ def generation_limit(opts: SamplingOptions, prompt_len: int, context_length: int
     return room if opts.num_predict < 0 else min(opts.num_predict, room)
 
 
+def _greedy(logprobs: mx.array) -> mx.array:
+    return mx.argmax(logprobs, axis=-1)
+
+
 def row_sampler(opts: SamplingOptions, rng: Rng) -> Callable[[mx.array], mx.array]:
-    """The batch's per-row sampler; log-probabilities shape the same distribution as logits."""
+    """The batch's per-row sampler; log-probabilities shape the same distribution as logits.
+    Greedy rows share one function object, which the batch samples in a single call."""
     if opts.greedy:
-        return lambda logprobs: mx.argmax(logprobs, axis=-1)
+        return _greedy
     return lambda logprobs: sample(probabilities(logprobs, opts), rng.next())
 
 
