@@ -108,7 +108,7 @@ async def show(request: Request) -> Response:
 # -- inference ------------------------------------------------------------------------------
 
 
-def _options(entry: ModelEntry, body: dict[str, Any]) -> SamplingOptions:
+def request_options(entry: ModelEntry, body: dict[str, Any]) -> SamplingOptions:
     try:
         return parse_options(entry.options, field(body, "options", dict))
     except OptionsError as exc:
@@ -135,7 +135,7 @@ def _check_think(body: dict[str, Any], entry: ModelEntry) -> None:
     raise ApiError(400, f'"{entry.name}" does not support thinking')
 
 
-def _check_format(body: dict[str, Any]) -> None:
+def check_format(body: dict[str, Any]) -> None:
     fmt = body.get("format")
     if fmt in (None, ""):
         return
@@ -189,16 +189,42 @@ def _render(pairing: Pairing, tokens_before: list[int], text: str, templated: bo
     return tokens
 
 
+async def prepare(
+    state: ServerState,
+    entry: ModelEntry,
+    keep_alive: float | None,
+    render: Callable[[Pairing], str],
+    before: list[int] | None = None,
+    templated: bool = True,
+) -> tuple[Loaded, float, list[int]]:
+    """Acquire the model, render and tokenize the prompt; the slot is released if that fails."""
+    slot, load_seconds = await _acquire(state, entry, keep_alive)
+    try:
+        pairing = state.manager.pairing(slot)
+        text = render(pairing)
+        tokens = await run_in_threadpool(_render, pairing, before or [], text, templated)
+    except PromptError as exc:
+        state.manager.release(slot)
+        msg = str(exc)
+        raise ApiError(
+            400, f"{entry.name} {msg}" if msg == "does not support insert" else msg
+        ) from exc
+    except BaseException:
+        state.manager.release(slot)
+        raise
+    return slot, load_seconds, tokens
+
+
 @dataclass
-class _Shape:
+class Shape:
     """How one route wraps text and the final metrics into Ollama's objects."""
 
     chunk: Callable[[str], dict[str, Any]]
     final: Callable[[Done, str], dict[str, Any]]
 
 
-async def _run(
-    state: ServerState, slot: Loaded, gen: GenerationRequest, stream: bool, shape: _Shape
+async def respond(
+    state: ServerState, slot: Loaded, gen: GenerationRequest, stream: bool, shape: Shape
 ) -> Response:
     manager = state.manager
     if not stream:
@@ -268,9 +294,9 @@ async def generate(request: Request) -> Response:
         raise ApiError(400, "invalid value for field 'context': expected an array of token ids")
     if raw and (template or system or context):
         raise ApiError(400, "raw mode does not support template, system, or context")
-    _check_format(body)
+    check_format(body)
     _check_think(body, entry)
-    opts = _options(entry, body)
+    opts = request_options(entry, body)
     keep_alive = _keep_alive(body)
 
     def envelope(**kw: Any) -> dict[str, Any]:
@@ -282,31 +308,18 @@ async def generate(request: Request) -> Response:
             lambda reason: envelope(response="", done=True, done_reason=reason),
         )  # fmt: skip
 
-    slot, load_seconds = await _acquire(state, entry, keep_alive)
-    try:
-        pairing = state.manager.pairing(slot)
-        if raw:
-            text = prompt
-        else:
-            sys_prompt = system or entry.system
-            text = render_generate(
-                pairing.tokenizer, prompt, sys_prompt, template, suffix, pairing.fim
-            )
-        prompt_tokens = await run_in_threadpool(
-            _render, pairing, list(context or []), text, not raw
-        )
+    def render(pairing: Pairing) -> str:
         if context:
             _check_ids(context, pairing)
-    except PromptError as exc:
-        state.manager.release(slot)
-        msg = str(exc)
-        raise ApiError(
-            400, f"{entry.name} {msg}" if msg == "does not support insert" else msg
-        ) from exc
-    except BaseException:
-        state.manager.release(slot)
-        raise
+        if raw:
+            return prompt
+        return render_generate(
+            pairing.tokenizer, prompt, system or entry.system, template, suffix, pairing.fim
+        )
 
+    slot, load_seconds, prompt_tokens = await prepare(
+        state, entry, keep_alive, render, list(context or []), templated=not raw
+    )
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
 
     def final(done: Done, text: str) -> dict[str, Any]:
@@ -315,11 +328,11 @@ async def generate(request: Request) -> Response:
             extra["context"] = prompt_tokens + done.output_tokens
         return envelope(response=text, **_final_fields(done), **extra)
 
-    shape = _Shape(
+    shape = Shape(
         chunk=lambda text: envelope(response=text, done=False),
         final=final,
     )
-    return await _run(state, slot, gen, stream, shape)
+    return await respond(state, slot, gen, stream, shape)
 
 
 def _check_ids(ids: list[int], pairing: Pairing) -> None:
@@ -328,7 +341,7 @@ def _check_ids(ids: list[int], pairing: Pairing) -> None:
         raise ApiError(400, "invalid value for field 'context': token id out of range")
 
 
-def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+def parse_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     raw = body.get("messages")
     if raw is None:
         return []
@@ -366,12 +379,12 @@ async def chat(request: Request) -> Response:
     if not name:
         raise ApiError(400, "model is required")
     entry = lookup(state, name)
-    messages = _messages(body)
+    messages = parse_messages(body)
     stream = field(body, "stream", bool, True)
     tools = field(body, "tools", list)
-    _check_format(body)
+    check_format(body)
     _check_think(body, entry)
-    opts = _options(entry, body)
+    opts = request_options(entry, body)
     keep_alive = _keep_alive(body)
 
     def envelope(content: str, **kw: Any) -> dict[str, Any]:
@@ -391,23 +404,15 @@ async def chat(request: Request) -> Response:
             lambda reason: envelope("", done=True, done_reason=reason),
         )
 
-    slot, load_seconds = await _acquire(state, entry, keep_alive)
-    try:
-        pairing = state.manager.pairing(slot)
+    def render(pairing: Pairing) -> str:
         if tools and "tools" not in pairing.capabilities:
             raise ApiError(400, f"{entry.name} does not support tools")
-        text = render_chat(pairing.tokenizer, with_system(messages, entry.system))
-        prompt_tokens = await run_in_threadpool(_render, pairing, [], text, True)
-    except PromptError as exc:
-        state.manager.release(slot)
-        raise ApiError(400, str(exc)) from exc
-    except BaseException:
-        state.manager.release(slot)
-        raise
+        return render_chat(pairing.tokenizer, with_system(messages, entry.system))
 
+    slot, load_seconds, prompt_tokens = await prepare(state, entry, keep_alive, render)
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
-    shape = _Shape(
+    shape = Shape(
         chunk=lambda text: envelope(text, done=False),
         final=lambda done, text: envelope(text, **_final_fields(done)),
     )
-    return await _run(state, slot, gen, stream, shape)
+    return await respond(state, slot, gen, stream, shape)

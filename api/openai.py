@@ -26,22 +26,20 @@ from api.errors import ApiError, field, read_json
 from api.modelinfo import LocalModel, find_local
 from api.ollama import (
     ServerState,
-    _acquire,
-    _check_format,
-    _messages,
-    _options,
-    _render,
-    _run,
-    _Shape,
+    Shape,
+    check_format,
     lookup,
+    parse_messages,
+    prepare,
+    request_options,
+    respond,
     state_of,
 )
 from engine.events import Done, Failed, GenerationRequest, TextChunk
 from engine.manager import Loaded
 from engine.pairing import Pairing
-from engine.prompt import PromptError, render_chat, render_generate, with_system
+from engine.prompt import render_chat, render_generate, with_system
 from registry.names import InvalidModelName, parse_name
-from registry.schema import ModelEntry
 
 log = logging.getLogger(__name__)
 
@@ -150,10 +148,10 @@ def _response_format(body: dict[str, Any]) -> None:
     if kind == "text":
         return
     if kind == "json_object":
-        _check_format({"format": "json"})
+        check_format({"format": "json"})
     if kind == "json_schema":
         schema = (fmt.get("json_schema") or {}).get("schema")
-        _check_format({"format": schema if isinstance(schema, dict) else {}})
+        check_format({"format": schema if isinstance(schema, dict) else {}})
     raise ApiError(400, f"invalid response_format type: {json.dumps(kind)}")
 
 
@@ -242,30 +240,7 @@ def _native_messages(raw: list[Any]) -> list[dict[str, Any]]:
         if parts:
             parts[-1].update(extra)
         out.extend(parts)
-    return _messages({"messages": out})
-
-
-async def _prepare(
-    state: ServerState,
-    entry: ModelEntry,
-    render: Callable[[Pairing], str],
-) -> tuple[Loaded, float, list[int]]:
-    """Acquire the model and render the prompt; the slot is released if that fails."""
-    slot, load_seconds = await _acquire(state, entry, None)
-    try:
-        pairing = state.manager.pairing(slot)
-        text = render(pairing)
-        tokens = await run_in_threadpool(_render, pairing, [], text, True)
-    except PromptError as exc:
-        state.manager.release(slot)
-        msg = str(exc)
-        raise ApiError(
-            400, f"{entry.name} {msg}" if msg == "does not support insert" else msg
-        ) from exc
-    except BaseException:
-        state.manager.release(slot)
-        raise
-    return slot, load_seconds, tokens
+    return parse_messages({"messages": out})
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -387,14 +362,14 @@ async def chat_completions(request: Request) -> Response:
     tools = field(body, "tools", list)
     _reasoning(body)
     _response_format(body)
-    opts = _options(entry, {"options": _sampling(body)})
+    opts = request_options(entry, {"options": _sampling(body)})
 
     def render(pairing: Pairing) -> str:
         if tools and "tools" not in pairing.capabilities:
             raise ApiError(400, f"{entry.name} does not support tools")
         return render_chat(pairing.tokenizer, with_system(messages, entry.system))
 
-    slot, load_seconds, tokens = await _prepare(state, entry, render)
+    slot, load_seconds, tokens = await prepare(state, entry, None, render)
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
 
     if not stream:
@@ -405,7 +380,7 @@ async def chat_completions(request: Request) -> Response:
             choice = {"index": 0, "message": message, "finish_reason": _finish_reason(done)}
             return env.wrap(choices=[choice], usage=_usage(done))
 
-        return await _run(state, slot, gen, False, _Shape(chunk=lambda text: {}, final=final))
+        return await respond(state, slot, gen, False, Shape(chunk=lambda text: {}, final=final))
 
     env = _envelope("chatcmpl", "chat.completion.chunk", name)
 
@@ -439,14 +414,14 @@ async def completions(request: Request) -> Response:
     suffix = field(body, "suffix", str, "")
     stream = field(body, "stream", bool, False)
     usage = _include_usage(body)
-    opts = _options(entry, {"options": _sampling(body)})
+    opts = request_options(entry, {"options": _sampling(body)})
 
     def render(pairing: Pairing) -> str:
         return render_generate(
             pairing.tokenizer, prompt, entry.system, None, suffix or None, pairing.fim
         )
 
-    slot, load_seconds, tokens = await _prepare(state, entry, render)
+    slot, load_seconds, tokens = await prepare(state, entry, None, render)
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
     env = _envelope("cmpl", "text_completion", name)
 
@@ -458,7 +433,7 @@ async def completions(request: Request) -> Response:
         def final(done: Done, text: str) -> dict[str, Any]:
             return env.wrap(choices=[choice(text, _finish_reason(done))], usage=_usage(done))
 
-        return await _run(state, slot, gen, False, _Shape(chunk=lambda text: {}, final=final))
+        return await respond(state, slot, gen, False, Shape(chunk=lambda text: {}, final=final))
 
     extra: dict[str, Any] = {"usage": dict(_ZERO_USAGE)} if usage else {}
     return _sse(
