@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from api.modelinfo import LocalModel, details_json, find_local, rfc3339
+from api.modelinfo import LocalModel, find_local, rfc3339
 from api.ollama import ServerState, state_of
 from engine.manager import ModelStatus
 from engine.memory import processor
@@ -59,7 +59,7 @@ def ps_entry(status: ModelStatus, local: LocalModel | None, now: datetime) -> di
         "size": size,
         "size_vram": size,
         "digest": local.digest if local is not None else "",
-        "details": details_json(local.details) if local is not None else {},
+        "details": local.details.ollama_details() if local is not None else {},
         "expires_at": expires_at(status, now),
         "context_length": status.need.context,
     }

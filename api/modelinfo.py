@@ -55,22 +55,6 @@ def rfc3339(dt: datetime) -> str:
     return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def details_json(d: ModelDetails) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "parent_model": d.parent_model,
-        "format": d.format,
-        "family": d.family,
-        "families": list(d.families) or None,
-        "parameter_size": d.parameter_size,
-        "quantization_level": d.quantization_level,
-    }
-    if d.context_length:
-        out["context_length"] = d.context_length
-    if d.embedding_length:
-        out["embedding_length"] = d.embedding_length
-    return out
-
-
 def tag_json(m: LocalModel) -> dict[str, Any]:
     return {
         "name": m.entry.name,
@@ -78,7 +62,7 @@ def tag_json(m: LocalModel) -> dict[str, Any]:
         "modified_at": rfc3339(m.modified_at),
         "size": m.size,
         "digest": m.digest,
-        "details": details_json(m.details),
+        "details": m.details.ollama_details(),
     }
 
 
@@ -121,25 +105,6 @@ def parameters_text(options: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def model_info(m: LocalModel) -> dict[str, Any]:
-    d = m.details
-    arch = d.architecture or d.family or "unknown"
-    info: dict[str, Any] = {
-        "general.architecture": arch,
-        "general.parameter_count": d.parameter_count,
-        f"{arch}.context_length": d.context_length or 0,
-    }
-    for key, value in (
-        ("embedding_length", d.embedding_length),
-        ("block_count", d.block_count),
-        ("attention.head_count", d.head_count),
-        ("attention.head_count_kv", d.head_count_kv),
-    ):
-        if value is not None:
-            info[f"{arch}.{key}"] = value
-    return info
-
-
 def show_json(m: LocalModel) -> dict[str, Any]:
     entry = m.entry
     template = chat_template(m)
@@ -162,8 +127,8 @@ def show_json(m: LocalModel) -> dict[str, Any]:
         "modelfile": "\n".join(modelfile) + "\n",
         "parameters": params,
         "template": template,
-        "details": details_json(m.details),
-        "model_info": model_info(m),
+        "details": m.details.ollama_details(),
+        "model_info": m.details.model_info(),
         "capabilities": capabilities(m),
         "modified_at": rfc3339(m.modified_at),
     }

@@ -12,8 +12,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
-import httpx
-
 from daemon.client import Client, ClientError
 from daemon.config import ConfigError, Settings, client_base_url
 from registry.home import ensure_home
@@ -521,15 +519,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 
 def _delete(client: Client, model: str) -> None:
-    response = httpx.request(
-        "DELETE", f"{client.base_url}/api/delete", json={"model": model}, timeout=None
-    )
-    if response.status_code >= 400:
-        try:
-            message = response.json().get("error", response.text)
-        except ValueError:
-            message = response.text
-        raise ClientError(str(message), response.status_code)
+    client.delete("/api/delete", {"model": model})
 
 
 def cmd_rm(args: argparse.Namespace) -> int:

@@ -47,6 +47,10 @@ class Client:
         self._check(response)
         return response.json() if response.content else {}
 
+    def delete(self, path: str, body: dict[str, Any]) -> None:
+        response = self._http.request("DELETE", path, json=body)
+        self._check(response)
+
     def stream(self, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         """NDJSON objects; an `error` line raises, as Ollama's clients do."""
         with self._http.stream("POST", path, json=body) as response:

@@ -238,13 +238,14 @@ class ModelDetails:
 
     def model_info(self) -> dict[str, Any]:
         """GGUF-style ``model_info`` keys for ``/api/show`` (absent values are left out)."""
-        arch = self.architecture or "unknown"
+        arch = self.architecture or self.family or "unknown"
         info: dict[str, Any] = {
             "general.architecture": arch,
             "general.parameter_count": self.parameter_count,
+            # clients size prompts from this key, so it is always present
+            f"{arch}.context_length": self.context_length or 0,
         }
         for key, value in (
-            ("context_length", self.context_length),
             ("embedding_length", self.embedding_length),
             ("block_count", self.block_count),
             ("attention.head_count", self.head_count),

@@ -30,7 +30,13 @@ import yaml
 
 from registry.home import user_registry_path
 from registry.names import parse_name
-from registry.schema import SCHEMA_VERSION, ModelEntry, RegistryError, load_registry_file
+from registry.schema import (
+    ENTRY_KEYS,
+    SCHEMA_VERSION,
+    ModelEntry,
+    RegistryError,
+    load_registry_file,
+)
 
 try:  # POSIX; MLX runs on macOS and Linux
     import fcntl
@@ -50,16 +56,7 @@ NEW_FILE_HEADER = (
     "# `mlxd pull`, `mlxd cp` and `mlxd rm` edit this file and keep everything else in it.\n"
 )
 
-_FIELD_ORDER = (
-    "target",
-    "draft",
-    "draft_tokens",
-    "options",
-    "system",
-    "template",
-    "context_length",
-    "description",
-)
+_FIELD_ORDER = ENTRY_KEYS  # write fields in the order the schema documents them
 
 _mutexes: dict[str, threading.Lock] = {}
 _mutexes_guard = threading.Lock()
