@@ -7,7 +7,7 @@ import socket
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,17 @@ os.environ["MLXD_HOME"] = tempfile.mkdtemp(prefix="mlxd-home-")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.pop("OLLAMA_HOST", None)
 os.environ.pop("MLXD_HOST", None)
+
+
+def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> bool:
+    """Poll until `check()` holds: for things that settle asynchronously (file watching,
+    expiry timers, a disconnect reaching the scheduler). A bound, not a speed threshold."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def free_port() -> int:

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 
-from tests.conftest import ServerThread
+from tests.conftest import ServerThread, wait_for
 
 
 def generate(base: str, model: str, prompt: str, options: dict, results: dict, key: str) -> None:
@@ -86,12 +84,3 @@ def test_disconnect_frees_its_row_while_others_continue(registry_file: Path) -> 
 def rows(server: ServerThread) -> int:
     """Rows decoding right now, over every loaded pairing."""
     return sum(slot.runner.running_rows for slot in server.state.manager.loaded().values())
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False

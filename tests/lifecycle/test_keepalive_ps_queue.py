@@ -9,8 +9,7 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,22 +23,13 @@ from daemon.config import Settings
 from daemon.server import build_state
 from engine.manager import estimate_need
 from registry.schema import ModelEntry
-from tests.conftest import RunningServer, ServerThread, free_port
+from tests.conftest import RunningServer, ServerThread, free_port, wait_for
 from tests.fixtures.tiny_models import TinyPair
 
 REPO = Path(__file__).resolve().parents[2]
 QUEUE_FULL = {"error": "server busy, please try again.  maximum pending requests exceeded"}
 PS_FIELDS = {"name", "model", "size", "size_vram", "digest", "details", "expires_at", "context_length"}  # fmt: skip
 TINY, SYS = "tiny:latest", "sys:latest"
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 20.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def ps(base: str) -> dict[str, dict[str, Any]]:

@@ -5,25 +5,13 @@ from __future__ import annotations
 import logging
 import re
 import shutil
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import ServerThread
+from tests.conftest import ServerThread, wait_for
 from tests.fixtures.tiny_models import TARGET_SHAPE, TinyPair, build_tokenizer, write_model
-
-
-def wait_for(check: Callable[[], bool], timeout: float = 20.0) -> bool:
-    """Poll until `check()` holds (file watching is asynchronous)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 def tags(base: str) -> dict[str, dict]:
@@ -121,13 +109,17 @@ def test_hot_reload_add_change_remove_and_invalid(
         # invalid YAML: the last good registry keeps serving and the error names file and line
         with caplog.at_level(logging.ERROR):
             registry.write_text("models:\n  first:\n    target: [unclosed\n", encoding="utf-8")
-            assert wait_for(lambda: any("registry reload failed" in r.message for r in caplog.records))
+            assert wait_for(
+                lambda: any("registry reload failed" in r.message for r in caplog.records)
+            )
         message = next(r.message for r in caplog.records if "registry reload failed" in r.message)
         assert re.search(r"models\.yaml:\d+: invalid YAML", message)
         assert set(tags(base)) == {"first:latest", "second:latest"}
 
         # remove
-        registry.write_text(f"models:\n  second:\n    target: {tiny_pair.target}\n", encoding="utf-8")
+        registry.write_text(
+            f"models:\n  second:\n    target: {tiny_pair.target}\n", encoding="utf-8"
+        )
         assert wait_for(lambda: set(tags(base)) == {"second:latest"})
         r = httpx.post(f"{base}/api/generate", json={"model": "first", "prompt": "x"})
         assert r.status_code == 404
