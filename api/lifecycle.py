@@ -142,8 +142,15 @@ def _device(state: ServerState) -> str:
     return processor()
 
 
+def _prefix_cache(state: ServerState) -> dict[str, Any]:
+    """Tier sizes, hit rate (token-weighted) and bytes restored."""
+    prefix = state.manager.prefix
+    return prefix.snapshot() if prefix is not None else {}
+
+
 STATS: dict[str, StatsPart] = {
     "models": _models,
+    "prefix_cache": _prefix_cache,
     "totals": _totals,
     "queue": _queue,
     "memory": _memory,

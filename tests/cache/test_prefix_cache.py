@@ -810,3 +810,21 @@ def test_kill_9_during_ssd_writes_leaves_a_usable_cache(tmp_path: Path) -> None:
             assert_same_block(got, make_block(500 + i))
     finally:
         cache.close()
+
+
+def test_stats_endpoint_reports_the_prefix_cache(server: object) -> None:
+    """`/api/mlxd/stats` shows tier sizes, hit rate and bytes restored."""
+    import httpx
+
+    base = server.base_url  # type: ignore[attr-defined]
+    prompt = "def f(x):\n    return x\n" * 40
+    body = {"model": "tiny", "prompt": prompt, "raw": True, "stream": False,
+            "options": {"temperature": 0, "num_predict": 4, "draft_method": "off"}}  # fmt: skip
+    httpx.post(f"{base}/api/generate", json=body, timeout=60)
+    warm = httpx.post(f"{base}/api/generate", json=body, timeout=60).json()
+    assert warm["prompt_cache_tokens"] > 0
+    cache = httpx.get(f"{base}/api/mlxd/stats").json()["prefix_cache"]
+    for key in ("ram_bytes", "ssd_bytes", "hit_rate", "restored_bytes", "hit_tokens", "lookups"):
+        assert key in cache
+    assert cache["hit_tokens"] >= warm["prompt_cache_tokens"]
+    assert cache["restored_bytes"] > 0 and cache["ram_bytes"] > 0
