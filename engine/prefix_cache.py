@@ -16,6 +16,7 @@ import hashlib
 import json
 import logging
 import queue
+import shutil
 import sqlite3
 import struct
 import threading
@@ -23,7 +24,7 @@ import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -242,7 +243,9 @@ def _open_diskcache(directory: Path, size_limit: int) -> Any:
     try:
         return open_()
     except sqlite3.DatabaseError as exc:
-        aside = directory.with_name(f"{directory.name}.damaged-{int(time.time())}")
+        for old in directory.parent.glob(f"{directory.name}.damaged-*"):
+            shutil.rmtree(old, ignore_errors=True)  # keep only the latest for inspection
+        aside = directory.with_name(f"{directory.name}.damaged-{time.time_ns()}")
         log.error("prefix cache: %s is damaged (%s); moved to %s", directory, exc, aside)
         directory.rename(aside)
         return open_()
@@ -331,8 +334,6 @@ class CacheStats:
     ssd_hit_blocks: int = 0
     restored_bytes: int = 0
     inserted_blocks: int = 0
-    restore_seconds: float = 0.0
-    by_tier: dict[str, int] = field(default_factory=dict)
 
 
 class PrefixCache:
