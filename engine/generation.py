@@ -108,7 +108,11 @@ class Generation:
                 return
             k = min(self.controller.choose(), self.limit - self.produced - 1)
             if self.controller.off:
-                self._step_down()
+                pause = self._step_down()
+                if pause:  # plain decoding for a while, then speculation gets another chance
+                    yield from self._plain(until=self.produced + pause)
+                    if self.controller is not None:
+                        self.controller.resume()
                 continue
             t0 = time.perf_counter()
             new = self._speculative_round(k)
@@ -167,9 +171,12 @@ class Generation:
                 self._fallback(f"draft source failed: {exc}")
         return new
 
-    def _plain(self) -> Iterator[list[int]]:
-        """Single-token decoding; pipelined (next forward queued before the host reads the
-        current token) unless penalties need every token on the host first."""
+    def _plain(self, until: int | None = None) -> Iterator[list[int]]:
+        """Single-token decoding up to `until` produced tokens; pipelined (next forward queued
+        before the host reads the current token) unless penalties need every token on the
+        host first. It never queues past `until`, so the cache ends holding all but the last
+        committed token, as a speculative round expects."""
+        bound = self.limit if until is None else min(until, self.limit)
 
         def step(tok: mx.array, extra: list[int]) -> mx.array:
             logits = self.target(tok.reshape(1, 1), cache=self.cache)[0, -1:, :]
@@ -178,29 +185,36 @@ class Generation:
         y = step(mx.array([self.tokens[-1]], dtype=mx.uint32), [])
         mx.async_eval(y)
         pipelined = not self.opts.has_penalties
-        while self.finish is None and self.produced < self.limit:
+        while self.finish is None and self.produced < bound:
             nxt = None
-            if pipelined and self.produced + 1 < self.limit:
+            if pipelined and self.produced + 1 < bound:
                 nxt = step(y, [])
                 mx.async_eval(nxt)
             new = self._commit([to_int(y)])
             self._maybe_quantize()
             yield new
-            if self.finish is not None:
+            if self.finish is not None or self.produced >= bound:
                 break
             y = nxt if nxt is not None else step(mx.array(new, dtype=mx.uint32), [])
 
-    def _step_down(self) -> None:
-        """Speculation stopped paying: continue with the source's cheaper arm, else plain."""
+    def _step_down(self) -> int:
+        """Speculation stopped paying: continue with the source's cheaper arm, or pause it for
+        the returned number of tokens (backing off each time), or end it for this request."""
         assert self.source is not None and self.controller is not None
         cheaper = self.source.cheaper()
-        if cheaper is None:
+        if cheaper is not None:
+            self.stats.disabled_reason = f"{self.source.name}: continued with {cheaper.name} only"
+            self.source = cheaper
+            self.controller = self.controller.restart(draft_cost=0.0)
+            return 0
+        pause = self.controller.pause_tokens
+        if pause <= 0:
             self.stats.disabled_reason = "speculation no longer pays"
             self._drop_source()
-            return
-        self.stats.disabled_reason = f"{self.source.name}: continued with {cheaper.name} only"
-        self.source = cheaper
-        self.controller = self.controller.restart(draft_cost=0.0)
+            return 0
+        self.stats.paused += 1
+        self.stats.disabled_reason = f"speculation paused {self.stats.paused} time(s): not paying"
+        return pause
 
     # -- failure handling ----------------------------------------------------------------------
 

@@ -47,6 +47,7 @@ class SpecStats:
     accepted_at: list[int] = field(default_factory=list)
     fallback_reason: str | None = None
     disabled_reason: str | None = None
+    paused: int = 0  # times the clock paused speculation for a while
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.rounds += 1
@@ -92,7 +93,9 @@ class DraftLengthController:
         prior_weight: float = 2.0,
         patience: int = 4,
         floor: float = 0.98,
-        decay: float = 0.8,
+        decay: float = 0.9,
+        pause_tokens: int = 16,
+        max_pause: int = 512,
     ) -> None:
         self.costs = costs
         self.max_k = max_k
@@ -108,6 +111,16 @@ class DraftLengthController:
         self.seconds = 0.0  # decayed sums over speculative rounds, as measured
         self.tokens = 0.0
         self.timed_rounds = 0
+        self.pause_tokens = pause_tokens  # plain tokens before speculation is tried again
+        self.max_pause = max_pause
+
+    def resume(self) -> None:
+        """Try speculation again after a pause; the next pause, if any, lasts twice as long.
+        What was learned about acceptance is kept; the clock starts afresh."""
+        self.off = False
+        self.seconds = self.tokens = 0.0
+        self.timed_rounds = 0
+        self.pause_tokens = min(self.pause_tokens * 2, self.max_pause)
 
     def restart(self, draft_cost: float) -> DraftLengthController:
         """A fresh controller for a cheaper draft source on the same target."""

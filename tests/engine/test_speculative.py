@@ -269,3 +269,23 @@ def test_sampled_acceptance_beats_exact_match(loaded: Loaded) -> None:
     ours = float(mx.sum(mx.minimum(p, q)))  # P(accept) under speculative sampling
     exact = float(mx.sum(p * q))  # P(independent samples agree)
     assert ours >= exact
+
+
+def test_paused_speculation_resumes_and_stays_lossless(loaded: Loaded) -> None:
+    """A clock that says speculation never pays pauses it (plain decoding for a while, then a
+    retry with a longer pause); the output is still exactly plain decoding's."""
+    hopeless = Costs(verify={w: 1.0 for w in range(1, 10)}, draft_step=0.0, plain_step=1e-9)
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=96)
+    controller = DraftLengthController(hopeless, 3, 0.0, patience=2, pause_tokens=4)
+    source = ModelDraftSource(loaded.draft, GREEDY, Rng(0))
+    gen = Generation(loaded.target, prompt, GREEDY, {0, 2}, 96, Rng(0), source, controller)
+    try:
+        gen.prefill()
+        out = [t for new in gen for t in new]
+    finally:
+        gen.close()
+    assert out == plain
+    assert gen.stats.paused >= 2  # paused, resumed, paused again
+    assert controller.pause_tokens > 4  # each pause longer than the last
+    assert gen.stats.rounds > 2 * 2  # it did speculate again after resuming
