@@ -9,6 +9,7 @@ decoding.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -90,7 +91,8 @@ class DraftLengthController:
         max_k: int,
         draft_cost: float,
         prior: float = 0.7,
-        prior_weight: float = 2.0,
+        prior_weight: float = 4.0,
+        explore: float = 0.3,
         patience: int = 4,
         floor: float = 0.98,
         decay: float = 0.9,
@@ -100,6 +102,7 @@ class DraftLengthController:
         self.costs = costs
         self.max_k = max_k
         self.draft_cost = draft_cost
+        self.explore = explore
         self.a0 = prior * prior_weight
         self.b0 = (1.0 - prior) * prior_weight
         self.hits = [0.0] * max_k
@@ -126,14 +129,29 @@ class DraftLengthController:
         """A fresh controller for a cheaper draft source on the same target."""
         return DraftLengthController(self.costs, self.max_k, draft_cost, patience=self.patience)
 
+    def alphas(self, k: int, optimistic: bool = False) -> list[float]:
+        """Acceptance at positions 0..k-1, given the previous ones were accepted. A position's
+        prior is the estimate of the one before it, so positions never tried inherit what was
+        seen instead of a fixed guess. `optimistic` adds a bonus that shrinks with the tries, so
+        one early rejection cannot pin k low for the rest of the request."""
+        out: list[float] = []
+        weight = self.a0 + self.b0
+        prior_a = self.a0
+        for i in range(k):
+            mean = (prior_a + self.hits[i]) / (weight + self.tries[i])
+            bonus = self.explore / math.sqrt(1.0 + self.tries[i]) if optimistic else 0.0
+            out.append(min(mean + bonus, 0.99))
+            prior_a = mean * weight
+        return out
+
     def alpha(self, i: int) -> float:
-        return (self.a0 + self.hits[i]) / (self.a0 + self.b0 + self.tries[i])
+        return self.alphas(i + 1)[i]
 
     def expected_rate(self, k: int) -> float:
         """Expected committed tokens per second of a round with k drafts."""
         expected, survive = 1.0, 1.0
-        for i in range(k):
-            survive *= self.alpha(i)
+        for a in self.alphas(k, optimistic=True):
+            survive *= a
             expected += survive
         return expected / (k * self.draft_cost + self.costs.v(k + 1))
 
