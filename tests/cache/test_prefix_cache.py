@@ -16,8 +16,6 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,9 +26,7 @@ import httpx
 import mlx.core as mx
 import numpy as np
 import pytest
-import uvicorn
 
-from daemon.config import Settings
 from engine import prefix_cache as pc
 from engine.prefix_cache import (
     Block,
@@ -43,7 +39,7 @@ from engine.prefix_cache import (
     encode,
 )
 from tests.cache.blocks import BLOCK, KILL_NS, chain, kill_block, kill_keys, kill_tokens, make_block
-from tests.conftest import free_port
+from tests.conftest import ServerThread
 from tests.fixtures.tiny_models import TARGET_SHAPE, TinyPair, write_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -53,8 +49,8 @@ MiB = 2**20
 # -- servers with cache settings --------------------------------------------------------------
 
 
-class CacheServer:
-    """tests.conftest.ServerThread with a prefix-cache directory and budgets."""
+class CacheServer(ServerThread):
+    """The test server with its own prefix-cache directory and budgets."""
 
     def __init__(
         self,
@@ -63,22 +59,11 @@ class CacheServer:
         ram_bytes: int = 256 * MiB,
         ssd_bytes: int = 256 * MiB,
     ) -> None:
-        from api.app import build_app
-        from daemon.server import build_state
-
-        self.port = free_port()
-        settings = Settings(
-            "127.0.0.1", self.port, registry, 300.0, 4,
+        super().__init__(
+            registry, max_loaded=4,
             cache_ram_bytes=ram_bytes, cache_ssd_bytes=ssd_bytes, cache_dir=cache_dir,
         )  # fmt: skip
-        self.state = build_state(settings)
-        config = uvicorn.Config(
-            build_app(self.state), host="127.0.0.1", port=self.port, log_level="warning",
-            timeout_graceful_shutdown=5,
-        )  # fmt: skip
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = self.info.base_url
 
     @property
     def prefix(self) -> PrefixCache:
@@ -86,18 +71,12 @@ class CacheServer:
         assert cache is not None
         return cache
 
-    def __enter__(self) -> CacheServer:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                raise RuntimeError("test server did not start")
-            time.sleep(0.02)
+    def __enter__(self) -> CacheServer:  # type: ignore[override]
+        super().__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(60)
+        super().__exit__(*exc)
         assert not self.thread.is_alive(), "server did not shut down"
 
 
