@@ -189,6 +189,19 @@ def _render(pairing: Pairing, tokens_before: list[int], text: str, templated: bo
     return tokens
 
 
+def chat_renderer(
+    entry: ModelEntry, messages: list[dict[str, Any]], tools: list[Any] | None
+) -> Callable[[Pairing], str]:
+    """How a chat request becomes a prompt for a loaded pairing (native and /v1 alike)."""
+
+    def render(pairing: Pairing) -> str:
+        if tools and "tools" not in pairing.capabilities:
+            raise ApiError(400, f"{entry.name} does not support tools")
+        return render_chat(pairing.tokenizer, with_system(messages, entry.system))
+
+    return render
+
+
 async def prepare(
     state: ServerState,
     entry: ModelEntry,
@@ -404,11 +417,7 @@ async def chat(request: Request) -> Response:
             lambda reason: envelope("", done=True, done_reason=reason),
         )
 
-    def render(pairing: Pairing) -> str:
-        if tools and "tools" not in pairing.capabilities:
-            raise ApiError(400, f"{entry.name} does not support tools")
-        return render_chat(pairing.tokenizer, with_system(messages, entry.system))
-
+    render = chat_renderer(entry, messages, tools)
     slot, load_seconds, prompt_tokens = await prepare(state, entry, keep_alive, render)
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
     shape = Shape(

@@ -27,6 +27,7 @@ from api.modelinfo import LocalModel, find_local
 from api.ollama import (
     ServerState,
     Shape,
+    chat_renderer,
     check_format,
     lookup,
     parse_messages,
@@ -38,7 +39,7 @@ from api.ollama import (
 from engine.events import Done, Failed, GenerationRequest, TextChunk
 from engine.manager import Loaded
 from engine.pairing import Pairing
-from engine.prompt import render_chat, render_generate, with_system
+from engine.prompt import render_generate
 from registry.names import InvalidModelName, parse_name
 
 log = logging.getLogger(__name__)
@@ -364,11 +365,7 @@ async def chat_completions(request: Request) -> Response:
     _response_format(body)
     opts = request_options(entry, {"options": _sampling(body)})
 
-    def render(pairing: Pairing) -> str:
-        if tools and "tools" not in pairing.capabilities:
-            raise ApiError(400, f"{entry.name} does not support tools")
-        return render_chat(pairing.tokenizer, with_system(messages, entry.system))
-
+    render = chat_renderer(entry, messages, tools)
     slot, load_seconds, tokens = await prepare(state, entry, None, render)
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
 
