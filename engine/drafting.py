@@ -18,9 +18,8 @@ from mlx_lm.models.cache import trim_prompt_cache
 
 from engine.kvcache import make_cache
 from engine.options import SamplingOptions
+from engine.prefill import feed
 from engine.sampling import Rng, next_tokens, to_int, to_ints
-
-PREFILL_CHUNK = 512
 
 
 @dataclass
@@ -67,18 +66,6 @@ class DraftSource(ABC):
 
     def dispose(self) -> None:  # noqa: B027 - optional hook
         """Release arrays and caches."""
-
-
-def feed(model: nn.Module, cache: list[Any], tokens: Sequence[int]) -> mx.array:
-    """Run `tokens` through `model` in chunks; returns the logits of the last position (1, V)."""
-    logits = None
-    for start in range(0, len(tokens), PREFILL_CHUNK):
-        chunk = mx.array(list(tokens[start : start + PREFILL_CHUNK]))[None]
-        logits = model(chunk, cache=cache)[0, -1:, :]
-        if start + PREFILL_CHUNK < len(tokens):
-            mx.eval([c.state for c in cache])
-    assert logits is not None, "feed() needs at least one token"
-    return logits
 
 
 class ModelDraftSource(DraftSource):

@@ -19,9 +19,10 @@ import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from engine.drafting import Draft, DraftSource, feed
+from engine.drafting import Draft, DraftSource
 from engine.kvcache import make_cache
 from engine.options import SamplingOptions
+from engine.prefill import feed
 from engine.sampling import Rng, next_tokens, to_int
 from engine.speculation import DraftLengthController, SpecStats
 from engine.verify import verify

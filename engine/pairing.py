@@ -13,10 +13,11 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
-from engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource, feed
+from engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from engine.generation import Generation
 from engine.kvcache import make_cache
 from engine.options import parse_options
+from engine.prefill import feed, warm_shapes
 from engine.prompt import FimFormat, detect_fim
 from engine.sampling import Rng
 from engine.speculation import Costs, FixedDraftLength
@@ -135,6 +136,9 @@ def measure_costs(target: nn.Module, draft: nn.Module | None, context: int = 64)
 def warm_up(target: nn.Module, draft: nn.Module | None, costs: Costs, max_k: int = 8) -> None:
     """Run every round shape once (each k, greedy and sampled, each draft source), so kernels
     are compiled at probe-open rather than inside a user's first requests."""
+    for model in (target, draft):
+        if model is not None:
+            warm_shapes(model)
     prompt = [0, 1, 2, 3] * 4
     for temperature in (0.0, 0.7):
         opts = parse_options({"temperature": temperature, "seed": 0})

@@ -1,0 +1,42 @@
+"""Shaped prefill: power-of-two chunks compute the same cache and logits as one plain pass."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from engine.kvcache import make_cache
+from engine.prefill import chunk_sizes, feed
+from tests.engine.conftest import Loaded
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64, 300, 511, 512, 513, 1500])
+def test_shaped_chunks_are_powers_of_two_that_sum_to_n(n: int) -> None:
+    sizes = chunk_sizes(n, limit=512, shaped=True)
+    assert sum(sizes) == n
+    assert all(s & (s - 1) == 0 and s <= 512 for s in sizes)
+    assert sizes == sorted(sizes, reverse=True)
+    assert len(sizes) - n // 512 <= 9  # at most one chunk per bit below the limit
+
+
+def test_plain_chunks_keep_one_forward_per_limit() -> None:
+    assert chunk_sizes(300, limit=512, shaped=False) == [300]
+    assert chunk_sizes(1100, limit=512, shaped=False) == [512, 512, 76]
+
+
+@pytest.mark.parametrize("n", [5, 37, 300])
+def test_shaped_feed_matches_plain_feed(loaded: Loaded, n: int) -> None:
+    mx.random.seed(n)
+    tokens = [int(t) for t in mx.random.randint(3, 200, (n,)).tolist()]  # type: ignore[union-attr]
+    caches = [make_cache(loaded.target) for _ in range(2)]
+    shaped = feed(loaded.target, caches[0], tokens, shaped=True)
+    plain = feed(loaded.target, caches[1], tokens, shaped=False)
+    assert caches[0][0].offset == caches[1][0].offset == n
+    assert mx.allclose(shaped, plain, atol=1e-4).item()
+    k0, k1 = caches[0][0].keys[..., :n, :], caches[1][0].keys[..., :n, :]
+    assert mx.allclose(k0, k1, atol=1e-4).item()
+
+
+def test_feed_refuses_nothing(loaded: Loaded) -> None:
+    with pytest.raises(ValueError):
+        feed(loaded.target, make_cache(loaded.target), [])
