@@ -7,6 +7,7 @@ import pytest
 
 from engine.kvcache import make_cache
 from engine.prefill import chunk_sizes, feed
+from engine.sampling import to_ints
 from tests.engine.conftest import Loaded
 
 
@@ -27,7 +28,7 @@ def test_plain_chunks_keep_one_forward_per_limit() -> None:
 @pytest.mark.parametrize("n", [5, 37, 300])
 def test_shaped_feed_matches_plain_feed(loaded: Loaded, n: int) -> None:
     mx.random.seed(n)
-    tokens = [int(t) for t in mx.random.randint(3, 200, (n,)).tolist()]  # type: ignore[union-attr]
+    tokens = to_ints(mx.random.randint(3, 200, (n,)))
     caches = [make_cache(loaded.target) for _ in range(2)]
     shaped = feed(loaded.target, caches[0], tokens, shaped=True)
     plain = feed(loaded.target, caches[1], tokens, shaped=False)
