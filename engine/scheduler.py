@@ -27,6 +27,7 @@ from engine.generation import Generation
 from engine.kvcache import make_cache
 from engine.options import SamplingOptions
 from engine.pairing import Pairing
+from engine.prefill import feed
 from engine.prefix_cache import PrefixCache
 from engine.rowstream import RowStream
 from engine.sampling import Rng, penalize, probabilities, sample, to_ints
@@ -42,6 +43,18 @@ class Job:
     request: GenerationRequest
     emit: Callable[[Event], None]
     done: Callable[[], None]  # called once, when the job leaves the scheduler
+
+
+@dataclass
+class Prefilling:
+    """A row reading its prompt, one chunk per scheduler step, before it joins the batch."""
+
+    job: Job
+    row: RowStream
+    cache: list[Any]
+    fed: list[int]  # prompt tokens whose K/V are in `cache`
+    todo: list[int]  # prompt tokens still to feed (all but the last)
+    ns: Any
 
 
 def make_draft_source(
@@ -110,6 +123,7 @@ class Scheduler:
         self.prefix = prefix
         self.num_parallel = max(1, num_parallel)
         self.waiting: deque[Job] = deque()
+        self.prefilling: deque[Prefilling] = deque()
         self.rows: dict[int, tuple[Job, RowStream, Any]] = {}  # uid -> (job, stream, namespace)
         self.batch: BatchGenerator | None = None
         self.stream = mx.new_stream(mx.default_device())
@@ -119,15 +133,17 @@ class Scheduler:
     def run(self) -> None:
         stopping = False
         while True:
-            stopping = (
-                self._collect(block=not (self.rows or self.waiting) and not stopping) or stopping
-            )
-            if stopping and not (self.rows or self.waiting):
+            busy = bool(self.rows or self.waiting or self.prefilling)
+            stopping = self._collect(block=not busy and not stopping) or stopping
+            if stopping and not (self.rows or self.waiting or self.prefilling):
                 break
-            if not self.rows and len(self.waiting) == 1 and self.jobs.empty():
+            alone = not (self.rows or self.prefilling) and len(self.waiting) == 1
+            if alone and self.jobs.empty():
                 self._guarded(self.waiting.popleft(), self._solo)
                 continue
             self._admit()
+            if self.prefilling:
+                self._prefill_step()
             if self.rows:
                 self._step()
         if self.batch is not None:
@@ -251,7 +267,7 @@ class Scheduler:
         self.rows[uid] = (job, row, ns)
 
     def _admit(self) -> None:
-        while self.waiting and len(self.rows) < self.num_parallel:
+        while self.waiting and len(self.rows) + len(self.prefilling) < self.num_parallel:
             job = self.waiting.popleft()
             try:
                 if job.request.cancel.is_set():
@@ -274,7 +290,40 @@ class Scheduler:
                 self.prefix, ns, self.pairing, req.prompt_tokens, None
             )
         hit = row.cached_tokens
-        self._insert(job, row, req.prompt_tokens[hit:], restored, req.prompt_tokens[:hit], ns)
+        cache = restored if restored is not None else make_cache(self.pairing.target)
+        prompt = req.prompt_tokens
+        self.prefilling.append(Prefilling(job, row, cache, prompt[:hit], prompt[hit:-1], ns))
+
+    def _prefill_step(self) -> None:
+        """Feed one chunk of the oldest waiting prompt (running rows decode between chunks);
+        a prompt read to its last token joins the batch."""
+        p = self.prefilling[0]
+        try:
+            if p.job.request.cancel.is_set():
+                self.prefilling.popleft()
+                p.row.finish("cancel")
+                p.job.done()
+                return
+            if p.todo:
+                chunk, p.todo = p.todo[:PREFILL_CHUNK], p.todo[PREFILL_CHUNK:]
+                with mx.stream(self.stream):
+                    feed(self.pairing.target, p.cache, chunk)
+                    mx.eval([c.state for c in p.cache])
+                p.fed += chunk
+            if p.todo:
+                return
+            self.prefilling.popleft()
+            p.row.prefilled()
+            if self.prefix is not None:
+                offer_caches(self.prefix, p.ns, p.cache, p.fed)
+            last = p.job.request.prompt_tokens[len(p.fed)]
+            self._insert(p.job, p.row, [last], p.cache, p.fed, p.ns)
+        except Exception as exc:
+            if self.prefilling and self.prefilling[0] is p:
+                self.prefilling.popleft()
+            log.exception("prefill failed")
+            p.job.emit(Failed(str(exc) or type(exc).__name__))
+            p.job.done()
 
     def _step(self) -> None:
         batch = self._ensure_batch()
