@@ -6,10 +6,9 @@ target's p go through exactly the same penalties, top-k, temperature, top-p and 
 
 from __future__ import annotations
 
-import functools
 import random
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import mlx.core as mx
 
@@ -25,14 +24,8 @@ class Rng:
         self._key = mx.random.key(seed)
 
     def next(self) -> mx.array:
-        self._key, sub = _split(self._key)
+        self._key, sub = mx.random.split(self._key)
         return sub
-
-
-@mx.compile
-def _split(key: mx.array) -> tuple[mx.array, mx.array]:
-    pair = mx.random.split(key)
-    return pair[0], pair[1]
 
 
 def to_ints(a: mx.array) -> list[int]:
@@ -74,44 +67,26 @@ def penalize(
 
 def probabilities(logits: mx.array, opts: SamplingOptions) -> mx.array:
     """The sampling distribution for each row: top-k, temperature, top-p, min-p, renormalized."""
-    return _shaper(opts.top_k, opts.temperature, opts.top_p, opts.min_p)(logits)
-
-
-@functools.lru_cache(maxsize=64)
-def _shaper(
-    top_k: int, temperature: float, top_p: float, min_p: float
-) -> Callable[[mx.array], mx.array]:
-    """One compiled graph per distinct shaping: a sampled token otherwise pays a dozen kernel
-    launches, which on a GPU cost more than the sampling math."""
-
-    def shape(logits: mx.array) -> mx.array:
-        logits = logits.astype(mx.float32)
-        vocab = logits.shape[-1]
-        if 0 < top_k < vocab:
-            kth = mx.min(mx.topk(logits, top_k, axis=-1), axis=-1, keepdims=True)
-            logits = mx.where(logits >= kth, logits, -mx.inf)
-        probs = mx.softmax(logits / temperature, axis=-1)
-        if top_p < 1.0:
-            desc = mx.sort(probs, axis=-1)[..., ::-1]
-            before = mx.cumsum(desc, axis=-1) - desc
-            cutoff = mx.min(mx.where(before < top_p, desc, mx.inf), axis=-1, keepdims=True)
-            probs = mx.where(probs >= cutoff, probs, 0.0)
-        if min_p > 0.0:
-            floor = min_p * mx.max(probs, axis=-1, keepdims=True)
-            probs = mx.where(probs >= floor, probs, 0.0)
-        return probs / mx.sum(probs, axis=-1, keepdims=True)
-
-    return mx.compile(shape)
-
-
-@mx.compile
-def _categorical(probs: mx.array, key: mx.array) -> mx.array:
-    return mx.random.categorical(mx.log(probs), axis=-1, key=key)
+    logits = logits.astype(mx.float32)
+    vocab = logits.shape[-1]
+    if 0 < opts.top_k < vocab:
+        kth = mx.min(mx.topk(logits, opts.top_k, axis=-1), axis=-1, keepdims=True)
+        logits = mx.where(logits >= kth, logits, -mx.inf)
+    probs = mx.softmax(logits / opts.temperature, axis=-1)
+    if opts.top_p < 1.0:
+        desc = mx.sort(probs, axis=-1)[..., ::-1]
+        before = mx.cumsum(desc, axis=-1) - desc
+        cutoff = mx.min(mx.where(before < opts.top_p, desc, mx.inf), axis=-1, keepdims=True)
+        probs = mx.where(probs >= cutoff, probs, 0.0)
+    if opts.min_p > 0.0:
+        floor = opts.min_p * mx.max(probs, axis=-1, keepdims=True)
+        probs = mx.where(probs >= floor, probs, 0.0)
+    return probs / mx.sum(probs, axis=-1, keepdims=True)
 
 
 def sample(probs: mx.array, key: mx.array) -> mx.array:
     """One token per row of `probs` (L, V) -> (L,) uint32."""
-    return _categorical(probs, key)
+    return mx.random.categorical(mx.log(probs), axis=-1, key=key)
 
 
 def next_tokens(
