@@ -206,7 +206,10 @@ def main() -> None:
         try:
             wait_up(f"{base}/v1/models", proc)
             burst(base, served, prompts, 2, 16)  # warm-up
-            table[name] = {n: burst(base, served, prompts, n, args.tokens) for n in counts}
+            table[name] = {}
+            for n in counts:
+                table[name][n] = r = burst(base, served, prompts, n, args.tokens)
+                print(f"{name} {n} clients: {r}", flush=True)
         finally:
             proc.terminate()
             try:

@@ -30,7 +30,7 @@ from engine.generation import Generation
 from engine.options import SamplingOptions, parse_options
 from engine.pairing import measure_costs, warm_up
 from engine.sampling import Rng
-from engine.speculation import Costs, DraftLengthController
+from engine.speculation import Costs, DraftLengthController, SpecHistory
 
 
 @dataclass
@@ -54,7 +54,7 @@ class Row:
 
 def mlxd_run(
     target: nn.Module, draft: nn.Module, prompt: list[int], opts: SamplingOptions,
-    method: str, tokens: int, costs: Costs, max_k: int, seed: int,
+    method: str, tokens: int, costs: Costs, max_k: int, seed: int, history: SpecHistory,
 ) -> tuple[int, int, int]:  # fmt: skip
     rng = Rng(seed)
     source: DraftSource | None = None
@@ -67,7 +67,10 @@ def mlxd_run(
     elif method == "auto":
         source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft, opts, rng))
     if source is not None:
-        controller = DraftLengthController(costs, max_k, draft_cost)
+        controller = DraftLengthController(
+            costs, max_k, draft_cost, history=history, source=source.name,
+            start_paused=not source.has_cheaper_arm,
+        )  # fmt: skip
     gen = Generation(target, prompt, opts, set(), tokens, rng, source, controller)
     try:
         gen.prefill()
@@ -132,6 +135,7 @@ def main() -> None:
 
     rows: list[Row] = []
     ks = [int(k) for k in args.ks.split(",")]
+    history = SpecHistory()  # one pairing's history, as the server keeps it across requests
     for temp in [float(t) for t in args.temps.split(",")]:
         opts = parse_options({"temperature": temp, "top_k": 0, "top_p": 1.0})
         names = ["plain (mlxd)", "mlxd model", "mlxd lookup", "mlxd auto", "mlx-lm plain"]
@@ -154,12 +158,13 @@ def main() -> None:
                 "mlxd auto": "auto",
             }[name]
             return mlxd_run(
-                target, draft, prompt, opts, method, args.tokens, costs, args.max_k, seed
+                target, draft, prompt, opts, method, args.tokens, costs, args.max_k, seed, history
             )
 
-        for name in names:
-            row = Row(name, temp, 0, 0.0)
-            for i, prompt in enumerate(prompts):
+        # Methods take turns on each prompt, so a slow spell of the machine hits them all alike.
+        table = {name: Row(name, temp, 0, 0.0) for name in names}
+        for i, prompt in enumerate(prompts):
+            for name, row in table.items():
                 mx.random.seed(i)
                 t0 = time.perf_counter()
                 out = run(name, prompt, i)
@@ -171,7 +176,7 @@ def main() -> None:
                     row.accepted += out[2]
                 elif len(out) > 1:
                     row.from_draft += out[1]
-            rows.append(row)
+        rows.extend(table.values())
         report([r for r in rows if r.temperature == temp], temp)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) | {"rate": r.rate} for r in rows], indent=1))

@@ -83,6 +83,8 @@ class Generation:
                 self._fallback(f"draft prefill failed: {exc}")
 
     def close(self) -> None:
+        if self.controller is not None:
+            self.controller.conclude()
         if self.source is not None:
             self.source.dispose()
             self.source = None
@@ -206,7 +208,7 @@ class Generation:
         if cheaper is not None:
             self.stats.disabled_reason = f"{self.source.name}: continued with {cheaper.name} only"
             self.source = cheaper
-            self.controller = self.controller.restart(draft_cost=0.0)
+            self.controller = self.controller.restart(draft_cost=0.0, source=cheaper.name)
             return 0
         pause = self.controller.pause_tokens
         if pause <= 0:

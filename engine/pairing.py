@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +20,7 @@ from engine.options import parse_options
 from engine.prefill import feed, warm_shapes
 from engine.prompt import FimFormat, detect_fim
 from engine.sampling import Rng
-from engine.speculation import Costs, FixedDraftLength
+from engine.speculation import Costs, FixedDraftLength, SpecHistory
 from registry.schema import ModelEntry
 from registry.store import model_digest, resolve_local
 
@@ -49,6 +49,7 @@ class Pairing:
     context_length: int
     revision: str = ""  # digest of the target's files: part of every prefix-cache namespace
     draft_revision: str = ""
+    history: SpecHistory = field(default_factory=SpecHistory)  # what speculation did lately
 
     @property
     def eos_ids(self) -> set[int]:

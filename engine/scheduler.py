@@ -75,7 +75,11 @@ def make_draft_source(
         source = ModelDraftSource(pairing.draft, opts, rng)
     else:
         source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(pairing.draft, opts, rng))
-    return source, DraftLengthController(pairing.costs, max_k, draft_cost)
+    controller = DraftLengthController(
+        pairing.costs, max_k, draft_cost, history=pairing.history, source=source.name,
+        start_paused=not source.has_cheaper_arm,
+    )  # fmt: skip
+    return source, controller
 
 
 DEFAULT_NUM_CTX = 4096  # Ollama's default context when a request and the registry set none

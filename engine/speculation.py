@@ -10,6 +10,7 @@ decoding.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field
 
 
@@ -77,6 +78,56 @@ class SpecStats:
         ]
 
 
+@dataclass
+class SourceRecord:
+    """Decayed sums over earlier requests for one draft source."""
+
+    hits: list[float] = field(default_factory=list)
+    tries: list[float] = field(default_factory=list)
+    spec_seconds: float = 0.0  # wall time of speculative rounds, as measured
+    plain_seconds: float = 0.0  # what plain decoding would have spent on the same tokens
+
+
+class SpecHistory:
+    """What speculation did on one pairing in earlier requests, per draft source.
+
+    A request starts from it: acceptance by position becomes the prior instead of a guess, and a
+    source whose rounds recently committed tokens slower than plain decoding starts paused. One
+    request costs at most a few trial rounds to learn what the last ones already knew.
+    """
+
+    def __init__(self, decay: float = 0.7, max_tries: float = 32.0) -> None:
+        self.decay = decay
+        self.max_tries = max_tries
+        self._lock = threading.Lock()
+        self._by_source: dict[str, SourceRecord] = {}
+
+    def get(self, source: str) -> SourceRecord | None:
+        with self._lock:
+            rec = self._by_source.get(source)
+            if rec is None:
+                return None
+            return SourceRecord(
+                list(rec.hits), list(rec.tries), rec.spec_seconds, rec.plain_seconds
+            )
+
+    def record(self, source: str, seen: SourceRecord) -> None:
+        with self._lock:
+            rec = self._by_source.setdefault(source, SourceRecord())
+            d = self.decay
+            n = max(len(rec.tries), len(seen.tries))
+            for arr in (rec.hits, rec.tries, seen.hits, seen.tries):
+                arr.extend([0.0] * (n - len(arr)))
+            rec.hits = [h * d + x for h, x in zip(rec.hits, seen.hits, strict=True)]
+            rec.tries = [t * d + x for t, x in zip(rec.tries, seen.tries, strict=True)]
+            if rec.tries and rec.tries[0] > self.max_tries:  # a prior, never a certainty
+                scale = self.max_tries / rec.tries[0]
+                rec.hits = [h * scale for h in rec.hits]
+                rec.tries = [t * scale for t in rec.tries]
+            rec.spec_seconds = rec.spec_seconds * d + seen.spec_seconds
+            rec.plain_seconds = rec.plain_seconds * d + seen.plain_seconds
+
+
 class DraftLengthController:
     """Chooses k per round; `off` once speculation no longer pays.
 
@@ -98,7 +149,12 @@ class DraftLengthController:
         decay: float = 0.9,
         pause_tokens: int = 16,
         max_pause: int = 512,
+        history: SpecHistory | None = None,
+        source: str = "",
+        start_paused: bool = True,
     ) -> None:
+        """`start_paused`: whether a history of not paying starts the request paused (a source
+        with a cheaper arm to fall back on should instead find that out from its own rounds)."""
         self.costs = costs
         self.max_k = max_k
         self.draft_cost = draft_cost
@@ -116,6 +172,18 @@ class DraftLengthController:
         self.timed_rounds = 0
         self.pause_tokens = pause_tokens  # plain tokens before speculation is tried again
         self.max_pause = max_pause
+        self.history = history
+        self.source = source
+        self.seen = SourceRecord()  # this request's own rounds, for the history
+        self.prior_hits = [0.0] * max_k
+        self.prior_tries = [0.0] * max_k
+        past = history.get(source) if history is not None else None
+        if past is not None:
+            for i in range(min(max_k, len(past.tries))):
+                self.prior_hits[i], self.prior_tries[i] = past.hits[i], past.tries[i]
+            if start_paused and past.spec_seconds * floor > past.plain_seconds > 0:
+                self.off = True  # it did not pay lately: start with a pause, then a trial
+                self.pause_tokens = 4 * pause_tokens
 
     def resume(self) -> None:
         """Try speculation again after a pause; the next pause, if any, lasts twice as long.
@@ -125,9 +193,19 @@ class DraftLengthController:
         self.timed_rounds = 0
         self.pause_tokens = min(self.pause_tokens * 2, self.max_pause)
 
-    def restart(self, draft_cost: float) -> DraftLengthController:
+    def restart(self, draft_cost: float, source: str) -> DraftLengthController:
         """A fresh controller for a cheaper draft source on the same target."""
-        return DraftLengthController(self.costs, self.max_k, draft_cost, patience=self.patience)
+        self.conclude()
+        return DraftLengthController(
+            self.costs, self.max_k, draft_cost, patience=self.patience,
+            history=self.history, source=source,
+        )  # fmt: skip
+
+    def conclude(self) -> None:
+        """Hand what this request saw to the pairing's history (once)."""
+        if self.history is not None and (self.seen.tries or self.seen.spec_seconds):
+            self.history.record(self.source, self.seen)
+        self.seen = SourceRecord()
 
     def alphas(self, k: int, optimistic: bool = False) -> list[float]:
         """Acceptance at positions 0..k-1, given the previous ones were accepted. A position's
@@ -138,8 +216,10 @@ class DraftLengthController:
         weight = self.a0 + self.b0
         prior_a = self.a0
         for i in range(k):
-            mean = (prior_a + self.hits[i]) / (weight + self.tries[i])
-            bonus = self.explore / math.sqrt(1.0 + self.tries[i]) if optimistic else 0.0
+            hits = self.hits[i] + self.prior_hits[i]
+            tries = self.tries[i] + self.prior_tries[i]
+            mean = (prior_a + hits) / (weight + tries)
+            bonus = self.explore / math.sqrt(1.0 + tries) if optimistic else 0.0
             out.append(min(mean + bonus, 0.99))
             prior_a = mean * weight
         return out
@@ -161,16 +241,24 @@ class DraftLengthController:
         return max(range(1, self.max_k + 1), key=self.expected_rate)
 
     def observe(self, proposed: int, accepted: int) -> None:
+        seen = self.seen
+        while len(seen.tries) < min(proposed, self.max_k):
+            seen.tries.append(0.0)
+            seen.hits.append(0.0)
         for i in range(min(proposed, self.max_k)):
             self.tries[i] += 1
+            seen.tries[i] += 1
             if i < accepted:
                 self.hits[i] += 1
+                seen.hits[i] += 1
 
     def observe_time(self, seconds: float, committed: int) -> None:
         """A speculative round's wall time and how many tokens it committed."""
         plain = self.costs.plain
         # One round that compiled a new kernel shape must not condemn speculation for good.
         seconds = min(seconds, 4.0 * plain * max(committed, 1))
+        self.seen.spec_seconds += seconds
+        self.seen.plain_seconds += plain * committed
         self.seconds = self.seconds * self.decay + seconds
         self.tokens = self.tokens * self.decay + committed
         self.timed_rounds += 1

@@ -1,0 +1,68 @@
+"""A pairing's speculation history: later requests start from what earlier ones learned."""
+
+from __future__ import annotations
+
+from engine.drafting import ModelDraftSource
+from engine.generation import Generation
+from engine.options import parse_options
+from engine.sampling import Rng
+from engine.speculation import Costs, DraftLengthController, SourceRecord, SpecHistory
+from tests.engine.conftest import Loaded
+from tests.engine.test_speculative import generate, prompts
+
+GREEDY = parse_options({"temperature": 0})
+FLAT = Costs(verify={w: 1.0 for w in range(1, 10)}, draft_step=0.05, plain_step=1.0)
+
+
+def run(loaded: Loaded, prompt: list[int], controller: DraftLengthController) -> Generation:
+    source = ModelDraftSource(loaded.draft, GREEDY, Rng(0))
+    gen = Generation(loaded.target, prompt, GREEDY, {0, 2}, 48, Rng(0), source, controller)
+    try:
+        gen.prefill()
+        gen.out = [t for new in gen for t in new]  # type: ignore[attr-defined]
+    finally:
+        gen.close()
+    return gen
+
+
+def test_a_source_that_did_not_pay_starts_paused_and_stays_lossless(loaded: Loaded) -> None:
+    history = SpecHistory()
+    history.record("model", SourceRecord([3.0], [4.0], spec_seconds=2.0, plain_seconds=1.0))
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=48)
+    controller = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    assert controller.off
+    gen = run(loaded, prompt, controller)
+    assert gen.out == plain  # type: ignore[attr-defined]
+    assert gen.stats.paused >= 1
+    assert gen.stats.rounds == 0  # the whole 48-token request fit in the first pause
+
+
+def test_requests_record_what_they_saw(loaded: Loaded) -> None:
+    history = SpecHistory(max_tries=1000.0)
+    prompt = prompts(loaded.tokenizer, 2)[1]
+    first = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    run(loaded, prompt, first)
+    past = history.get("model")
+    assert past is not None and past.tries and past.tries[0] == first.tries[0] > 0
+    assert past.hits[0] == first.hits[0]
+    assert past.spec_seconds > 0 and past.plain_seconds > 0
+    second = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    # the prior is what was seen, and exploration shrinks with it
+    assert second.alphas(1) == first.alphas(1)
+    fresh = DraftLengthController(FLAT, 4, 0.05)
+    assert second.alphas(1, optimistic=True)[0] - second.alphas(1)[0] < (
+        fresh.alphas(1, optimistic=True)[0] - fresh.alphas(1)[0]
+    )
+    assert history.get("lookup") is None
+
+
+def test_history_decays_and_stays_a_prior() -> None:
+    history = SpecHistory(decay=0.5, max_tries=10.0)
+    for _ in range(20):
+        history.record("model", SourceRecord([9.0, 1.0], [10.0, 9.0], 1.0, 2.0))
+    past = history.get("model")
+    assert past is not None
+    assert past.tries[0] == 10.0  # capped
+    assert abs(past.hits[0] / past.tries[0] - 0.9) < 1e-9  # the rate survives the cap
+    assert abs(past.spec_seconds - 2.0) < 1e-3  # geometric sum of 1.0 with decay 0.5
