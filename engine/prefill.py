@@ -46,13 +46,15 @@ def feed(
         raise ValueError("feed() needs at least one token")
     sizes = chunk_sizes(len(tokens), shaped=shaped)
     logits = None
-    start = 0
-    for i, size in enumerate(sizes):
+    start = pending = 0
+    for size in sizes:
         chunk = mx.array(list(tokens[start : start + size]), dtype=mx.uint32)[None]
         logits = model(chunk, cache=cache)[0, -1:, :]
         start += size
-        if i < len(sizes) - 1:
+        pending += size
+        if pending >= CHUNK and start < len(tokens):  # bound the lazy graph, not every piece
             mx.eval([c.state for c in cache])
+            pending = 0
     assert logits is not None
     return logits
 
