@@ -15,9 +15,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-# On a GPU a new attention shape costs a compile, so buckets are wide; on the CPU padding costs
-# compute, so they stay at mlx-lm's 256.
-BUCKET = 1024 if mx.default_device().type == mx.DeviceType.gpu else 256
+# On a GPU a new attention shape costs a compile, so buckets are wide and every cache is
+# bucketed. On the CPU nothing compiles and attending over a padded buffer costs compute, so
+# mlx-lm's exact caches serve there (tests switch BUCKETED on to run the GPU layout on a CPU).
+ON_GPU = mx.default_device().type == mx.DeviceType.gpu
+BUCKETED = ON_GPU
+BUCKET = 1024 if ON_GPU else 256
 
 
 class BucketedKVCache(KVCache):
@@ -97,5 +100,9 @@ class BucketedBatchKVCache(BatchKVCache):
 
 
 def make_cache(model: nn.Module) -> list[Any]:
-    """mlx-lm's cache for `model`, with plain KV layers replaced by bucketed ones."""
-    return [BucketedKVCache() if type(c) is KVCache else c for c in make_prompt_cache(model)]
+    """mlx-lm's cache for `model`, with plain KV layers bucketed where that pays."""
+    return [new_kv_cache() if type(c) is KVCache else c for c in make_prompt_cache(model)]
+
+
+def new_kv_cache() -> KVCache:
+    return BucketedKVCache() if BUCKETED else KVCache()

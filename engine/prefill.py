@@ -16,15 +16,16 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kvcache import make_cache
+from engine import kvcache
 
 CHUNK = 512
-SHAPED = mx.default_device().type == mx.DeviceType.gpu
 
 
-def chunk_sizes(n: int, limit: int = CHUNK, shaped: bool = SHAPED) -> list[int]:
-    """Chunk lengths summing to `n`: `limit`-sized, and with `shaped` the rest in descending
-    powers of two (`limit` must then be one too)."""
+def chunk_sizes(n: int, limit: int = CHUNK, shaped: bool | None = None) -> list[int]:
+    """Chunk lengths summing to `n`: `limit`-sized, and with `shaped` (default: when the caches
+    are bucketed) the rest in descending powers of two (`limit` must then be one too)."""
+    if shaped is None:
+        shaped = kvcache.BUCKETED
     sizes = [limit] * (n // limit)
     rest = n - limit * len(sizes)
     if not shaped:
@@ -39,7 +40,7 @@ def chunk_sizes(n: int, limit: int = CHUNK, shaped: bool = SHAPED) -> list[int]:
 
 
 def feed(
-    model: nn.Module, cache: list[Any], tokens: Sequence[int], shaped: bool = SHAPED
+    model: nn.Module, cache: list[Any], tokens: Sequence[int], shaped: bool | None = None
 ) -> mx.array:
     """Run `tokens` through `model`; returns the logits of the last position (1, V)."""
     if not tokens:
@@ -62,5 +63,5 @@ def feed(
 def warm_shapes(model: nn.Module) -> None:
     """Compile every shaped chunk length in the first bucket: one feed of 2*CHUNK-1 tokens runs
     them all."""
-    if SHAPED:
-        mx.eval(feed(model, make_cache(model), [0] * (2 * CHUNK - 1)))
+    if kvcache.ON_GPU:
+        mx.eval(feed(model, kvcache.make_cache(model), [0] * (2 * CHUNK - 1)))

@@ -32,7 +32,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from engine.kvcache import BucketedKVCache
+from engine.kvcache import new_kv_cache
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def build_caches(blocks: Sequence[Block], layer_from: int, layer_to: int) -> lis
         tokens = int(parts[0].shape[2])
         kind = kinds.pop() if len(kinds) == 1 else "mixed"
         if kind == "kv":
-            cache: Any = BucketedKVCache()
+            cache: Any = new_kv_cache()
             cache.update_and_fetch(parts[0], parts[1])
         elif kind.startswith("q"):
             bits, group = (int(x) for x in kind[1:].split("/"))

@@ -119,3 +119,11 @@ def server(registry_file: Path) -> Iterator[RunningServer]:
     """One server for the session; tests that need special settings start their own."""
     with ServerThread(registry_file) as info:
         yield info
+
+
+@pytest.fixture
+def gpu_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run with the GPU's cache layout (bucketed KV buffers, power-of-two prefill) on the CPU."""
+    from engine import kvcache
+
+    monkeypatch.setattr(kvcache, "BUCKETED", True)

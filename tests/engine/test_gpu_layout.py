@@ -1,0 +1,78 @@
+"""The GPU's cache layout (bucketed KV buffers, power-of-two prefill) run on the CPU, so the
+path every GPU request takes stays under test; the CPU itself serves with mlx-lm's exact caches.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from engine import kvcache
+from engine.events import Done, Event, GenerationRequest
+from engine.kvcache import BucketedKVCache, make_cache
+from engine.options import parse_options
+from engine.pairing import load_pairing
+from engine.prefix_cache import PrefixCache
+from engine.scheduler import Job, Scheduler
+from registry.schema import ModelEntry
+from tests.engine.conftest import Loaded
+from tests.engine.test_scheduler_prefill import (
+    COSTS,
+    test_running_rows_decode_while_a_long_prompt_is_read,
+)
+from tests.engine.test_speculative import (
+    test_failing_draft_falls_back_to_plain_decoding,
+    test_greedy_parity_over_50_prompts,
+    test_paused_speculation_resumes_and_stays_lossless,
+)
+from tests.fixtures.tiny_models import TinyPair
+
+pytestmark = pytest.mark.usefixtures("gpu_layout")
+
+__all__ = [
+    "test_failing_draft_falls_back_to_plain_decoding",
+    "test_greedy_parity_over_50_prompts",
+    "test_paused_speculation_resumes_and_stays_lossless",
+    "test_running_rows_decode_while_a_long_prompt_is_read",
+]
+
+
+def test_the_layout_is_in_force(loaded: Loaded) -> None:
+    assert kvcache.BUCKETED
+    assert isinstance(make_cache(loaded.target)[0], BucketedKVCache)
+
+
+def serve(pairing: object, prefix: PrefixCache, prompts: list[list[int]]) -> list[Done]:
+    """Run `prompts` through one scheduler (concurrently, as batch rows); their final events."""
+    jobs: queue.Queue[Job | None] = queue.Queue()
+    done: list[Done | None] = [None] * len(prompts)
+
+    def emit(i: int, event: Event) -> None:
+        if isinstance(event, Done):
+            done[i] = event
+
+    for i, prompt in enumerate(prompts):
+        opts = parse_options({"temperature": 0, "num_predict": 12, "draft_method": "off"})
+        jobs.put(Job(GenerationRequest(prompt, opts), lambda e, i=i: emit(i, e), lambda: None))
+    jobs.put(None)
+    Scheduler(pairing, jobs, prefix=prefix, num_parallel=4).run()  # type: ignore[arg-type]
+    assert all(d is not None for d in done)
+    return [d for d in done if d is not None]
+
+
+@pytest.mark.parametrize("layout", ["exact", "bucketed"])
+def test_batch_rows_restore_prefixes_and_match_solo_runs(
+    tiny_pair: TinyPair, monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    monkeypatch.setattr(kvcache, "BUCKETED", layout == "bucketed")
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), costs=COSTS)
+    prompts = [[5 + (i * 7 + j) % 90 for j in range(150 + 20 * i)] for i in range(3)]
+    alone = [serve(pairing, PrefixCache(0), [p])[0].output_tokens for p in prompts]
+    prefix = PrefixCache(64 * 2**20)
+    cold = serve(pairing, prefix, prompts)
+    warm = serve(pairing, prefix, prompts)
+    assert [d.output_tokens for d in cold] == alone
+    assert [d.output_tokens for d in warm] == alone
+    assert [d.cached_tokens for d in cold] == [0, 0, 0]
+    assert all(d.cached_tokens >= 128 for d in warm)
