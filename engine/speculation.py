@@ -116,10 +116,14 @@ class SpecHistory:
             rec = self._by_source.setdefault(source, SourceRecord())
             d = self.decay
             n = max(len(rec.tries), len(seen.tries))
-            for arr in (rec.hits, rec.tries, seen.hits, seen.tries):
-                arr.extend([0.0] * (n - len(arr)))
-            rec.hits = [h * d + x for h, x in zip(rec.hits, seen.hits, strict=True)]
-            rec.tries = [t * d + x for t, x in zip(rec.tries, seen.tries, strict=True)]
+
+            def padded(xs: list[float]) -> list[float]:
+                return xs + [0.0] * (n - len(xs))
+
+            rec.hits = [h * d + x for h, x in zip(padded(rec.hits), padded(seen.hits), strict=True)]
+            rec.tries = [
+                t * d + x for t, x in zip(padded(rec.tries), padded(seen.tries), strict=True)
+            ]
             if rec.tries and rec.tries[0] > self.max_tries:  # a prior, never a certainty
                 scale = self.max_tries / rec.tries[0]
                 rec.hits = [h * scale for h in rec.hits]
