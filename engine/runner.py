@@ -58,8 +58,12 @@ class PairingRunner:
         except BaseException as exc:
             self.loaded.set_exception(exc)
             return
-        self.load_seconds = time.perf_counter() - t0
         self.scheduler = Scheduler(self.pairing, self._jobs, self.prefix, self.num_parallel)
+        try:
+            self.scheduler.warm()
+        except Exception:
+            log.exception("warming the batch of %s failed", self.entry.name)
+        self.load_seconds = time.perf_counter() - t0
         self.loaded.set_result(self.pairing)
         try:
             self.scheduler.run()

@@ -20,6 +20,7 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import trim_prompt_cache
 
+from engine import kvcache
 from engine.cache_use import has_companion, namespace_for, offer, offer_caches, restore
 from engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from engine.events import Event, Failed, GenerationRequest
@@ -131,6 +132,29 @@ class Scheduler:
         self.rows: dict[int, tuple[Job, RowStream, Any]] = {}  # uid -> (job, stream, namespace)
         self.batch: BatchGenerator | None = None
         self.stream = mx.new_stream(mx.default_device())
+
+    def warm(self) -> None:
+        """Run the batched decode step once for every row count up to `num_parallel`. With the
+        GPU's bucketed caches each row count is a new attention shape, whose compile belongs in
+        the model's load, not in the first burst of concurrent requests."""
+        if not kvcache.BUCKETED:
+            return
+        target = self.pairing.target
+        for rows in range(1, self.num_parallel + 1):
+            batch = BatchGenerator(
+                target, stop_tokens=[], completion_batch_size=rows, prefill_batch_size=rows,
+                stream=self.stream,
+            )  # fmt: skip
+            try:
+                batch.insert(
+                    [[0]] * rows,
+                    max_tokens=[2] * rows,
+                    caches=[make_cache(target) for _ in range(rows)],
+                )
+                for _ in range(3):  # join (one forward for the new rows), then two steps
+                    batch.next()
+            finally:
+                batch.close()
 
     # -- the loop ------------------------------------------------------------------------------
 

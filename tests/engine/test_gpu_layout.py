@@ -76,3 +76,12 @@ def test_batch_rows_restore_prefixes_and_match_solo_runs(
     assert [d.output_tokens for d in warm] == alone
     assert [d.cached_tokens for d in cold] == [0, 0, 0]
     assert all(d.cached_tokens >= 128 for d in warm)
+
+
+def test_warming_the_batch_leaves_a_working_scheduler(tiny_pair: TinyPair) -> None:
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), costs=COSTS)
+    jobs: queue.Queue[Job | None] = queue.Queue()
+    Scheduler(pairing, jobs, num_parallel=3).warm()
+    prompts = [[5 + i, 6, 7] for i in range(3)]
+    alone = [serve(pairing, PrefixCache(0), [p])[0].output_tokens for p in prompts]
+    assert [d.output_tokens for d in serve(pairing, PrefixCache(0), prompts)] == alone
