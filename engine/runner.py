@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import mlx.core as mx
 
@@ -25,6 +26,42 @@ from engine.speculation import Costs
 from registry.schema import ModelEntry
 
 log = logging.getLogger(__name__)
+
+
+class Outbox:
+    """Events bound for callers' event loops, handed over once per scheduler step.
+
+    Waking a loop costs a syscall and a loop turn; once per token per row, the loop thread then
+    takes the GIL from the scheduler's next step every few hundred microseconds.
+    """
+
+    def __init__(self) -> None:
+        self._held: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event], Event]] = []
+        self._lock = threading.Lock()
+
+    def sender(
+        self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]
+    ) -> Callable[[Event], None]:
+        def send(event: Event) -> None:
+            with self._lock:
+                self._held.append((loop, events, event))
+
+        return send
+
+    def flush(self) -> None:
+        with self._lock:
+            held, self._held = self._held, []
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
+        for loop, events, event in held:
+            by_loop.setdefault(loop, []).append((events, event))
+        for loop, items in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that caller's loop is gone
+                loop.call_soon_threadsafe(_deliver, items)
+
+
+def _deliver(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
+    for events, event in items:
+        events.put_nowait(event)
 
 
 class PairingRunner:
@@ -46,6 +83,7 @@ class PairingRunner:
         self.loaded = concurrent.futures.Future[Pairing]()
         self.load_seconds = 0.0
         self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._outbox = Outbox()
         self._active = 0
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._main, name=f"runner:{entry.name}", daemon=True)
@@ -58,7 +96,9 @@ class PairingRunner:
         except BaseException as exc:
             self.loaded.set_exception(exc)
             return
-        self.scheduler = Scheduler(self.pairing, self._jobs, self.prefix, self.num_parallel)
+        self.scheduler = Scheduler(
+            self.pairing, self._jobs, self.prefix, self.num_parallel, self._outbox.flush
+        )
         try:
             self.scheduler.warm()
         except Exception:
@@ -70,6 +110,7 @@ class PairingRunner:
         except BaseException:
             log.exception("scheduler of %s stopped", self.entry.name)
         finally:
+            self._outbox.flush()
             self.scheduler = None
             self.pairing = None
             mx.clear_cache()
@@ -99,12 +140,8 @@ class PairingRunner:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         """Stream events for one request; closing the iterator cancels the generation."""
-        loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-
-        def emit(event: Event) -> None:
-            loop.call_soon_threadsafe(events.put_nowait, event)
-
+        emit = self._outbox.sender(asyncio.get_running_loop(), events)
         with self._lock:
             self._active += 1
         self._jobs.put(Job(request, emit, self._finished))

@@ -37,6 +37,7 @@ from engine.speculation import DraftLengthController
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 256  # prompt tokens per step while other rows decode
+MIN_FORWARD = 32  # what a short prompt's forward costs of that budget: a forward is never free
 
 
 @dataclass
@@ -122,8 +123,10 @@ class Scheduler:
         jobs: queue.Queue[Job | None],
         prefix: PrefixCache | None = None,
         num_parallel: int = 4,
+        flush: Callable[[], None] = lambda: None,
     ) -> None:
         self.pairing = pairing
+        self.flush = flush  # hands the step's events over to their consumers
         self.jobs = jobs
         self.prefix = prefix
         self.num_parallel = max(1, num_parallel)
@@ -161,6 +164,7 @@ class Scheduler:
     def run(self) -> None:
         stopping = False
         while True:
+            self.flush()
             busy = bool(self.rows or self.waiting or self.prefilling)
             stopping = self._collect(block=not busy and not stopping) or stopping
             if stopping and not (self.rows or self.waiting or self.prefilling):
@@ -174,6 +178,7 @@ class Scheduler:
                 self._prefill_step()
             if self.rows:
                 self._step()
+        self.flush()
         if self.batch is not None:
             self.batch.close()
             self.batch = None
@@ -237,7 +242,9 @@ class Scheduler:
             if self.prefix is not None:
                 offer(self.prefix, ns, gen, companion)
             for new in gen:
-                if row.push(new):
+                finished = row.push(new)
+                self.flush()
+                if finished:
                     break
                 if not self.jobs.empty() or self.waiting:
                     self._collect(block=False)
@@ -261,7 +268,7 @@ class Scheduler:
         cache, gen.cache = gen.cache, []
         gen.close()
         ns = namespace_for(self.pairing, job.request.options, None)
-        self._insert(job, row, [gen.tokens[-1]], cache, gen.tokens[:-1], ns)
+        self._insert([(job, row, gen.tokens, cache, ns)])
         return True
 
     # -- many requests: rows of one batch ------------------------------------------------------
@@ -278,21 +285,25 @@ class Scheduler:
             )
         return self.batch
 
-    def _insert(
-        self, job: Job, row: RowStream, prompt: list[int], cache: list[Any] | None,
-        history: list[int], ns: Any,
-    ) -> None:  # fmt: skip
-        opts = job.request.options
-        rng = Rng(opts.seed)
-        uid = self._ensure_batch().insert(
-            [prompt],
-            max_tokens=[max(row.limit - len(row.output), 1)],
-            caches=[cache if cache is not None else make_cache(self.pairing.target)],
-            all_tokens=[history],
-            samplers=[row_sampler(opts, rng)],
-            logits_processors=[row_processors(opts)],
-        )[0]
-        self.rows[uid] = (job, row, ns)
+    def _insert(self, joining: list[tuple[Job, RowStream, list[int], list[Any], Any]]) -> None:
+        """Add rows to the batch, each as (job, stream, tokens in its cache, cache, namespace);
+        its last token stays outside the cache. Rows joining in one call share one forward."""
+        samplers, processors, max_tokens = [], [], []
+        for job, row, _, _, _ in joining:
+            opts = job.request.options
+            samplers.append(row_sampler(opts, Rng(opts.seed)))
+            processors.append(row_processors(opts))
+            max_tokens.append(max(row.limit - len(row.output), 1))
+        uids = self._ensure_batch().insert(
+            [[tokens[-1]] for _, _, tokens, _, _ in joining],
+            max_tokens=max_tokens,
+            caches=[cache for _, _, _, cache, _ in joining],
+            all_tokens=[tokens[:-1] for _, _, tokens, _, _ in joining],
+            samplers=samplers,
+            logits_processors=processors,
+        )
+        for uid, (job, row, _, _, ns) in zip(uids, joining, strict=True):
+            self.rows[uid] = (job, row, ns)
 
     def _admit(self) -> None:
         while self.waiting and len(self.rows) + len(self.prefilling) < self.num_parallel:
@@ -323,35 +334,51 @@ class Scheduler:
         self.prefilling.append(Prefilling(job, row, cache, prompt[:hit], prompt[hit:-1], ns))
 
     def _prefill_step(self) -> None:
-        """Feed one chunk of the oldest waiting prompt (running rows decode between chunks);
-        a prompt read to its last token joins the batch."""
-        p = self.prefilling[0]
-        try:
-            if p.job.request.cancel.is_set():
-                self.prefilling.popleft()
-                p.row.finish("cancel")
-                p.job.done()
-                return
-            if p.todo:
-                chunk, p.todo = p.todo[:PREFILL_CHUNK], p.todo[PREFILL_CHUNK:]
-                with mx.stream(self.stream):
-                    feed(self.pairing.target, p.cache, chunk)
-                    mx.eval([c.state for c in p.cache])
-                p.fed += chunk
-            if p.todo:
-                return
+        """Feed waiting prompts, oldest first, up to PREFILL_CHUNK tokens (running rows decode
+        between steps); prompts read to their last token join the batch together, in one
+        forward."""
+        budget, joining = PREFILL_CHUNK, []
+        with mx.stream(self.stream):
+            while self.prefilling and budget > 0:
+                p = self.prefilling[0]
+                if p.job.request.cancel.is_set():
+                    self.prefilling.popleft()
+                    p.row.finish("cancel")
+                    p.job.done()
+                    continue
+                try:
+                    if p.todo:
+                        chunk, p.todo = p.todo[:budget], p.todo[budget:]
+                        feed(self.pairing.target, p.cache, chunk)
+                        mx.async_eval([c.state for c in p.cache])  # runs while the next is built
+                        p.fed += chunk
+                        budget -= max(len(chunk), MIN_FORWARD)
+                    if p.todo:
+                        break
+                    self.prefilling.popleft()
+                    p.row.prefilled()
+                    if self.prefix is not None:
+                        offer_caches(self.prefix, p.ns, p.cache, p.fed)
+                except Exception as exc:
+                    self._drop_prefilling(p, exc)
+                    continue
+                last = p.job.request.prompt_tokens[len(p.fed)]
+                joining.append((p.job, p.row, [*p.fed, last], p.cache, p.ns))
+        if joining:
+            try:
+                self._insert(joining)
+            except Exception as exc:
+                log.exception("could not add rows to the batch")
+                for job, *_ in joining:
+                    job.emit(Failed(str(exc) or type(exc).__name__))
+                    job.done()
+
+    def _drop_prefilling(self, p: Prefilling, exc: Exception) -> None:
+        if self.prefilling and self.prefilling[0] is p:
             self.prefilling.popleft()
-            p.row.prefilled()
-            if self.prefix is not None:
-                offer_caches(self.prefix, p.ns, p.cache, p.fed)
-            last = p.job.request.prompt_tokens[len(p.fed)]
-            self._insert(p.job, p.row, [last], p.cache, p.fed, p.ns)
-        except Exception as exc:
-            if self.prefilling and self.prefilling[0] is p:
-                self.prefilling.popleft()
-            log.exception("prefill failed")
-            p.job.emit(Failed(str(exc) or type(exc).__name__))
-            p.job.done()
+        log.exception("prefill failed", exc_info=exc)
+        p.job.emit(Failed(str(exc) or type(exc).__name__))
+        p.job.done()
 
     def _step(self) -> None:
         batch = self._ensure_batch()

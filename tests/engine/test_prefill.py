@@ -1,4 +1,5 @@
-"""Shaped prefill: power-of-two chunks compute the same cache and logits as one plain pass."""
+"""Shaped prefill: power-of-two chunks, padded or not, compute the same cache and logits as one
+plain pass."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import mlx.core as mx
 import pytest
 
 from engine.kvcache import make_cache
-from engine.prefill import chunk_sizes, feed
+from engine.prefill import chunk_sizes, feed, paddable, padded_sizes
 from engine.sampling import to_ints
 from tests.engine.conftest import Loaded
 
@@ -36,6 +37,30 @@ def test_shaped_feed_matches_plain_feed(loaded: Loaded, n: int) -> None:
     assert mx.allclose(shaped, plain, atol=1e-4).item()
     k0, k1 = caches[0][0].keys[..., :n, :], caches[1][0].keys[..., :n, :]
     assert mx.allclose(k0, k1, atol=1e-4).item()
+
+
+@pytest.mark.parametrize(("n", "sizes"), [(1, [1]), (5, [8]), (300, [512]), (512, [512]),
+                                          (1100, [512, 512, 128])])  # fmt: skip
+def test_padded_widths_are_one_forward_per_chunk(n: int, sizes: list[int]) -> None:
+    assert padded_sizes(n, limit=512) == sizes
+
+
+@pytest.mark.usefixtures("gpu_layout")
+@pytest.mark.parametrize("n", [5, 37, 300, 530])
+def test_padded_feed_matches_plain_feed(loaded: Loaded, n: int) -> None:
+    """The padding is trimmed off again: same offset, keys and last logits as an exact pass,
+    and the next token lands right after the prompt."""
+    mx.random.seed(n)
+    tokens = to_ints(mx.random.randint(3, 200, (n + 1,)))
+    padded, plain = make_cache(loaded.target), make_cache(loaded.target)
+    assert paddable(padded)
+    got = feed(loaded.target, padded, tokens[:n])
+    want = feed(loaded.target, plain, tokens[:n], shaped=False)
+    assert padded[0].offset == plain[0].offset == n
+    assert mx.allclose(got, want, atol=1e-4).item()
+    assert mx.allclose(padded[0].keys[..., :n, :], plain[0].keys[..., :n, :], atol=1e-4).item()
+    step = [feed(loaded.target, c, tokens[n:]) for c in (padded, plain)]
+    assert mx.allclose(step[0], step[1], atol=1e-4).item()
 
 
 def test_feed_refuses_nothing(loaded: Loaded) -> None:

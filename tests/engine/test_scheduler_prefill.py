@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+from typing import Any
 
 from engine.events import Done, Event, GenerationRequest, TextChunk
 from engine.options import parse_options
@@ -40,3 +41,36 @@ def test_running_rows_decode_while_a_long_prompt_is_read(tiny_pair: TinyPair) ->
     # eight chunks for the long prompt; the short row decoded between them (text may merge
     # a few tokens into one chunk)
     assert len(short_before) >= 3
+
+
+class _JoinLog(Scheduler):
+    joins: list[int]
+
+    def _insert(self, joining: list[Any]) -> None:
+        self.joins.append(len(joining))
+        super()._insert(joining)
+
+
+def test_short_prompts_arriving_together_join_the_batch_together(tiny_pair: TinyPair) -> None:
+    """Short prompts share one step's prefill budget and join in one forward, so the last of a
+    burst does not wait a decode step per request ahead of it; each still decodes as it would
+    alone."""
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), costs=COSTS)
+    opts = parse_options({"temperature": 0, "num_predict": 6})
+    prompts = [[5 + i, 9, 11 + 2 * i, 13] for i in range(4)]
+
+    def run(batch: list[list[int]], num_parallel: int) -> tuple[list[list[int]], list[int]]:
+        outputs: dict[int, list[int]] = {}
+        jobs: queue.Queue[Job | None] = queue.Queue()
+        for i, prompt in enumerate(batch):
+            emit = lambda e, i=i: isinstance(e, Done) and outputs.__setitem__(i, e.output_tokens)  # noqa: E731
+            jobs.put(Job(GenerationRequest(prompt, opts), emit, lambda: None))  # type: ignore[arg-type]
+        jobs.put(None)
+        scheduler = _JoinLog(pairing, jobs, num_parallel=num_parallel)
+        scheduler.joins = []
+        scheduler.run()
+        return [outputs[i] for i in range(len(batch))], scheduler.joins
+
+    together, joins = run(prompts, num_parallel=4)
+    assert joins == [4]
+    assert together == [run([p], num_parallel=1)[0][0] for p in prompts]
