@@ -126,57 +126,51 @@ def main() -> None:
     ) + f"  draft step / target step: {costs.draft_step / costs.v(1):.3f}"
       + f"  plain decoding: {costs.plain * 1e3:.2f} ms/token")  # fmt: skip
 
-    # Warm up every path once (kernel compiles, allocator): mlxd as its probe-open does.
+    # Warm up mlxd's paths once (kernel compiles, allocator), as its probe-open does.
     warm_up(target, draft, costs, args.max_k)
-    warm = prompts[0][:16]
-    for k in [0, *(int(k) for k in args.ks.split(","))]:
-        for temp in (0.0, 0.7):
-            mlxlm_run(target, draft if k else None, warm, temp, k, 2 * k + 2)
 
-    rows: list[Row] = []
     ks = [int(k) for k in args.ks.split(",")]
+    temps = [float(t) for t in args.temps.split(",")]
+    ours = ["plain (mlxd)", "mlxd model", "mlxd lookup", "mlxd auto"]
+    theirs = ["mlx-lm plain", *(f"mlx-lm k={k}" for k in ks)]
+    table = {(t, name): Row(name, t, 0, 0.0) for t in temps for name in ours + theirs}
     history = SpecHistory()  # one pairing's history, as the server keeps it across requests
-    for temp in [float(t) for t in args.temps.split(",")]:
+
+    def run(name: str, prompt: list[int], seed: int, temp: float) -> tuple[int, ...]:
+        if name.startswith("mlx-lm"):
+            k = int(name.split("=")[1]) if "=" in name else 0
+            return mlxlm_run(target, draft if k else None, prompt, temp, k, args.tokens)
+        method = {"plain (mlxd)": "off", "mlxd model": "model", "mlxd lookup": "lookup",
+                  "mlxd auto": "auto"}[name]  # fmt: skip
         opts = parse_options({"temperature": temp, "top_k": 0, "top_p": 1.0})
-        names = ["plain (mlxd)", "mlxd model", "mlxd lookup", "mlxd auto", "mlx-lm plain"]
-        names += [f"mlx-lm k={k}" for k in ks]
+        return mlxd_run(
+            target, draft, prompt, opts, method, args.tokens, costs, args.max_k, seed, history
+        )
 
-        def run(
-            name: str,
-            prompt: list[int],
-            seed: int,
-            opts: SamplingOptions = opts,
-            temp: float = temp,
-        ) -> tuple[int, ...]:
-            if name.startswith("mlx-lm"):
-                k = int(name.split("=")[1]) if "=" in name else 0
-                return mlxlm_run(target, draft if k else None, prompt, temp, k, args.tokens)
-            method = {
-                "plain (mlxd)": "off",
-                "mlxd model": "model",
-                "mlxd lookup": "lookup",
-                "mlxd auto": "auto",
-            }[name]
-            return mlxd_run(
-                target, draft, prompt, opts, method, args.tokens, costs, args.max_k, seed, history
-            )
-
-        # Methods take turns on each prompt, so a slow spell of the machine hits them all alike.
-        table = {name: Row(name, temp, 0, 0.0) for name in names}
-        for i, prompt in enumerate(prompts):
-            for name, row in table.items():
-                mx.random.seed(i)
-                t0 = time.perf_counter()
-                out = run(name, prompt, i)
-                seconds = time.perf_counter() - t0
-                row.tokens += out[0]
-                row.seconds += seconds
-                if name.startswith("mlxd"):
-                    row.drafted += out[1]
-                    row.accepted += out[2]
-                elif len(out) > 1:
-                    row.from_draft += out[1]
-        rows.extend(table.values())
+    # Within each engine, methods take turns on each prompt, so a slow spell of the machine hits
+    # them alike. The engines run one after the other: mlx-lm's verify forwards land on a new
+    # cache length every round, hundreds of new CUDA graphs per prompt, which crowd MLX's graph
+    # and buffer caches under whatever runs next.
+    for group in (ours, theirs):
+        for temp in temps:
+            if group is theirs:
+                for k in [0, *ks]:
+                    mlxlm_run(target, draft if k else None, prompts[0][:16], temp, k, 2 * k + 2)
+            for i, prompt in enumerate(prompts):
+                for name in group:
+                    row = table[temp, name]
+                    mx.random.seed(i)
+                    t0 = time.perf_counter()
+                    out = run(name, prompt, i, temp)
+                    row.seconds += time.perf_counter() - t0
+                    row.tokens += out[0]
+                    if name.startswith("mlxd"):
+                        row.drafted += out[1]
+                        row.accepted += out[2]
+                    elif len(out) > 1:
+                        row.from_draft += out[1]
+    rows = list(table.values())
+    for temp in temps:
         report([r for r in rows if r.temperature == temp], temp)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) | {"rate": r.rate} for r in rows], indent=1))

@@ -113,9 +113,7 @@ class Generation:
             if self.controller.off:
                 pause = self._step_down()
                 if pause:  # plain decoding for a while, then speculation gets another chance
-                    yield from self._plain(until=self.produced + pause)
-                    if self.controller is not None:
-                        self.controller.resume()
+                    yield from self._paused(pause)
                 continue
             t0 = time.perf_counter()
             new = self._speculative_round(k)
@@ -199,6 +197,16 @@ class Generation:
             if self.finish is not None or self.produced >= bound:
                 break
             y = nxt if nxt is not None else step(mx.array(new, dtype=mx.uint32), [])
+
+    def _paused(self, pause: int) -> Iterator[list[int]]:
+        start = self.produced
+        try:
+            yield from self._plain(until=start + pause)
+        finally:  # also when the request ends inside the pause
+            if self.controller is not None:
+                self.controller.paused_for(self.produced - start)
+        if self.controller is not None:
+            self.controller.resume()
 
     def _step_down(self) -> int:
         """Speculation stopped paying: continue with the source's cheaper arm, or pause it for

@@ -88,12 +88,21 @@ class SourceRecord:
     plain_seconds: float = 0.0  # what plain decoding would have spent on the same tokens
 
 
+@dataclass
+class PauseClock:
+    """Plain tokens until a source that stopped paying is tried again, counted across requests:
+    a per-request pause would buy every short request its own losing trial."""
+
+    length: int = 0  # the current pause; doubles after each failed trial (0: not running)
+    left: int = 0  # plain tokens still to decode before the next trial
+
+
 class SpecHistory:
     """What speculation did on one pairing in earlier requests, per draft source.
 
     A request starts from it: acceptance by position becomes the prior instead of a guess, and a
-    source whose rounds recently committed tokens slower than plain decoding starts paused. One
-    request costs at most a few trial rounds to learn what the last ones already knew.
+    source whose rounds recently committed tokens slower than plain decoding waits out the
+    pairing's pause clock before its next trial.
     """
 
     def __init__(self, decay: float = 0.7, max_tries: float = 32.0) -> None:
@@ -101,6 +110,36 @@ class SpecHistory:
         self.max_tries = max_tries
         self._lock = threading.Lock()
         self._by_source: dict[str, SourceRecord] = {}
+        self._clocks: dict[str, PauseClock] = {}
+
+    def pause_left(self, source: str, start: int) -> int:
+        """Plain tokens before the next trial; starts a pause of `start` if none is running."""
+        with self._lock:
+            clock = self._clocks.setdefault(source, PauseClock())
+            if clock.length == 0:
+                clock.length = clock.left = start
+            return clock.left
+
+    def spend(self, source: str, tokens: int) -> None:
+        """A request decoded `tokens` plain tokens of the pause."""
+        with self._lock:
+            clock = self._clocks.get(source)
+            if clock is not None:
+                clock.left = max(0, clock.left - tokens)
+
+    def lengthen(self, source: str, base: int, cap: int) -> int:
+        """A trial did not pay: the next pause is twice the last (at least `base`, at most
+        `cap`); returns it."""
+        with self._lock:
+            clock = self._clocks.setdefault(source, PauseClock())
+            clock.length = min(max(2 * clock.length, base), cap)
+            clock.left = clock.length
+            return clock.length
+
+    def clear(self, source: str) -> None:
+        """Speculation paid: no pause."""
+        with self._lock:
+            self._clocks.pop(source, None)
 
     def get(self, source: str) -> SourceRecord | None:
         with self._lock:
@@ -152,7 +191,7 @@ class DraftLengthController:
         floor: float = 0.98,
         decay: float = 0.9,
         pause_tokens: int = 16,
-        max_pause: int = 512,
+        max_pause: int = 1024,
         history: SpecHistory | None = None,
         source: str = "",
         start_paused: bool = True,
@@ -186,8 +225,15 @@ class DraftLengthController:
             for i in range(min(max_k, len(past.tries))):
                 self.prior_hits[i], self.prior_tries[i] = past.hits[i], past.tries[i]
             if start_paused and past.spec_seconds * floor > past.plain_seconds > 0:
-                self.off = True  # it did not pay lately: start with a pause, then a trial
-                self.pause_tokens = 4 * pause_tokens
+                assert history is not None
+                left = history.pause_left(source, start=4 * pause_tokens)
+                self.off = left > 0  # it did not pay lately: wait out the pause, then a trial
+                self.pause_tokens = left or pause_tokens
+
+    def paused_for(self, tokens: int) -> None:
+        """`tokens` were decoded plainly during a pause (all of it, or the request ended)."""
+        if self.history is not None:
+            self.history.spend(self.source, tokens)
 
     def resume(self) -> None:
         """Try speculation again after a pause; the next pause, if any, lasts twice as long.
@@ -196,6 +242,13 @@ class DraftLengthController:
         self.seconds = self.tokens = 0.0
         self.timed_rounds = 0
         self.pause_tokens = min(self.pause_tokens * 2, self.max_pause)
+
+    def _stop_paying(self) -> None:
+        self.off = True
+        if self.history is not None:  # the pairing's clock sets the pause
+            self.pause_tokens = self.history.lengthen(
+                self.source, self.pause_tokens, self.max_pause
+            )
 
     def restart(self, draft_cost: float, source: str) -> DraftLengthController:
         """A fresh controller for a cheaper draft source on the same target."""
@@ -207,8 +260,11 @@ class DraftLengthController:
 
     def conclude(self) -> None:
         """Hand what this request saw to the pairing's history (once)."""
-        if self.history is not None and (self.seen.tries or self.seen.spec_seconds):
-            self.history.record(self.source, self.seen)
+        seen = self.seen
+        if self.history is not None and (seen.tries or seen.spec_seconds):
+            self.history.record(self.source, seen)
+            if not self.off and seen.spec_seconds * self.floor <= seen.plain_seconds:
+                self.history.clear(self.source)
         self.seen = SourceRecord()
 
     def alphas(self, k: int, optimistic: bool = False) -> list[float]:
@@ -268,7 +324,7 @@ class DraftLengthController:
         self.timed_rounds += 1
         if self.timed_rounds >= self.patience and self.tokens:  # noqa: SIM102 - reads as the rule
             if self.seconds / self.tokens * self.floor > plain:
-                self.off = True
+                self._stop_paying()
 
 
 class FixedDraftLength(DraftLengthController):

@@ -66,3 +66,58 @@ def test_history_decays_and_stays_a_prior() -> None:
     assert past.tries[0] == 10.0  # capped
     assert abs(past.hits[0] / past.tries[0] - 0.9) < 1e-9  # the rate survives the cap
     assert abs(past.spec_seconds - 2.0) < 1e-3  # geometric sum of 1.0 with decay 0.5
+
+
+def _not_paying() -> SpecHistory:
+    history = SpecHistory()
+    history.record("model", SourceRecord([1.0], [4.0], spec_seconds=2.0, plain_seconds=1.0))
+    return history
+
+
+def test_requests_share_one_pause_clock(loaded: Loaded) -> None:
+    """A request that ends inside the pause spends its plain tokens from the pairing's clock;
+    the next one waits only for the rest, then runs its trial."""
+    history = _not_paying()
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=48)
+    first = run(
+        loaded, prompt, DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    )
+    assert first.stats.rounds == 0 and first.out == plain  # type: ignore[attr-defined]
+    second = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    assert second.off and second.pause_tokens == 64 - 48
+    gen = run(loaded, prompt, second)
+    assert gen.stats.rounds > 0  # the trial came 16 tokens in
+    assert gen.out == plain  # type: ignore[attr-defined]
+
+
+def test_failed_trials_lengthen_the_shared_pause() -> None:
+    history = _not_paying()
+    first = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    assert first.off and first.pause_tokens == 64
+    first.paused_for(64)
+    first.resume()
+    for _ in range(first.patience):  # a trial whose rounds lose to plain decoding
+        first.observe_time(3.0, 1)
+    assert first.off and first.pause_tokens == 128
+    first.conclude()
+    later = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    assert later.off and later.pause_tokens == 128
+    later.paused_for(128)
+    trial = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    assert not trial.off  # the pause is spent: this request tries again
+
+
+def test_a_trial_that_pays_stops_the_clock() -> None:
+    history = _not_paying()
+    history.pause_left("model", start=64)
+    history.spend("model", 64)
+    trial = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    assert not trial.off
+    for _ in range(8):
+        trial.observe(4, 4)
+        trial.observe_time(0.5, 5)
+    assert not trial.off
+    trial.conclude()
+    after = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    assert not after.off  # paying lately: no pause
