@@ -433,17 +433,20 @@ SELF_DRAFT_PROMPTS = ("def f(x):", "The weather today", "Why is the sky blue?", 
 
 
 def test_self_draft_model_is_accepted(http: httpx.Client) -> None:
-    """Drafting with the target itself at temperature 0: (nearly) every draft is accepted. (96
-    tokens: on this CPU self-drafting never pays, so after the first request the pairing's
-    history starts the source paused and only later rounds speculate.)"""
+    """Drafting with the target itself at temperature 0: (nearly) every draft is accepted. (On
+    this CPU self-drafting never pays, so the pairing's pause clock lets only some of these
+    requests run trial rounds: 4 x 96 tokens outlast its first pauses of 64 and 128.)"""
+    drafted = 0
     for prompt in SELF_DRAFT_PROMPTS:
         r = gen(
             http, model="selfdraft", prompt=prompt,
             options={"temperature": 0, "num_predict": 96, "draft_method": "model"},
         )  # fmt: skip
         assert r["draft_method"] == "model"
-        assert r["draft_count"] > 0
-        assert r["draft_acceptance_rate"] > 0.9, r
+        if r["draft_count"]:
+            drafted += r["draft_count"]
+            assert r["draft_acceptance_rate"] > 0.9, r
+    assert drafted > 0
 
 
 def test_self_draft_auto_is_accepted(http: httpx.Client) -> None:
