@@ -26,7 +26,7 @@ from engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, M
 from engine.events import Event, Failed, GenerationRequest
 from engine.generation import Generation
 from engine.kvcache import make_cache
-from engine.options import SamplingOptions
+from engine.options import SamplingOptions, parse_options
 from engine.pairing import Pairing
 from engine.prefill import feed
 from engine.prefix_cache import PrefixCache
@@ -137,25 +137,50 @@ class Scheduler:
         self.stream = mx.new_stream(mx.default_device())
 
     def warm(self) -> None:
-        """Run the batched decode step once for every row count up to `num_parallel`. With the
-        GPU's bucketed caches each row count is a new attention shape, whose compile belongs in
-        the model's load, not in the first burst of concurrent requests."""
+        """Run the batch's paths once at load: the decode step for every row count up to
+        `num_parallel` (with the GPU's bucketed caches each row count is a new attention
+        shape), then rows joining a running batch (merge, extend), a sampled row, and rows
+        leaving it (filter, extract, remove). On CUDA each first use compiles; in the first
+        burst of concurrent requests that is a stall of seconds, here it is part of the load."""
         if not kvcache.BUCKETED:
             return
         target = self.pairing.target
-        for rows in range(1, self.num_parallel + 1):
-            batch = BatchGenerator(
+
+        def filled(n: int) -> list[Any]:  # a row's cache after its prompt, as prefill leaves it
+            cache = make_cache(target)
+            feed(target, cache, [0] * n)
+            return cache
+
+        def batch_of(rows: int) -> BatchGenerator:
+            return BatchGenerator(
                 target, stop_tokens=[], completion_batch_size=rows, prefill_batch_size=rows,
                 stream=self.stream,
             )  # fmt: skip
+
+        with mx.stream(self.stream):
+            for rows in range(1, self.num_parallel + 1):
+                batch = batch_of(rows)
+                try:
+                    batch.insert(
+                        [[0]] * rows, max_tokens=[2] * rows, caches=[filled(3) for _ in range(rows)]
+                    )
+                    for _ in range(3):  # join (one forward for the new rows), then two steps
+                        batch.next()
+                finally:
+                    batch.close()
+            batch = batch_of(self.num_parallel)
+            sampled = row_sampler(parse_options({"temperature": 0.7}), Rng(0))
             try:
+                first = batch.insert([[0]], max_tokens=[8], caches=[filled(5)])[0]
+                batch.next()
                 batch.insert(
-                    [[0]] * rows,
-                    max_tokens=[2] * rows,
-                    caches=[make_cache(target) for _ in range(rows)],
-                )
-                for _ in range(3):  # join (one forward for the new rows), then two steps
+                    [[0], [0]], max_tokens=[2, 8], caches=[filled(7), filled(2)],
+                    samplers=[_greedy, sampled],
+                )  # fmt: skip
+                for _ in range(4):  # the short row runs out (filter, extract)
                     batch.next()
+                batch.remove([first], return_prompt_caches=True)
+                batch.next()
             finally:
                 batch.close()
 
