@@ -68,9 +68,8 @@ def mlxd_run(
         source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft, opts, rng))
     if source is not None:
         controller = DraftLengthController(
-            costs, max_k, draft_cost, history=history, source=source.name,
-            start_paused=not source.has_cheaper_arm,
-        )  # fmt: skip
+            costs, max_k, draft_cost, history=history, source=source.name
+        )
     gen = Generation(target, prompt, opts, set(), tokens, rng, source, controller)
     try:
         gen.prefill()

@@ -40,7 +40,7 @@ def restore(
     if not blocks:
         return None, 0
     layers = len(pairing.target.layers)
-    tokens = len(blocks) * cache.block
+    tokens = sum(b.tokens for b in blocks)
     try:
         target = build_caches(blocks, 0, layers)
         if has_companion(source) and pairing.draft is not None:
@@ -80,17 +80,29 @@ def offer_caches(
     if draft is not None:
         draft_cache, draft_tokens = draft
         covered = min(covered, len(draft_tokens))
-    inserted = 0
-    for index, key in cache.missing(ns, list(tokens[:covered])):
-        start, end = index * cache.block, (index + 1) * cache.block
+
+    def sliced(start: int, end: int) -> Block | None:
         block = slice_layers(target, start, end)
+        if block is None or draft is None:
+            return block
+        extra = slice_layers(draft_cache, start, end)
+        return (
+            None if extra is None else Block(block.kinds + extra.kinds, block.arrays + extra.arrays)
+        )
+
+    inserted = 0
+    held = list(tokens[:covered])
+    for index, key in cache.missing(ns, held):
+        block = sliced(index * cache.block, (index + 1) * cache.block)
         if block is None:
             return inserted  # a cache kind the prefix cache cannot slice
-        if draft is not None:
-            extra = slice_layers(draft_cache, start, end)
-            if extra is None:
-                return inserted
-            block = Block(block.kinds + extra.kinds, block.arrays + extra.arrays)
         cache.insert(key, block)
         inserted += 1
+    tail = cache.tail(ns, held)
+    if tail is not None:
+        start = covered // cache.block * cache.block
+        block = sliced(start, covered)
+        if block is not None:
+            cache.insert_tail(tail[0], held[start:], tail[1], block)
+            inserted += 1
     return inserted

@@ -63,6 +63,9 @@ class Generation:
         self.stats = stats or SpecStats()
         self.produced = 0
         self.finish: str | None = None  # "stop" after EOS, "length" at the limit
+        # after stepping down to a cheaper arm: the full source's controller and the token count
+        # then; what the arm decodes counts toward that source's pause clock
+        self._stepped_from: tuple[DraftLengthController, int] | None = None
         if source is not None:
             self.stats.method = source.name
             if not can_trim_prompt_cache(self.cache):
@@ -83,6 +86,10 @@ class Generation:
                 self._fallback(f"draft prefill failed: {exc}")
 
     def close(self) -> None:
+        if self._stepped_from is not None:
+            full, start = self._stepped_from
+            full.paused_for(self.produced - start)
+            self._stepped_from = None
         if self.controller is not None:
             self.controller.conclude()
         if self.source is not None:
@@ -215,6 +222,7 @@ class Generation:
         cheaper = self.source.cheaper()
         if cheaper is not None:
             self.stats.disabled_reason = f"{self.source.name}: continued with {cheaper.name} only"
+            self._stepped_from = (self.controller, self.produced)
             self.source = cheaper
             self.controller = self.controller.restart(draft_cost=0.0, source=cheaper.name)
             return 0

@@ -4,7 +4,9 @@ A block's key chains its parent's key, its tokens and the namespace (everything 
 K/V: model revision, adapter, KV quantization, draft method and draft revision), so a lookup
 walks the prompt block by block and stops at the first miss. A block holds every layer of the
 target and, with a draft model, the draft's layers for the same tokens: a hit restores both or
-neither. RAM is an LRU bounded by bytes; what it evicts spills to SSD. SSD writes happen on a
+neither. A prompt's last, partial block is kept too, in RAM only, filed under its parent block,
+so a repeated or extended prompt restores up to the token where it diverges from an earlier one.
+RAM is an LRU bounded by bytes; what it evicts spills to SSD. SSD writes happen on a
 writer thread (decoding never waits on disk); every SSD entry is versioned and checksummed, and
 anything that does not verify is a miss.
 """
@@ -57,6 +59,16 @@ class Namespace:
         ).digest()
 
 
+TAILS_PER_PARENT = 8  # partial blocks kept under one parent (the most recent)
+
+
+def tail_key(parent: str, tail: Sequence[int]) -> str:
+    """The key of a partial block after the block `parent` (or the namespace seed, in hex);
+    prefixed "t" so it can never be taken for a full block."""
+    chunk = np.asarray(tail, dtype=np.int64).tobytes()
+    return "t" + hashlib.sha256(bytes.fromhex(parent) + b"tail" + chunk).hexdigest()
+
+
 def block_keys(tokens: Sequence[int], ns: Namespace, block: int) -> list[str]:
     """Chained keys of every full block of `tokens`."""
     keys: list[str] = []
@@ -81,6 +93,10 @@ class Block:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for layer in self.arrays for a in layer)
+
+    @property
+    def tokens(self) -> int:
+        return int(self.arrays[0][0].shape[-2])
 
 
 def _copy(x: mx.array) -> mx.array:
@@ -223,6 +239,11 @@ class RamTier:
             evicted.append((old_key, old))
         return evicted
 
+    def drop(self, key: str) -> None:
+        block = self.entries.pop(key, None)
+        if block is not None:
+            self.nbytes -= block.nbytes
+
 
 def _open_diskcache(directory: Path, size_limit: int) -> Any:
     """The SSD tier's store; a damaged one is moved aside and started afresh, since a cache
@@ -351,9 +372,13 @@ class PrefixCache:
         self.ssd = SsdTier(ssd_dir, ssd_bytes) if ssd_dir is not None and ssd_bytes > 0 else None
         self.stats = CacheStats()
         self._lock = threading.Lock()
+        # parent key -> {partial block's tokens: its key}, most recent last; and back
+        self._tails: dict[str, OrderedDict[tuple[int, ...], str]] = {}
+        self._tail_of: dict[str, tuple[str, tuple[int, ...]]] = {}
 
     def lookup(self, ns: Namespace, tokens: Sequence[int]) -> list[Block]:
-        """The longest run of cached blocks that prefixes `tokens`."""
+        """The longest run of cached blocks that prefixes `tokens`, ending with the longest
+        cached partial block that continues it."""
         found: list[Block] = []
         keys = block_keys(tokens, ns, self.block)
         with self._lock:
@@ -369,9 +394,62 @@ class PrefixCache:
                 else:
                     break
                 found.append(block)
-            self.stats.hit_tokens += len(found) * self.block
+            parent = keys[len(found) - 1] if found else ns.seed.hex()
+            tail = self._longest_tail(parent, tokens[len(found) * self.block :])
+            if tail is not None:
+                found.append(tail)
+            self.stats.hit_tokens += sum(b.tokens for b in found)
             self.stats.restored_bytes += sum(b.nbytes for b in found)
         return found
+
+    def _longest_tail(self, parent: str, rest: Sequence[int]) -> Block | None:
+        best: Block | None = None
+        for tail, key in list(self._tails.get(parent, {}).items()):
+            if len(tail) > len(rest) or (best is not None and len(tail) <= best.tokens):
+                continue
+            if tuple(rest[: len(tail)]) == tail:
+                block = self.ram.get(key)
+                if block is None:
+                    self._forget_tail(key)
+                else:
+                    best = block
+        return best
+
+    def tail(self, ns: Namespace, tokens: Sequence[int]) -> tuple[str, str] | None:
+        """(parent, key) of the partial block that ends `tokens`, unless they end on a block
+        boundary or it is cached already."""
+        full = len(tokens) // self.block
+        if full * self.block == len(tokens):
+            return None
+        keys = block_keys(tokens[: full * self.block], ns, self.block)
+        parent = keys[-1] if keys else ns.seed.hex()
+        key = tail_key(parent, tokens[full * self.block :])
+        with self._lock:
+            return None if key in self.ram.entries else (parent, key)
+
+    def insert_tail(self, parent: str, tail: Sequence[int], key: str, block: Block) -> None:
+        """Keep a partial block in RAM (it is superseded too often to be worth the disk)."""
+        mx.eval([a for layer in block.arrays for a in layer])
+        with self._lock:
+            self.stats.inserted_blocks += 1
+            self._spill(self.ram.put(key, block))
+            if key not in self.ram.entries:
+                return  # larger than the whole budget
+            tails = self._tails.setdefault(parent, OrderedDict())
+            tails[tuple(tail)] = key
+            self._tail_of[key] = (parent, tuple(tail))
+            while len(tails) > TAILS_PER_PARENT:
+                _, old = tails.popitem(last=False)
+                self._tail_of.pop(old, None)
+                self.ram.drop(old)
+
+    def _forget_tail(self, key: str) -> None:
+        parent, tail = self._tail_of.pop(key, ("", ()))
+        tails = self._tails.get(parent)
+        if tails is not None:
+            tails.pop(tail, None)
+            if not tails:
+                del self._tails[parent]
 
     def missing(self, ns: Namespace, tokens: Sequence[int]) -> list[tuple[int, str]]:
         """(block index, key) of the full blocks of `tokens` not yet in RAM."""
@@ -388,8 +466,10 @@ class PrefixCache:
             self.ssd.put_async(key, block)  # write-through, behind the decode path
 
     def _spill(self, evicted: list[tuple[str, Block]]) -> None:
-        if self.ssd is not None:
-            for key, block in evicted:
+        for key, block in evicted:
+            if key.startswith("t"):
+                self._forget_tail(key)
+            elif self.ssd is not None:
                 self.ssd.put_async(key, block)
 
     def persist(self) -> None:
@@ -397,7 +477,7 @@ class PrefixCache:
         if self.ssd is None:
             return
         with self._lock:
-            items = list(self.ram.entries.items())
+            items = [(k, b) for k, b in self.ram.entries.items() if not k.startswith("t")]
         for key, block in items:
             self.ssd.put_async(key, block)
         self.ssd.flush()

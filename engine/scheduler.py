@@ -78,9 +78,8 @@ def make_draft_source(
     else:
         source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(pairing.draft, opts, rng))
     controller = DraftLengthController(
-        pairing.costs, max_k, draft_cost, history=pairing.history, source=source.name,
-        start_paused=not source.has_cheaper_arm,
-    )  # fmt: skip
+        pairing.costs, max_k, draft_cost, history=pairing.history, source=source.name
+    )
     return source, controller
 
 

@@ -194,10 +194,9 @@ class DraftLengthController:
         max_pause: int = 1024,
         history: SpecHistory | None = None,
         source: str = "",
-        start_paused: bool = True,
     ) -> None:
-        """`start_paused`: whether a history of not paying starts the request paused (a source
-        with a cheaper arm to fall back on should instead find that out from its own rounds)."""
+        """With a `history` in which `source` did not pay lately, the request waits out the
+        pairing's pause clock first (`off` at once; a source with a cheaper arm runs that)."""
         self.costs = costs
         self.max_k = max_k
         self.draft_cost = draft_cost
@@ -224,7 +223,7 @@ class DraftLengthController:
         if past is not None:
             for i in range(min(max_k, len(past.tries))):
                 self.prior_hits[i], self.prior_tries[i] = past.hits[i], past.tries[i]
-            if start_paused and past.spec_seconds * floor > past.plain_seconds > 0:
+            if past.spec_seconds * floor > past.plain_seconds > 0:
                 assert history is not None
                 left = history.pause_left(source, start=4 * pause_tokens)
                 self.off = left > 0  # it did not pay lately: wait out the pause, then a trial

@@ -466,11 +466,14 @@ def test_self_draft_auto_is_accepted(http: httpx.Client) -> None:
         if probe["draft_count"] == 0:
             clean.append(prompt)
     assert len(clean) >= 2, "candidate prompts repeat themselves; add others"
-    for prompt in clean:
+    drafted = 0
+    for prompt in clean:  # once the model arm stops paying, the clock runs the lookup arm
         r = gen(http, model="selfdraft", prompt=prompt, options=greedy)
         assert r["draft_method"] == "auto"
-        assert r["draft_count"] > 0
-        assert r["draft_acceptance_rate"] > 0.9, r
+        if r["draft_count"]:
+            drafted += r["draft_count"]
+            assert r["draft_acceptance_rate"] > 0.9, r
+    assert drafted > 0
 
 
 LOSSLESS_CASES: list[tuple[str, dict[str, Any]]] = [

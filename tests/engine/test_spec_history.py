@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from engine.drafting import ModelDraftSource
+from collections.abc import Sequence
+
+from engine.drafting import (
+    Draft,
+    DraftSource,
+    HybridDraftSource,
+    LookupDraftSource,
+    ModelDraftSource,
+)
 from engine.generation import Generation
 from engine.options import parse_options
 from engine.sampling import Rng
@@ -14,8 +22,13 @@ GREEDY = parse_options({"temperature": 0})
 FLAT = Costs(verify={w: 1.0 for w in range(1, 10)}, draft_step=0.05, plain_step=1.0)
 
 
-def run(loaded: Loaded, prompt: list[int], controller: DraftLengthController) -> Generation:
-    source = ModelDraftSource(loaded.draft, GREEDY, Rng(0))
+def run(
+    loaded: Loaded,
+    prompt: list[int],
+    controller: DraftLengthController,
+    source: DraftSource | None = None,
+) -> Generation:
+    source = source or ModelDraftSource(loaded.draft, GREEDY, Rng(0))
     gen = Generation(loaded.target, prompt, GREEDY, {0, 2}, 48, Rng(0), source, controller)
     try:
         gen.prefill()
@@ -68,10 +81,35 @@ def test_history_decays_and_stays_a_prior() -> None:
     assert abs(past.spec_seconds - 2.0) < 1e-3  # geometric sum of 1.0 with decay 0.5
 
 
-def _not_paying() -> SpecHistory:
+def _not_paying(source: str = "model") -> SpecHistory:
     history = SpecHistory()
-    history.record("model", SourceRecord([1.0], [4.0], spec_seconds=2.0, plain_seconds=1.0))
+    history.record(source, SourceRecord([1.0], [4.0], spec_seconds=2.0, plain_seconds=1.0))
     return history
+
+
+class _CountingDraft(ModelDraftSource):
+    proposals = 0
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        self.proposals += 1
+        return super().propose(tokens, n)
+
+
+def test_auto_that_did_not_pay_starts_on_its_lookup_arm(loaded: Loaded) -> None:
+    """What the cheaper arm decodes counts toward the full source's pause clock."""
+    history = _not_paying("auto")
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=48)
+    model = _CountingDraft(loaded.draft, GREEDY, Rng(0))
+    source = HybridDraftSource(LookupDraftSource(), model)
+    controller = DraftLengthController(FLAT, 4, 0.05, history=history, source="auto")
+    gen = run(loaded, prompt, controller, source)
+    assert gen.out == plain  # type: ignore[attr-defined]
+    assert gen.stats.method == "auto"
+    assert gen.stats.disabled_reason == "auto: continued with lookup only"
+    assert model.proposals == 0
+    later = DraftLengthController(FLAT, 4, 0.05, history=history, source="auto")
+    assert later.off and later.pause_tokens == 64 - 48
 
 
 def test_requests_share_one_pause_clock(loaded: Loaded) -> None:
