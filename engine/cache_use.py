@@ -20,10 +20,12 @@ def has_companion(source: DraftSource | None) -> bool:
 
 
 def namespace_for(pairing: Pairing, opts: SamplingOptions, source: DraftSource | None) -> Namespace:
+    """A draft method that stores a draft model's state beside the target's is its own
+    namespace; without one (off, lookup, batch rows) the blocks are the same target K/V."""
     kv = f"{opts.kv_bits}/{opts.kv_group_size}/{opts.quantized_kv_start}" if opts.kv_bits else ""
-    draft = source.name if source is not None else "off"
-    if has_companion(source):
-        draft = f"{draft}:{pairing.draft_revision}"
+    draft = "off"
+    if source is not None and has_companion(source):
+        draft = f"{source.name}:{pairing.draft_revision}"
     return Namespace(model=pairing.revision, kv=kv, draft=draft)
 
 
