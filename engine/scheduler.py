@@ -47,6 +47,11 @@ class Job:
     done: Callable[[], None]  # called once, when the job leaves the scheduler
 
 
+# A row ready to join the batch: job, stream, the tokens in its cache plus the one to feed next
+# (outside the cache), the cache, its prefix-cache namespace.
+Joining = tuple[Job, RowStream, list[int], list[Any], Any]
+
+
 @dataclass
 class Prefilling:
     """A row reading its prompt, one chunk per scheduler step, before it joins the batch."""
@@ -309,9 +314,8 @@ class Scheduler:
             )
         return self.batch
 
-    def _insert(self, joining: list[tuple[Job, RowStream, list[int], list[Any], Any]]) -> None:
-        """Add rows to the batch, each as (job, stream, tokens in its cache, cache, namespace);
-        its last token stays outside the cache. Rows joining in one call share one forward."""
+    def _insert(self, joining: list[Joining]) -> None:
+        """Add rows to the batch; rows joining in one call share one forward."""
         samplers, processors, max_tokens = [], [], []
         for job, row, _, _, _ in joining:
             opts = job.request.options
@@ -361,41 +365,51 @@ class Scheduler:
         """Feed waiting prompts, oldest first, up to PREFILL_CHUNK tokens (running rows decode
         between steps); prompts read to their last token join the batch together, in one
         forward."""
-        budget, joining = PREFILL_CHUNK, []
         with mx.stream(self.stream):
-            while self.prefilling and budget > 0:
-                p = self.prefilling[0]
-                if p.job.request.cancel.is_set():
-                    self.prefilling.popleft()
-                    p.row.finish("cancel")
-                    p.job.done()
-                    continue
-                try:
-                    if p.todo:
-                        chunk, p.todo = p.todo[:budget], p.todo[budget:]
-                        feed(self.pairing.target, p.cache, chunk)
-                        mx.async_eval([c.state for c in p.cache])  # runs while the next is built
-                        p.fed += chunk
-                        budget -= max(len(chunk), MIN_FORWARD)
-                    if p.todo:
-                        break
-                    self.prefilling.popleft()
-                    p.row.prefilled()
-                    if self.prefix is not None:
-                        offer_caches(self.prefix, p.ns, p.cache, p.fed)
-                except Exception as exc:
-                    self._drop_prefilling(p, exc)
-                    continue
-                last = p.job.request.prompt_tokens[len(p.fed)]
-                joining.append((p.job, p.row, [*p.fed, last], p.cache, p.ns))
-        if joining:
+            joining = self._read_prompts()
+            if self.prefix is not None:  # after every feed is queued: offering syncs
+                for _, _, tokens, cache, ns in joining:
+                    try:
+                        offer_caches(self.prefix, ns, cache, tokens[:-1])
+                    except Exception:  # the cache may miss a prompt; the request goes on
+                        log.exception("prefix cache: offering a prompt failed")
+        if not joining:
+            return
+        try:
+            self._insert(joining)
+        except Exception as exc:
+            log.exception("could not add rows to the batch")
+            for job, *_ in joining:
+                job.emit(Failed(str(exc) or type(exc).__name__))
+                job.done()
+
+    def _read_prompts(self) -> list[Joining]:
+        """One step's prompt reading; returns the rows read to their last token."""
+        budget, joining = PREFILL_CHUNK, list[Joining]()
+        while self.prefilling and budget > 0:
+            p = self.prefilling[0]
+            if p.job.request.cancel.is_set():
+                self.prefilling.popleft()
+                p.row.finish("cancel")
+                p.job.done()
+                continue
             try:
-                self._insert(joining)
+                if p.todo:
+                    chunk, p.todo = p.todo[:budget], p.todo[budget:]
+                    feed(self.pairing.target, p.cache, chunk)
+                    mx.async_eval([c.state for c in p.cache])  # runs while the next is built
+                    p.fed += chunk
+                    budget -= max(len(chunk), MIN_FORWARD)
+                if p.todo:
+                    break
+                self.prefilling.popleft()
+                p.row.prefilled()
             except Exception as exc:
-                log.exception("could not add rows to the batch")
-                for job, *_ in joining:
-                    job.emit(Failed(str(exc) or type(exc).__name__))
-                    job.done()
+                self._drop_prefilling(p, exc)
+                continue
+            last = p.job.request.prompt_tokens[len(p.fed)]
+            joining.append((p.job, p.row, [*p.fed, last], p.cache, p.ns))
+        return joining
 
     def _drop_prefilling(self, p: Prefilling, exc: Exception) -> None:
         if self.prefilling and self.prefilling[0] is p:
