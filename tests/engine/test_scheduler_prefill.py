@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import queue
-from typing import Any
 
 from engine.events import Done, Event, GenerationRequest, TextChunk
 from engine.options import parse_options
 from engine.pairing import load_pairing
-from engine.scheduler import PREFILL_CHUNK, Job, Scheduler
+from engine.scheduler import PREFILL_CHUNK, Job, Joining, Scheduler
 from engine.speculation import Costs
 from registry.schema import ModelEntry
 from tests.fixtures.tiny_models import TinyPair
@@ -46,7 +45,7 @@ def test_running_rows_decode_while_a_long_prompt_is_read(tiny_pair: TinyPair) ->
 class _JoinLog(Scheduler):
     joins: list[int]
 
-    def _insert(self, joining: list[Any]) -> None:
+    def _insert(self, joining: list[Joining]) -> None:
         self.joins.append(len(joining))
         super()._insert(joining)
 
@@ -63,8 +62,12 @@ def test_short_prompts_arriving_together_join_the_batch_together(tiny_pair: Tiny
         outputs: dict[int, list[int]] = {}
         jobs: queue.Queue[Job | None] = queue.Queue()
         for i, prompt in enumerate(batch):
-            emit = lambda e, i=i: isinstance(e, Done) and outputs.__setitem__(i, e.output_tokens)  # noqa: E731
-            jobs.put(Job(GenerationRequest(prompt, opts), emit, lambda: None))  # type: ignore[arg-type]
+
+            def emit(event: Event, i: int = i) -> None:
+                if isinstance(event, Done):
+                    outputs[i] = event.output_tokens
+
+            jobs.put(Job(GenerationRequest(prompt, opts), emit, lambda: None))
         jobs.put(None)
         scheduler = _JoinLog(pairing, jobs, num_parallel=num_parallel)
         scheduler.joins = []
