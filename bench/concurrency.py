@@ -240,8 +240,14 @@ def main() -> None:
         print(
             f"{n:>8} | {a['aggregate']:>9.1f} {a['per_stream']:>8.1f} {a['ttft'] * 1e3:>8.0f} | "
             f"{b['aggregate']:>10.1f} {b['per_stream']:>8.1f} {b['ttft'] * 1e3:>8.0f} | "
-            f"{a['aggregate'] / single:>7.2f}x {a['aggregate'] / b['aggregate']:>8.2f}x"
+            f"{ratio(a['aggregate'], single):>8} {ratio(a['aggregate'], b['aggregate']):>9}"
         )
+
+
+def ratio(ours: float, theirs: float) -> str:
+    """`ours / theirs` as "1.23x"; "-" when the other side streamed nothing (a model that ends
+    at once, a server that failed)."""
+    return f"{ours / theirs:.2f}x" if theirs else "-"
 
 
 if __name__ == "__main__":
