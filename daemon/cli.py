@@ -62,12 +62,20 @@ def human_size(n: int) -> str:
     return f"{n} B"
 
 
-def human_ago(stamp: str) -> str:
+def _seconds_until(stamp: str) -> float | None:
+    """Seconds from now to an ISO-8601 time (negative when past); None if it does not parse."""
     try:
         then = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
     except ValueError:
+        return None
+    return (then - datetime.now(timezone.utc)).total_seconds()
+
+
+def human_ago(stamp: str) -> str:
+    until = _seconds_until(stamp)
+    if until is None:
         return stamp
-    seconds = (datetime.now(timezone.utc) - then).total_seconds()
+    seconds = -until
     for unit, size in (("day", 86400), ("hour", 3600), ("minute", 60)):
         if seconds >= size:
             n = int(seconds // size)
@@ -95,11 +103,9 @@ def human_duration(seconds: float) -> str:
 
 def human_until(stamp: str) -> str:
     """`ollama ps` UNTIL: "4 minutes from now", "Forever" (over 20 years out), "Stopping..."."""
-    try:
-        then = datetime.fromisoformat(stamp.replace("Z", "+00:00"))
-    except ValueError:
+    seconds = _seconds_until(stamp)
+    if seconds is None:
         return stamp
-    seconds = (then - datetime.now(timezone.utc)).total_seconds()
     if seconds < 0:
         return "Stopping..."
     if seconds > 20 * 365 * 86400:
