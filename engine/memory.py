@@ -17,7 +17,7 @@ from typing import Any
 from registry.schema import ModelEntry
 from registry.store import model_files
 
-DEFAULT_NUM_CTX = 4096  # tokens of KV budgeted per row when the entry sets no num_ctx
+DEFAULT_NUM_CTX = 4096  # Ollama's default context (and KV budgeted per row) when nothing sets it
 DEFAULT_CONTEXT_LENGTH = 4096  # a config that names no context length
 OVERHEAD_BYTES = 128 * 1024 * 1024  # activations, logits, compute buffers per pairing
 BUDGET_FRACTION = 0.75  # of total memory, when MLXD_MEMORY_BUDGET is not set
@@ -183,6 +183,6 @@ def resolve_budget(configured: int | None) -> Budget:
 
 def processor() -> str:
     """`gpu` when MLX computes on Metal or CUDA, else `cpu` (the `mlxd ps` PROCESSOR column)."""
-    import mlx.core as mx
+    from engine.kvcache import ON_GPU
 
-    return "gpu" if mx.default_device().type == mx.DeviceType.gpu else "cpu"
+    return "gpu" if ON_GPU else "cpu"

@@ -26,6 +26,7 @@ from engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, M
 from engine.events import Event, Failed, GenerationRequest
 from engine.generation import Generation
 from engine.kvcache import make_cache
+from engine.memory import DEFAULT_NUM_CTX
 from engine.options import SamplingOptions, parse_options
 from engine.pairing import Pairing
 from engine.prefill import feed
@@ -86,9 +87,6 @@ def make_draft_source(
         pairing.costs, max_k, draft_cost, history=pairing.history, source=source.name
     )
     return source, controller
-
-
-DEFAULT_NUM_CTX = 4096  # Ollama's default context when a request and the registry set none
 
 
 def generation_limit(opts: SamplingOptions, prompt_len: int, context_length: int) -> int:
