@@ -40,7 +40,6 @@ class DraftSource(ABC):
     """prefill -> (propose -> accept)* -> dispose; checkpoint/restore for the prefix cache."""
 
     name: str = "draft"
-    has_cheaper_arm: bool = False  # whether cheaper() can return a source
 
     @abstractmethod
     def prefill(self, tokens: Sequence[int]) -> None:
@@ -193,7 +192,6 @@ class HybridDraftSource(DraftSource):
     """`auto` with a draft model: free prompt-lookup drafts when the text repeats, else the model."""
 
     name = "auto"
-    has_cheaper_arm = True
 
     def __init__(self, lookup: LookupDraftSource, model: ModelDraftSource, min_lookup: int = 3):
         self.lookup = lookup

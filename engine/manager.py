@@ -183,10 +183,6 @@ class Loaded:
     def runner(self) -> PairingRunner:
         return self.model.runner
 
-    @property
-    def keep_alive(self) -> float:
-        return self.model.keep_alive
-
 
 @dataclass(frozen=True)
 class ModelStatus:
