@@ -9,6 +9,9 @@ cannot change it), so a 300-token prompt is one 512-wide forward; other caches (
 rotating windows) cannot take that back, so theirs runs as 256 + 32 + 8 + 4. Either way a handful
 of shapes, which probe-open warms. On the CPU there is nothing to compile and each extra forward
 re-reads the weights, so chunks are plain.
+
+Several short prompts waiting together are read as rows of one forward (`feed_rows`): one weight
+read instead of one per prompt. On a GPU the row count is padded to a power of two as well.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import KVCache
 
 from engine import kvcache
 
@@ -83,6 +87,48 @@ def feed(
             pending = 0
     assert logits is not None
     return logits
+
+
+def batchable(cache: list[Any]) -> bool:
+    """True for an empty cache whose layers are all plain KV caches (rows of one forward)."""
+    return all(
+        type(c) in (KVCache, kvcache.BucketedKVCache) and c.keys is None and c.offset == 0
+        for c in cache
+    )
+
+
+def row_shape(rows: int, longest: int, shaped: bool | None = None) -> tuple[int, int]:
+    """(rows, width) of the forward `feed_rows` runs: powers of two where shapes compile."""
+    if shaped is None:
+        shaped = kvcache.BUCKETED
+    if not shaped:
+        return rows, longest
+    return 1 << (rows - 1).bit_length(), 1 << (longest - 1).bit_length()
+
+
+def feed_rows(
+    model: nn.Module,
+    caches: list[list[Any]],
+    prompts: list[Sequence[int]],
+    shaped: bool | None = None,
+) -> None:
+    """Read each prompt into its own empty, `batchable` cache, all in one forward.
+
+    Prompts are right-padded to one width (causal attention: what follows a prompt cannot
+    change it) and each row's cache then ends at its own prompt; a padded-in row repeats the
+    first prompt and is dropped. Nothing is evaluated here.
+    """
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("feed_rows() needs at least one token per prompt")
+    rows, width = row_shape(len(prompts), max(len(p) for p in prompts), shaped)
+    padded = [list(p) + [p[-1]] * (width - len(p)) for p in prompts]
+    padded += padded[:1] * (rows - len(prompts))
+    batch = [type(c)() for c in caches[0]]
+    model(mx.array(padded, dtype=mx.uint32), cache=batch)
+    for row, (cache, prompt) in enumerate(zip(caches, prompts, strict=True)):
+        for c, b in zip(cache, batch, strict=True):
+            c.keys, c.values = b.keys[row : row + 1], b.values[row : row + 1]
+            c.offset = len(prompt)
 
 
 def warm_shapes(model: nn.Module) -> None:

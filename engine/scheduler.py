@@ -29,7 +29,7 @@ from engine.kvcache import make_cache
 from engine.memory import DEFAULT_NUM_CTX
 from engine.options import SamplingOptions, parse_options
 from engine.pairing import Pairing
-from engine.prefill import feed
+from engine.prefill import batchable, feed, feed_rows, row_shape
 from engine.prefix_cache import PrefixCache
 from engine.rowstream import RowStream
 from engine.sampling import Rng, penalize, probabilities, sample, to_ints
@@ -142,7 +142,7 @@ class Scheduler:
         """Run the batch's paths once at load: the decode step for every row count up to
         `num_parallel` (with the GPU's bucketed caches each row count is a new attention
         shape), then rows joining a running batch (merge, extend), a sampled row, and rows
-        leaving it (filter, extract, remove). On CUDA each first use compiles; in the first
+        leaving it (filter, extract, remove), after the shapes of prompts read together. On CUDA each first use compiles; in the first
         burst of concurrent requests that is a stall of seconds, here it is part of the load."""
         if not kvcache.BUCKETED:
             return
@@ -160,6 +160,15 @@ class Scheduler:
             )  # fmt: skip
 
         with mx.stream(self.stream):
+            rows = 2
+            while rows // 2 < self.num_parallel:  # prompts read together: each shape once
+                width = 1
+                while rows * width <= PREFILL_CHUNK:
+                    caches = [make_cache(target) for _ in range(rows)]
+                    feed_rows(target, caches, [[0] * width] * rows)
+                    mx.eval([c.state for cache in caches for c in cache])
+                    width *= 2
+                rows *= 2
             for rows in range(1, self.num_parallel + 1):
                 batch = batch_of(rows)
                 try:
@@ -383,14 +392,16 @@ class Scheduler:
 
     def _read_prompts(self) -> list[Joining]:
         """One step's prompt reading; returns the rows read to their last token."""
+        for p in [p for p in self.prefilling if p.job.request.cancel.is_set()]:
+            self.prefilling.remove(p)
+            p.row.finish("cancel")
+            p.job.done()
         budget, joining = PREFILL_CHUNK, list[Joining]()
+        group = self._row_group()
+        if group:
+            budget -= self._feed_group(group, joining)
         while self.prefilling and budget > 0:
             p = self.prefilling[0]
-            if p.job.request.cancel.is_set():
-                self.prefilling.popleft()
-                p.row.finish("cancel")
-                p.job.done()
-                continue
             try:
                 if p.todo:
                     chunk, p.todo = p.todo[:budget], p.todo[budget:]
@@ -405,9 +416,45 @@ class Scheduler:
             except Exception as exc:
                 self._drop_prefilling(p, exc)
                 continue
-            last = p.job.request.prompt_tokens[len(p.fed)]
-            joining.append((p.job, p.row, [*p.fed, last], p.cache, p.ns))
+            joining.append(self._joining(p))
         return joining
+
+    @staticmethod
+    def _joining(p: Prefilling) -> Joining:
+        last = p.job.request.prompt_tokens[len(p.fed)]
+        return (p.job, p.row, [*p.fed, last], p.cache, p.ns)
+
+    def _row_group(self) -> list[Prefilling]:
+        """The leading waiting prompts that one batched forward can read whole within a step's
+        budget (at least two, each into an empty cache)."""
+        group: list[Prefilling] = []
+        for p in self.prefilling:
+            if not p.todo or not batchable(p.cache):
+                break
+            rows, width = row_shape(len(group) + 1, max(len(q.todo) for q in [*group, p]))
+            if rows * width > PREFILL_CHUNK:
+                break
+            group.append(p)
+        return group if len(group) > 1 else []
+
+    def _feed_group(self, group: list[Prefilling], joining: list[Joining]) -> int:
+        """Read the group's prompts in one forward; they join this step. Returns the budget
+        it used."""
+        rows, width = row_shape(len(group), max(len(p.todo) for p in group))
+        for _ in group:
+            self.prefilling.popleft()
+        try:
+            feed_rows(self.pairing.target, [p.cache for p in group], [p.todo for p in group])
+            mx.async_eval([c.state for p in group for c in p.cache])
+        except Exception as exc:
+            for p in group:
+                self._drop_prefilling(p, exc)
+            return rows * width
+        for p in group:
+            p.fed, p.todo = p.fed + p.todo, []
+            p.row.prefilled()
+            joining.append(self._joining(p))
+        return rows * width
 
     def _drop_prefilling(self, p: Prefilling, exc: Exception) -> None:
         if self.prefilling and self.prefilling[0] is p:

@@ -7,7 +7,15 @@ import mlx.core as mx
 import pytest
 
 from engine.kvcache import make_cache
-from engine.prefill import chunk_sizes, feed, paddable, padded_sizes
+from engine.prefill import (
+    batchable,
+    chunk_sizes,
+    feed,
+    feed_rows,
+    paddable,
+    padded_sizes,
+    row_shape,
+)
 from engine.sampling import to_ints
 from tests.engine.conftest import Loaded
 
@@ -66,3 +74,40 @@ def test_padded_feed_matches_plain_feed(loaded: Loaded, n: int) -> None:
 def test_feed_refuses_nothing(loaded: Loaded) -> None:
     with pytest.raises(ValueError):
         feed(loaded.target, make_cache(loaded.target), [])
+
+
+@pytest.mark.parametrize("layout", ["cpu", "gpu"])
+def test_prompts_read_together_match_each_read_alone(
+    loaded: Loaded, layout: str, request: pytest.FixtureRequest
+) -> None:
+    """Rows of one forward, right-padded to one width (and on the GPU to a power-of-two row
+    count): each cache ends at its own prompt with the same keys, and the next token decodes
+    as after a pass of that prompt alone."""
+    if layout == "gpu":
+        request.getfixturevalue("gpu_layout")
+    mx.random.seed(7)
+    lengths = [3, 17, 9]
+    prompts = [to_ints(mx.random.randint(3, 200, (n + 1,))) for n in lengths]
+    together = [make_cache(loaded.target) for _ in prompts]
+    assert all(batchable(c) for c in together)
+    feed_rows(loaded.target, together, [p[:-1] for p in prompts])
+    for prompt, cache, n in zip(prompts, together, lengths, strict=True):
+        alone = make_cache(loaded.target)
+        feed(loaded.target, alone, prompt[:-1])
+        assert cache[0].offset == alone[0].offset == n
+        assert mx.allclose(cache[0].keys[..., :n, :], alone[0].keys[..., :n, :], atol=1e-4).item()
+        step = [feed(loaded.target, c, prompt[-1:]) for c in (cache, alone)]
+        assert mx.allclose(step[0], step[1], atol=1e-4).item()
+        assert not batchable(cache)  # filled: it reads alone from here on
+
+
+def test_row_shapes_recur_where_shapes_compile() -> None:
+    assert row_shape(3, 17, shaped=True) == (4, 32)
+    assert row_shape(8, 32, shaped=True) == (8, 32)
+    assert row_shape(3, 17, shaped=False) == (3, 17)
+
+
+def test_feed_rows_refuses_an_empty_prompt(loaded: Loaded) -> None:
+    caches = [make_cache(loaded.target) for _ in range(2)]
+    with pytest.raises(ValueError):
+        feed_rows(loaded.target, caches, [[5, 6], []])

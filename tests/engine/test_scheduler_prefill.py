@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import queue
 
+import pytest
+
+import engine.scheduler as scheduler_module
 from engine.events import Done, Event, GenerationRequest, TextChunk
 from engine.options import parse_options
 from engine.pairing import load_pairing
+from engine.prefill import feed_rows
 from engine.scheduler import PREFILL_CHUNK, Job, Joining, Scheduler
 from engine.speculation import Costs
 from registry.schema import ModelEntry
@@ -50,13 +54,25 @@ class _JoinLog(Scheduler):
         super()._insert(joining)
 
 
-def test_short_prompts_arriving_together_join_the_batch_together(tiny_pair: TinyPair) -> None:
-    """Short prompts share one step's prefill budget and join in one forward, so the last of a
-    burst does not wait a decode step per request ahead of it; each still decodes as it would
-    alone."""
+@pytest.mark.parametrize("layout", ["cpu", "gpu"])
+def test_short_prompts_arriving_together_join_the_batch_together(
+    tiny_pair: TinyPair,
+    layout: str,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Short prompts waiting together are read as rows of one forward and join in one more,
+    so the last of a burst does not wait a forward per request ahead of it; each still decodes
+    as it would alone (prompts of different lengths: the padding is invisible)."""
+    if layout == "gpu":
+        request.getfixturevalue("gpu_layout")
+    groups: list[int] = []
+    monkeypatch.setattr(
+        scheduler_module, "feed_rows", lambda m, c, p: (groups.append(len(p)), feed_rows(m, c, p))
+    )
     pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), costs=COSTS)
     opts = parse_options({"temperature": 0, "num_predict": 6})
-    prompts = [[5 + i, 9, 11 + 2 * i, 13] for i in range(4)]
+    prompts = [[5 + i, 9, *range(20, 20 + 3 * i), 11 + 2 * i, 13] for i in range(4)]
 
     def run(batch: list[list[int]], num_parallel: int) -> tuple[list[list[int]], list[int]]:
         outputs: dict[int, list[int]] = {}
@@ -76,4 +92,5 @@ def test_short_prompts_arriving_together_join_the_batch_together(tiny_pair: Tiny
 
     together, joins = run(prompts, num_parallel=4)
     assert joins == [4]
+    assert groups == [4]
     assert together == [run([p], num_parallel=1)[0][0] for p in prompts]
