@@ -262,7 +262,9 @@ class DraftLengthController:
         seen = self.seen
         if self.history is not None and (seen.tries or seen.spec_seconds):
             self.history.record(self.source, seen)
-            if not self.off and seen.spec_seconds * self.floor <= seen.plain_seconds:
+            # Only a trial judged in full clears the clock: a request ending a round or two into
+            # one proves nothing, and clearing would restart the backoff at its shortest pause.
+            if not self.off and self.timed_rounds >= self.patience:
                 self.history.clear(self.source)
         self.seen = SourceRecord()
 

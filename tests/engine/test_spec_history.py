@@ -159,3 +159,21 @@ def test_a_trial_that_pays_stops_the_clock() -> None:
     trial.conclude()
     after = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
     assert not after.off  # paying lately: no pause
+
+
+def test_a_trial_cut_short_keeps_the_clock() -> None:
+    """A request that ends before its trial is judged leaves the backoff where it was."""
+    history = _not_paying()
+    history.lengthen("model", 64, 1024)
+    assert history.lengthen("model", 64, 1024) == 128
+    history.spend("model", 128)
+    trial = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    assert not trial.off
+    for _ in range(trial.patience - 1):  # ends before the trial's verdict, on lucky rounds
+        trial.observe(4, 4)
+        trial.observe_time(0.5, 5)
+    trial.conclude()
+    failed = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    for _ in range(failed.patience):
+        failed.observe_time(3.0, 1)
+    assert failed.off and failed.pause_tokens == 256  # doubled from 128, not restarted
