@@ -139,11 +139,12 @@ class Scheduler:
         self.stream = mx.new_stream(mx.default_device())
 
     def warm(self) -> None:
-        """Run the batch's paths once at load: the decode step for every row count up to
-        `num_parallel` (with the GPU's bucketed caches each row count is a new attention
-        shape), then rows joining a running batch (merge, extend), a sampled row, and rows
-        leaving it (filter, extract, remove), after the shapes of prompts read together. On CUDA each first use compiles; in the first
-        burst of concurrent requests that is a stall of seconds, here it is part of the load."""
+        """Run the batch's paths once at load: every shape of prompts read together, the
+        decode step for every row count up to `num_parallel` (with the GPU's bucketed caches
+        each row count is a new attention shape), then rows joining a running batch (merge,
+        extend), a sampled row, and rows leaving it (filter, extract, remove). On CUDA each
+        first use compiles; in the first burst of concurrent requests that is a stall of
+        seconds, here it is part of the load."""
         if not kvcache.BUCKETED:
             return
         target = self.pairing.target
