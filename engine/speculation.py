@@ -213,6 +213,8 @@ class DraftLengthController:
         self.tokens = 0.0
         self.timed_rounds = 0
         self.pause_tokens = pause_tokens  # plain tokens before speculation is tried again
+        self.base_pause = pause_tokens
+        self.backoff = 0  # the last pause after a lost trial (0: none since the last paid one)
         self.max_pause = max_pause
         self.history = history
         self.source = source
@@ -235,19 +237,26 @@ class DraftLengthController:
             self.history.spend(self.source, tokens)
 
     def resume(self) -> None:
-        """Try speculation again after a pause; the next pause, if any, lasts twice as long.
-        What was learned about acceptance is kept; the clock starts afresh."""
+        """Try speculation again after a pause: a trial, judged after `patience` rounds. What
+        was learned about acceptance is kept; the timing starts afresh."""
         self.off = False
         self.seconds = self.tokens = 0.0
         self.timed_rounds = 0
-        self.pause_tokens = min(self.pause_tokens * 2, self.max_pause)
 
     def _stop_paying(self) -> None:
+        """A trial lost: the next pause is twice the last (the pairing's clock when shared)."""
         self.off = True
-        if self.history is not None:  # the pairing's clock sets the pause
-            self.pause_tokens = self.history.lengthen(
-                self.source, self.pause_tokens, self.max_pause
-            )
+        if self.history is not None:
+            self.backoff = self.history.lengthen(self.source, self.base_pause, self.max_pause)
+        else:
+            self.backoff = min(max(2 * self.backoff, self.base_pause), self.max_pause)
+        self.pause_tokens = self.backoff
+
+    def _paid(self) -> None:
+        """A trial was judged and paid: the backoff starts over."""
+        self.backoff = 0
+        if self.history is not None:
+            self.history.clear(self.source)
 
     def restart(self, draft_cost: float, source: str) -> DraftLengthController:
         """A fresh controller for a cheaper draft source on the same target."""
@@ -262,10 +271,6 @@ class DraftLengthController:
         seen = self.seen
         if self.history is not None and (seen.tries or seen.spec_seconds):
             self.history.record(self.source, seen)
-            # Only a trial judged in full clears the clock: a request ending a round or two into
-            # one proves nothing, and clearing would restart the backoff at its shortest pause.
-            if not self.off and self.timed_rounds >= self.patience:
-                self.history.clear(self.source)
         self.seen = SourceRecord()
 
     def alphas(self, k: int, optimistic: bool = False) -> list[float]:
@@ -323,9 +328,12 @@ class DraftLengthController:
         self.seconds = self.seconds * self.decay + seconds
         self.tokens = self.tokens * self.decay + committed
         self.timed_rounds += 1
-        if self.timed_rounds >= self.patience and self.tokens:  # noqa: SIM102 - reads as the rule
-            if self.seconds / self.tokens * self.floor > plain:
-                self._stop_paying()
+        if self.timed_rounds < self.patience or not self.tokens:
+            return
+        if self.seconds / self.tokens * self.floor > plain:
+            self._stop_paying()
+        elif self.timed_rounds == self.patience:  # a request ending sooner proves nothing
+            self._paid()
 
 
 class FixedDraftLength(DraftLengthController):

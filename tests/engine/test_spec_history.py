@@ -177,3 +177,32 @@ def test_a_trial_cut_short_keeps_the_clock() -> None:
     for _ in range(failed.patience):
         failed.observe_time(3.0, 1)
     assert failed.off and failed.pause_tokens == 256  # doubled from 128, not restarted
+
+
+def test_a_trial_that_pays_restarts_the_backoff_within_a_request() -> None:
+    """A trial judged paying clears the pairing's clock at once, so a later loss in the same
+    request pauses for the shortest time again instead of twice the last pause."""
+    history = SpecHistory()
+    ctl = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    for _ in range(ctl.patience):
+        ctl.observe_time(3.0, 1)
+    assert ctl.off and ctl.pause_tokens == 16
+    ctl.resume()
+    for _ in range(ctl.patience):
+        ctl.observe_time(0.5, 5)
+    assert not ctl.off
+    assert history.pause_left("model", start=0) == 0  # cleared mid-request
+    while not ctl.off:  # the recent rounds turn losing
+        ctl.observe_time(3.0, 1)
+    assert ctl.pause_tokens == 16
+
+
+def test_without_a_history_lost_trials_still_back_off() -> None:
+    ctl = DraftLengthController(FLAT, 4, 0.05, pause_tokens=4)
+    pauses = []
+    for _ in range(3):
+        for _ in range(ctl.patience):
+            ctl.observe_time(3.0, 1)
+        pauses.append(ctl.pause_tokens)
+        ctl.resume()
+    assert pauses == [4, 8, 16]
