@@ -168,6 +168,8 @@ def main() -> None:
                         row.accepted += out[2]
                     elif len(out) > 1:
                         row.from_draft += out[1]
+            done = ", ".join(f"{name} {table[temp, name].rate:.1f}" for name in group)
+            print(f"temperature {temp}: {done} tok/s", flush=True)  # survives a cut-short run
     rows = list(table.values())
     for temp in temps:
         report([r for r in rows if r.temperature == temp], temp)
