@@ -189,7 +189,9 @@ class DraftLengthController:
         explore: float = 0.3,
         patience: int = 4,
         floor: float = 0.98,
-        decay: float = 0.9,
+        decay: float = 0.95,
+        doubt: float = 0.15,
+        tolerance: float = 0.03,
         pause_tokens: int = 16,
         max_pause: int = 1024,
         history: SpecHistory | None = None,
@@ -209,6 +211,10 @@ class DraftLengthController:
         self.off = max_k <= 0
         self.floor = floor
         self.decay = decay
+        self.doubt = doubt  # how much slower than plain a few rounds must look to stop
+        self.tolerance = tolerance  # expected rates this close count as a tie
+        self.weight = 0.0  # decayed count of timed rounds
+        self.judged = False  # this trial already cleared the backoff
         self.seconds = 0.0  # decayed sums over speculative rounds, as measured
         self.tokens = 0.0
         self.timed_rounds = 0
@@ -240,8 +246,9 @@ class DraftLengthController:
         """Try speculation again after a pause: a trial, judged after `patience` rounds. What
         was learned about acceptance is kept; the timing starts afresh."""
         self.off = False
-        self.seconds = self.tokens = 0.0
+        self.seconds = self.tokens = self.weight = 0.0
         self.timed_rounds = 0
+        self.judged = False
 
     def _stop_paying(self) -> None:
         """A trial lost: the next pause is twice the last (the pairing's clock when shared)."""
@@ -302,9 +309,13 @@ class DraftLengthController:
         return expected / (k * self.draft_cost + self.costs.v(k + 1))
 
     def choose(self) -> int:
+        """The longest k whose expected rate ties the best: within the cost model's error a
+        longer draft costs little and keeps the deeper positions' estimates fed."""
         if self.off:
             return 0
-        return max(range(1, self.max_k + 1), key=self.expected_rate)
+        rates = {k: self.expected_rate(k) for k in range(1, self.max_k + 1)}
+        best = max(rates.values())
+        return max(k for k, rate in rates.items() if rate >= (1.0 - self.tolerance) * best)
 
     def observe(self, proposed: int, accepted: int) -> None:
         seen = self.seen
@@ -327,12 +338,17 @@ class DraftLengthController:
         self.seen.plain_seconds += plain * committed
         self.seconds = self.seconds * self.decay + seconds
         self.tokens = self.tokens * self.decay + committed
+        self.weight = self.weight * self.decay + 1.0
         self.timed_rounds += 1
         if self.timed_rounds < self.patience or not self.tokens:
             return
-        if self.seconds / self.tokens * self.floor > plain:
+        slower = self.seconds / self.tokens * self.floor / plain  # > 1: losing to plain
+        # A round commits 1..k+1 tokens, so a few rounds are a noisy sample: stopping on a short
+        # unlucky run costs a pause where speculation pays. The margin shrinks as rounds add up.
+        if slower > 1.0 + self.doubt / math.sqrt(self.weight):
             self._stop_paying()
-        elif self.timed_rounds == self.patience:  # a request ending sooner proves nothing
+        elif slower <= 1.0 and not self.judged:  # the trial's verdict: it pays
+            self.judged = True
             self._paid()
 
 
