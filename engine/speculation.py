@@ -175,8 +175,9 @@ class DraftLengthController:
     """Chooses k per round; `off` once speculation no longer pays.
 
     The cost model picks k; the clock decides whether speculation stays on: once speculative
-    rounds, as measured, commit tokens slower than plain decoding does, it turns off. Forward
-    costs alone mislead on launch-bound GPUs, where a lazily chained draft and verify overlap.
+    rounds, as measured, commit tokens slower than plain decoding does (by a margin that shrinks
+    as rounds add up), it turns off. Forward costs alone mislead on launch-bound GPUs, where a
+    lazily chained draft and verify overlap.
     """
 
     def __init__(
