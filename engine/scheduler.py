@@ -161,15 +161,7 @@ class Scheduler:
             )  # fmt: skip
 
         with mx.stream(self.stream):
-            rows = 2
-            while rows // 2 < self.num_parallel:  # prompts read together: each shape once
-                width = 1
-                while rows * width <= PREFILL_CHUNK:
-                    caches = [make_cache(target) for _ in range(rows)]
-                    feed_rows(target, caches, [[0] * width] * rows)
-                    mx.eval([c.state for cache in caches for c in cache])
-                    width *= 2
-                rows *= 2
+            self._warm_row_groups()
             for rows in range(1, self.num_parallel + 1):
                 batch = batch_of(rows)
                 try:
@@ -195,6 +187,21 @@ class Scheduler:
                 batch.next()
             finally:
                 batch.close()
+
+    def _warm_row_groups(self) -> None:
+        """Every (rows, width) shape `_row_group` can pick, for caches that can read together."""
+        target = self.pairing.target
+        if not batchable(make_cache(target)):
+            return
+        rows = 2
+        while rows // 2 < self.num_parallel:
+            width = 1
+            while rows * width <= PREFILL_CHUNK:
+                caches = [make_cache(target) for _ in range(rows)]
+                feed_rows(target, caches, [[0] * width] * rows)
+                mx.eval([c.state for cache in caches for c in cache])
+                width *= 2
+            rows *= 2
 
     # -- the loop ------------------------------------------------------------------------------
 
