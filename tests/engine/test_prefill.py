@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from engine.kvcache import make_cache
+from engine.kvcache import BucketedKVCache, make_cache
 from engine.prefill import (
     batchable,
     chunk_sizes,
@@ -111,3 +112,14 @@ def test_feed_rows_refuses_an_empty_prompt(loaded: Loaded) -> None:
     caches = [make_cache(loaded.target) for _ in range(2)]
     with pytest.raises(ValueError):
         feed_rows(loaded.target, caches, [[5, 6], []])
+
+
+def test_only_empty_plain_kv_caches_read_together(loaded: Loaded) -> None:
+    """Rotating windows and quantized caches cannot take rows of a padded forward apart; a
+    filled cache (a prefix-cache hit) reads its rest alone."""
+    assert batchable([KVCache(), BucketedKVCache()])
+    assert not batchable([KVCache(), RotatingKVCache(max_size=64)])
+    assert not batchable([QuantizedKVCache()])
+    filled = make_cache(loaded.target)
+    feed(loaded.target, filled, [5, 6, 7])
+    assert not batchable(filled)
