@@ -192,7 +192,6 @@ class DraftLengthController:
         floor: float = 0.98,
         decay: float = 0.95,
         doubt: float = 0.15,
-        tolerance: float = 0.03,
         pause_tokens: int = 16,
         max_pause: int = 1024,
         history: SpecHistory | None = None,
@@ -213,7 +212,6 @@ class DraftLengthController:
         self.floor = floor
         self.decay = decay
         self.doubt = doubt  # how much slower than plain a few rounds must look to stop
-        self.tolerance = tolerance  # expected rates this close count as a tie
         self.weight = 0.0  # decayed count of timed rounds
         self.judged = False  # this trial already cleared the backoff
         self.seconds = 0.0  # decayed sums over speculative rounds, as measured
@@ -310,20 +308,20 @@ class DraftLengthController:
         return expected / (k * self.draft_cost + self.costs.v(k + 1))
 
     def choose(self) -> int:
-        """The longest k whose expected rate ties the best: within the cost model's error a
-        longer draft costs little and keeps the deeper positions' estimates fed."""
         if self.off:
             return 0
-        rates = {k: self.expected_rate(k) for k in range(1, self.max_k + 1)}
-        best = max(rates.values())
-        return max(k for k, rate in rates.items() if rate >= (1.0 - self.tolerance) * best)
+        return max(range(1, self.max_k + 1), key=self.expected_rate)
 
     def observe(self, proposed: int, accepted: int) -> None:
+        """Count position i as tried only when every draft before it was accepted: the
+        estimates are acceptance given the previous positions' (what `alphas` multiplies).
+        Counting every proposed position would square the falloff and undervalue long drafts."""
         seen = self.seen
-        while len(seen.tries) < min(proposed, self.max_k):
+        reached = min(proposed, accepted + 1, self.max_k)
+        while len(seen.tries) < reached:
             seen.tries.append(0.0)
             seen.hits.append(0.0)
-        for i in range(min(proposed, self.max_k)):
+        for i in range(reached):
             self.tries[i] += 1
             seen.tries[i] += 1
             if i < accepted:

@@ -11,15 +11,18 @@ LINEAR = Costs(
 )  # fmt: skip
 
 
-def test_a_near_tie_goes_to_the_longer_draft() -> None:
+def test_a_position_counts_as_tried_only_once_the_ones_before_it_were_accepted() -> None:
+    """Acceptance by position is conditional: a draft rejected at its first token says nothing
+    about its second, so long drafts are not undervalued by a squared falloff."""
     ctl = DraftLengthController(LINEAR, 6, 0.12)
-    for _ in range(100):
-        for accepted in (3, 3, 1, 3):
-            ctl.observe(3, accepted)
-    rates = {k: ctl.expected_rate(k) for k in range(1, 7)}
-    assert max(rates, key=rates.__getitem__) == 2
-    assert rates[3] >= 0.97 * rates[2] > rates[4]
-    assert ctl.choose() == 3
+    for _ in range(50):
+        ctl.observe(4, 0)  # rejected at once
+        ctl.observe(4, 4)  # all accepted
+    assert ctl.tries[:4] == [100, 50, 50, 50]
+    assert ctl.hits[:4] == [50, 50, 50, 50]
+    alphas = ctl.alphas(4)
+    assert alphas[0] < 0.55 and min(alphas[1:]) > 0.9
+    assert ctl.choose() >= 3  # counting every proposed position would make it 1
 
 
 def test_a_clear_winner_is_kept() -> None:
