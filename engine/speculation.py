@@ -274,9 +274,8 @@ class DraftLengthController:
 
     def conclude(self) -> None:
         """Hand what this request saw to the pairing's history (once)."""
-        seen = self.seen
-        if self.history is not None and (seen.tries or seen.spec_seconds):
-            self.history.record(self.source, seen)
+        if self.history is not None and (self.seen.tries or self.seen.spec_seconds):
+            self.history.record(self.source, self.seen)
         self.seen = SourceRecord()
 
     def alphas(self, k: int, optimistic: bool = False) -> list[float]:
