@@ -108,6 +108,8 @@ class ModelDraftSource(DraftSource):
                 probs.append(p)
             if eager:
                 host.append(to_int(tok))
+            else:  # the device runs this draft step while the host builds the next one
+                mx.async_eval(tok)
             if i < n - 1:
                 logits = self.model(tok[None], cache=self.cache)[0, -1:, :]
                 self._fed += 1
