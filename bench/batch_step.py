@@ -3,9 +3,10 @@
     python bench/batch_step.py [--shape 8b] [--rows 1,2,...,16]
 
 Builds a random-weight Llama of the given shape in memory (bf16) and times one single-token
-forward for B rows over a bucketed batch cache, plus the bare matmul of its MLP's up projection
-for the same number of rows. On MLX's CUDA build the matmul kernel changes with the row count,
-so a step for a few rows can cost more than for more rows; the table shows which sizes to pad.
+forward for B rows of different lengths over a bucketed batch cache: with the masked attention
+mlx-lm runs, and (on MLX's CUDA build) with mlxd's per-row attention kernel; plus the bare
+matmul of its MLP's up projection for the same number of rows. On the CUDA build the matmul
+kernel changes with the row count, so a step for a few rows can cost more than for more rows.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from mlx_lm.models import llama
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.concurrency import SHAPES
+from engine.attention import route_batched_decode
 from engine.kvcache import BucketedBatchKVCache
 
 
@@ -49,22 +51,31 @@ def main() -> None:
     mx.eval(model.parameters())
     w = model.layers[0].mlp.up_proj.weight
     print(f"device {mx.default_device()}  shape {args.shape}  context {args.context}")
-    print(f"{'rows':>5} {'step ms':>9} {'ms/row':>8} {'matmul ms':>10}")
-    for b in (int(r) for r in args.rows.split(",")):
-        cache = [BucketedBatchKVCache([0] * b) for _ in model.layers]
-        mx.eval(model(mx.zeros((b, args.context), dtype=mx.uint32), cache=cache))
-        x = mx.zeros((b, 1), dtype=mx.uint32)
-
-        def step(x: mx.array = x, cache: list = cache) -> mx.array:
-            out = model(x, cache=cache)
-            for c in cache:
-                c.trim(1)
-            return out
-
+    rows = [int(r) for r in args.rows.split(",")]
+    masked = {b: step_ms(model, b, args.context) for b in rows}
+    routed = route_batched_decode(model)
+    print(f"{'rows':>5} {'masked ms':>10} {'per-row ms':>11} {'ms/row':>8} {'matmul ms':>10}")
+    for b in rows:
+        ragged = step_ms(model, b, args.context) if routed else float("nan")
         h = mx.random.normal((b, shape["hidden_size"])).astype(mx.bfloat16)
-        step_ms = median_ms(step)
         mm_ms = median_ms(lambda h=h: h @ w.T)
-        print(f"{b:>5} {step_ms:>9.2f} {step_ms / b:>8.2f} {mm_ms:>10.3f}")
+        best = min(masked[b], ragged) if routed else masked[b]
+        print(f"{b:>5} {masked[b]:>10.2f} {ragged:>11.2f} {best / b:>8.2f} {mm_ms:>10.3f}")
+
+
+def step_ms(model: llama.Model, rows: int, context: int) -> float:
+    """One decode step for `rows` rows whose prompts differ in length (left padding 0..15)."""
+    cache = [BucketedBatchKVCache([(3 * i) % 16 for i in range(rows)]) for _ in model.layers]
+    mx.eval(model(mx.zeros((rows, context), dtype=mx.uint32), cache=cache))
+    x = mx.zeros((rows, 1), dtype=mx.uint32)
+
+    def step() -> mx.array:
+        out = model(x, cache=cache)
+        for c in cache:
+            c.trim(1)
+        return out
+
+    return median_ms(step)
 
 
 if __name__ == "__main__":

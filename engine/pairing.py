@@ -13,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
+from engine.attention import route_batched_decode
 from engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from engine.generation import Generation
 from engine.kvcache import make_cache
@@ -176,6 +177,7 @@ def load_pairing(entry: ModelEntry, costs: Costs | None = None) -> Pairing:
     compute."""
     target_dir = locate(entry.target, "target")
     target, tokenizer, config = _load_one(target_dir, entry.template)
+    route_batched_decode(target)  # batch rows attend to their own keys, no mask (CUDA)
     draft = None
     draft_dir = None
     if entry.draft:

@@ -1,0 +1,172 @@
+"""Single-token attention for batch rows of different lengths, without a mask.
+
+A batch cache left-pads its rows to one write position, so batched decoding needs a mask. On
+MLX's CUDA build an attention with an array mask leaves the fused decode kernel for an unfused
+matmul + softmax over the whole key buffer (1024 keys and up with the bucketed batch cache),
+and at 8 rows of an 8B model that was a third of each step. Here each row's query reads exactly
+its own keys, [left padding, write position), in one kernel launch per layer.
+
+`route_batched_decode` sends a model's single-token attention over a `BucketedBatchKVCache` to
+that kernel; every other call (prefill, solo decoding, other caches) keeps mlx-lm's path.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from engine.kvcache import BucketedBatchKVCache
+from engine.sampling import to_ints
+
+Ragged = Callable[[mx.array, mx.array, mx.array, float, mx.array, int], mx.array]
+
+WARPS = 16  # warps per (row, head) block; each walks every WARPS-th key
+
+_SOURCE = """
+    const int bh = blockIdx.x;
+    const int heads = q_shape[1];
+    const int kv_heads = k_shape[1];
+    const int capacity = k_shape[2];
+    const int b = bh / heads;
+    const int kv = (bh % heads) / (heads / kv_heads);
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    constexpr int PER = D / 32;
+    const float sc = scale[0];
+    const float lowest = __int_as_float(0xff800000);  // -inf
+
+    float qv[PER];
+    for (int i = 0; i < PER; ++i) {
+        qv[i] = static_cast<float>(q[(size_t)bh * D + lane * PER + i]) * sc;
+    }
+    const size_t base = ((size_t)b * kv_heads + kv) * capacity * D;
+    float m = lowest, s = 0.0f, o[PER];
+    for (int i = 0; i < PER; ++i) o[i] = 0.0f;
+    for (int j = left[b] + warp; j < end[0]; j += WARPS) {
+        const size_t at = base + (size_t)j * D + lane * PER;
+        float dot = 0.0f;
+        for (int i = 0; i < PER; ++i) dot += qv[i] * static_cast<float>(k[at + i]);
+        for (int off = 16; off > 0; off >>= 1) dot += __shfl_xor_sync(0xffffffff, dot, off);
+        const float top = fmaxf(m, dot);
+        const float kept = expf(m - top);
+        const float p = expf(dot - top);
+        s = s * kept + p;
+        for (int i = 0; i < PER; ++i) o[i] = o[i] * kept + p * static_cast<float>(v[at + i]);
+        m = top;
+    }
+
+    __shared__ float maxes[WARPS];
+    __shared__ float sums[WARPS];
+    __shared__ float parts[WARPS][D];
+    if (lane == 0) {
+        maxes[warp] = m;
+        sums[warp] = s;
+    }
+    for (int i = 0; i < PER; ++i) parts[warp][lane * PER + i] = o[i];
+    __syncthreads();
+    if (threadIdx.x < D) {
+        float top = lowest;
+        for (int w = 0; w < WARPS; ++w) top = fmaxf(top, maxes[w]);
+        float total = 0.0f, acc = 0.0f;
+        for (int w = 0; w < WARPS; ++w) {
+            if (maxes[w] == lowest) continue;
+            const float f = expf(maxes[w] - top);
+            total += sums[w] * f;
+            acc += parts[w][threadIdx.x] * f;
+        }
+        out[(size_t)bh * D + threadIdx.x] = static_cast<T>(total > 0.0f ? acc / total : 0.0f);
+    }
+"""
+
+_kernel: Any = None
+
+
+def cuda_available() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
+
+
+def ragged_cuda(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, left: mx.array, end: int
+) -> mx.array:
+    """q (B, H, 1, D); k, v (B, H_kv, N, D) whole buffers; row b attends to keys [left[b], end)."""
+    global _kernel
+    if _kernel is None:
+        _kernel = mx.fast.cuda_kernel(
+            name="mlxd_ragged_decode",
+            input_names=["q", "k", "v", "scale", "left", "end"],
+            output_names=["out"],
+            source=_SOURCE,
+        )
+    rows, heads, _, dim = q.shape
+    (out,) = _kernel(
+        inputs=[
+            q, k, v, mx.array([scale], dtype=mx.float32),
+            left.astype(mx.int32), mx.array([end], dtype=mx.int32),
+        ],
+        template=[("T", q.dtype), ("D", dim), ("WARPS", WARPS)],
+        grid=(rows * heads * WARPS * 32, 1, 1),
+        threadgroup=(WARPS * 32, 1, 1),
+        output_shapes=[q.shape],
+        output_dtypes=[q.dtype],
+    )  # fmt: skip
+    return out
+
+
+def ragged_reference(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, left: mx.array, end: int
+) -> mx.array:
+    """The same attention row by row, with MLX's own kernel on exact slices (any device)."""
+    outs = [
+        mx.fast.scaled_dot_product_attention(
+            q[b : b + 1], k[b : b + 1, :, start:end], v[b : b + 1, :, start:end], scale=scale
+        )
+        for b, start in enumerate(to_ints(left))
+    ]
+    return mx.concatenate(outs, axis=0)
+
+
+def batched_decode(queries: mx.array, cache: Any, sinks: Any) -> bool:
+    """Whether a call is single-token attention over a bucketed batch cache."""
+    return sinks is None and isinstance(cache, BucketedBatchKVCache) and queries.shape[2] == 1
+
+
+def kernel_serves(head_dim: int) -> bool:
+    return head_dim % 32 == 0 and head_dim <= WARPS * 32
+
+
+def route_batched_decode(model: nn.Module, ragged: Ragged | None = None) -> bool:
+    """Route `model`'s batched single-token attention to `ragged` (default: the CUDA kernel,
+    only where CUDA is available). False when the model's module offers no hook."""
+    serves: Callable[[int], bool] = lambda _dim: True  # noqa: E731
+    if ragged is None:
+        if not cuda_available():
+            return False
+        ragged, serves = ragged_cuda, kernel_serves
+    module = sys.modules.get(type(model).__module__)
+    original = getattr(module, "scaled_dot_product_attention", None)
+    if module is None or original is None:
+        return False
+    original = getattr(original, "__wrapped__", original)
+
+    def attention(
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        cache: Any,
+        scale: float,
+        mask: Any,
+        sinks: Any = None,
+    ) -> mx.array:
+        if batched_decode(queries, cache, sinks) and serves(queries.shape[-1]):
+            return ragged(queries, keys, values, scale, cache.left_padding, cache._idx)
+        extra = {} if sinks is None else {"sinks": sinks}
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **extra)
+
+    attention.__wrapped__ = original  # type: ignore[attr-defined]
+    module.scaled_dot_product_attention = attention  # type: ignore[attr-defined]
+    return True

@@ -1,0 +1,97 @@
+"""Batched single-token attention without a mask reads each row's own keys, and only those."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import mlx.core as mx
+import pytest
+
+from engine.attention import cuda_available, ragged_cuda, ragged_reference, route_batched_decode
+from engine.kvcache import BucketedBatchKVCache, BucketedKVCache, make_cache
+from engine.prefill import feed
+from tests.engine.conftest import Loaded
+
+LENGTHS = [3, 17, 9, 1]
+
+
+def left_padded(rows: int, heads: int, kv_heads: int, dim: int, dtype: mx.Dtype) -> tuple[Any, ...]:
+    """Random q, key/value buffers with garbage in the padding, and each row's left padding."""
+    mx.random.seed(rows * dim)
+    end = 24
+    q = mx.random.normal((rows, heads, 1, dim)).astype(dtype)
+    k = (mx.random.normal((rows, kv_heads, 32, dim)) * 3).astype(dtype)
+    v = mx.random.normal((rows, kv_heads, 32, dim)).astype(dtype)
+    left = mx.array([end - n for n in LENGTHS[:rows]])
+    return q, k, v, left, end
+
+
+def masked(q: mx.array, k: mx.array, v: mx.array, left: mx.array, end: int) -> mx.array:
+    cols = mx.arange(k.shape[2])[None, None, None, :]
+    mask = (cols >= left[:, None, None, None]) & (cols < end)
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+
+
+def test_reference_equals_the_masked_attention() -> None:
+    q, k, v, left, end = left_padded(4, 4, 2, 16, mx.float32)
+    got = ragged_reference(q, k, v, 0.25, left, end)
+    assert got.shape == q.shape
+    assert mx.allclose(got, masked(q, k, v, left, end), atol=1e-5).item()
+
+
+def rows_cache(loaded: Loaded, prompts: list[list[int]]) -> list[BucketedBatchKVCache]:
+    solo = [make_cache(loaded.target) for _ in prompts]
+    for cache, prompt in zip(solo, prompts, strict=True):
+        feed(loaded.target, cache, prompt)
+    assert isinstance(solo[0][0], BucketedKVCache)
+    return [BucketedKVCache.merge([c[i] for c in solo]) for i in range(len(solo[0]))]
+
+
+@pytest.mark.usefixtures("gpu_layout")
+def test_routed_batch_step_matches_the_masked_one(
+    loaded: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A decode step over rows of different lengths gives the same logits routed or masked;
+    prefill and solo decoding never reach the routed attention."""
+    module = sys.modules[type(loaded.target).__module__]
+    monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
+    prompts = [[5 + i + j for j in range(n)] for i, n in enumerate(LENGTHS)]
+    step = mx.array([[7], [8], [9], [10]])
+    want = loaded.target(step, cache=rows_cache(loaded, prompts))
+
+    calls: list[int] = []
+
+    def spy(*args: Any) -> mx.array:
+        calls.append(args[0].shape[0])
+        return ragged_reference(*args)
+
+    assert route_batched_decode(loaded.target, spy)
+    cache = rows_cache(loaded, prompts)
+    assert calls == []  # prompts are read on the usual path
+    got = loaded.target(step, cache=cache)
+    assert calls == [4] * len(cache)
+    assert mx.allclose(got, want, atol=1e-4).item()
+    solo = make_cache(loaded.target)
+    feed(loaded.target, solo, prompts[0])
+    loaded.target(mx.array([[7]]), cache=solo)
+    assert calls == [4] * len(cache)
+
+
+def test_routing_twice_keeps_one_hook(loaded: Loaded, monkeypatch: pytest.MonkeyPatch) -> None:
+    module = sys.modules[type(loaded.target).__module__]
+    original = module.scaled_dot_product_attention
+    monkeypatch.setattr(module, "scaled_dot_product_attention", original)
+    route_batched_decode(loaded.target, ragged_reference)
+    route_batched_decode(loaded.target, ragged_reference)
+    assert module.scaled_dot_product_attention.__wrapped__ is original
+
+
+@pytest.mark.skipif(not cuda_available(), reason="the kernel runs on MLX's CUDA build")
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_kernel_equals_the_reference(dim: int, dtype: mx.Dtype) -> None:
+    q, k, v, left, end = left_padded(4, 8, 2, dim, dtype)
+    got = ragged_cuda(q, k, v, 0.25, left, end).astype(mx.float32)
+    want = ragged_reference(q, k, v, 0.25, left, end).astype(mx.float32)
+    assert mx.allclose(got, want, atol=2e-2 if dtype == mx.bfloat16 else 1e-4).item()
