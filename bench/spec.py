@@ -68,7 +68,7 @@ def mlxd_run(
         source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft, opts, rng))
     if source is not None:
         controller = DraftLengthController(
-            costs, max_k, draft_cost, history=history, source=source.name
+            costs, max_k, draft_cost, history=history, source=source.name, regime=opts.regime
         )
     gen = Generation(target, prompt, opts, set(), tokens, rng, source, controller)
     try:

@@ -62,6 +62,7 @@ class Generation:
         self.controller = controller
         self.stats = stats or SpecStats()
         self.produced = 0
+        self._source_behind = False  # the source has not yet read the committed tokens
         self.finish: str | None = None  # "stop" after EOS, "length" at the limit
         # after stepping down to a cheaper arm: the full source's controller and the token count
         # then; what the arm decodes counts toward that source's pause clock
@@ -79,11 +80,21 @@ class Generation:
             feed(self.target, self.cache, head)
             mx.eval([c.state for c in self.cache])
         self._maybe_quantize()
-        if self.source is not None:
-            try:
-                self.source.prefill(self.tokens)
-            except Exception as exc:  # a broken draft must not fail the request
-                self._fallback(f"draft prefill failed: {exc}")
+        self._source_behind = self.source is not None
+        if self.controller is None or not self.controller.off:
+            self.ready_source()
+
+    def ready_source(self) -> None:
+        """Let the draft source read the committed tokens, once. Deferred while the pairing's
+        clock pauses speculation from the start: a request that ends inside the pause never
+        pays for it (the prefix cache catches the draft up after the response instead)."""
+        if not self._source_behind or self.source is None:
+            return
+        self._source_behind = False
+        try:
+            self.source.prefill(self.tokens)
+        except Exception as exc:  # a broken draft must not fail the request
+            self._fallback(f"draft prefill failed: {exc}")
 
     def close(self) -> None:
         if self._stepped_from is not None:
@@ -121,6 +132,9 @@ class Generation:
                 pause = self._step_down()
                 if pause:  # plain decoding for a while, then speculation gets another chance
                     yield from self._paused(pause)
+                continue
+            self.ready_source()
+            if self.source is None:  # its prefill failed: plain decoding from here
                 continue
             t0 = time.perf_counter()
             new = self._speculative_round(k)

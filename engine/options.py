@@ -52,6 +52,12 @@ class SamplingOptions:
         return self.temperature <= 0.0
 
     @property
+    def regime(self) -> str:
+        """Greedy and sampled decoding accept drafts at very different rates, so a pairing's
+        speculation history is kept per regime."""
+        return "greedy" if self.greedy else "sampled"
+
+    @property
     def has_penalties(self) -> bool:
         return self.repeat_last_n != 0 and (
             self.repeat_penalty != 1.0

@@ -84,8 +84,9 @@ def make_draft_source(
     else:
         source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(pairing.draft, opts, rng))
     controller = DraftLengthController(
-        pairing.costs, max_k, draft_cost, history=pairing.history, source=source.name
-    )
+        pairing.costs, max_k, draft_cost, history=pairing.history, source=source.name,
+        regime=opts.regime,
+    )  # fmt: skip
     return source, controller
 
 
@@ -295,6 +296,8 @@ class Scheduler:
                     return self._handover(job, row, gen)
             row.finish(gen.finish or "length")
             if self.prefix is not None and row.reason != "cancel":
+                if companion:  # the draft's state is stored beside the target's
+                    gen.ready_source()
                 offer(self.prefix, ns, gen, companion)
             return False
         finally:

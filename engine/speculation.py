@@ -196,9 +196,11 @@ class DraftLengthController:
         max_pause: int = 1024,
         history: SpecHistory | None = None,
         source: str = "",
+        regime: str = "",
     ) -> None:
-        """With a `history` in which `source` did not pay lately, the request waits out the
-        pairing's pause clock first (`off` at once; a source with a cheaper arm runs that)."""
+        """With a `history` in which `source` did not pay lately (in this sampling `regime`),
+        the request waits out the pairing's pause clock first (`off` at once; a source with a
+        cheaper arm runs that)."""
         self.costs = costs
         self.max_k = max_k
         self.draft_cost = draft_cost
@@ -223,23 +225,25 @@ class DraftLengthController:
         self.max_pause = max_pause
         self.history = history
         self.source = source
+        self.regime = regime
+        key = self.key = f"{source}/{regime}" if regime else source
         self.seen = SourceRecord()  # this request's own rounds, for the history
         self.prior_hits = [0.0] * max_k
         self.prior_tries = [0.0] * max_k
-        past = history.get(source) if history is not None else None
+        past = history.get(key) if history is not None else None
         if past is not None:
             for i in range(min(max_k, len(past.tries))):
                 self.prior_hits[i], self.prior_tries[i] = past.hits[i], past.tries[i]
             if past.spec_seconds * floor > past.plain_seconds > 0:
                 assert history is not None
-                left = history.pause_left(source, start=4 * pause_tokens)
+                left = history.pause_left(key, start=4 * pause_tokens)
                 self.off = left > 0  # it did not pay lately: wait out the pause, then a trial
                 self.pause_tokens = left or pause_tokens
 
     def paused_for(self, tokens: int) -> None:
         """`tokens` were decoded plainly during a pause (all of it, or the request ended)."""
         if self.history is not None:
-            self.history.spend(self.source, tokens)
+            self.history.spend(self.key, tokens)
 
     def resume(self) -> None:
         """Try speculation again after a pause: a trial, judged after `patience` rounds. What
@@ -253,7 +257,7 @@ class DraftLengthController:
         """A trial lost: the next pause is twice the last (the pairing's clock when shared)."""
         self.off = True
         if self.history is not None:
-            self.backoff = self.history.lengthen(self.source, self.base_pause, self.max_pause)
+            self.backoff = self.history.lengthen(self.key, self.base_pause, self.max_pause)
         else:
             self.backoff = min(max(2 * self.backoff, self.base_pause), self.max_pause)
         self.pause_tokens = self.backoff
@@ -262,20 +266,20 @@ class DraftLengthController:
         """A trial was judged and paid: the backoff starts over."""
         self.backoff = 0
         if self.history is not None:
-            self.history.clear(self.source)
+            self.history.clear(self.key)
 
     def restart(self, draft_cost: float, source: str) -> DraftLengthController:
         """A fresh controller for a cheaper draft source on the same target."""
         self.conclude()
         return DraftLengthController(
             self.costs, self.max_k, draft_cost, patience=self.patience,
-            history=self.history, source=source,
+            history=self.history, source=source, regime=self.regime,
         )  # fmt: skip
 
     def conclude(self) -> None:
         """Hand what this request saw to the pairing's history (once)."""
         if self.history is not None and (self.seen.tries or self.seen.spec_seconds):
-            self.history.record(self.source, self.seen)
+            self.history.record(self.key, self.seen)
         self.seen = SourceRecord()
 
     def alphas(self, k: int, optimistic: bool = False) -> list[float]:

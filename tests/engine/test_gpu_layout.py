@@ -9,12 +9,16 @@ import queue
 import pytest
 
 from engine import kvcache
+from engine.cache_use import namespace_for, restore
+from engine.drafting import ModelDraftSource
 from engine.events import Done, Event, GenerationRequest
 from engine.kvcache import BucketedKVCache, make_cache
 from engine.options import parse_options
 from engine.pairing import load_pairing
 from engine.prefix_cache import PrefixCache
-from engine.scheduler import Job, Scheduler
+from engine.sampling import Rng
+from engine.scheduler import Job, Scheduler, make_draft_source
+from engine.speculation import SourceRecord
 from registry.schema import ModelEntry
 from tests.engine.conftest import Loaded
 from tests.engine.test_scheduler_prefill import (
@@ -85,3 +89,27 @@ def test_warming_the_batch_leaves_a_working_scheduler(tiny_pair: TinyPair) -> No
     prompts = [[5 + i, 6, 7] for i in range(3)]
     alone = [serve(pairing, PrefixCache(0), [p])[0].output_tokens for p in prompts]
     assert [d.output_tokens for d in serve(pairing, PrefixCache(0), prompts)] == alone
+
+
+def test_a_paused_draft_still_stores_its_state_beside_the_target(tiny_pair: TinyPair) -> None:
+    """The draft skips its prefill while speculation is paused, and is caught up before the
+    prefix cache stores the pair: the next request with the prompt restores both."""
+    pairing = load_pairing(
+        ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft)), costs=COSTS
+    )
+    pairing.history.record("model/greedy", SourceRecord([1.0], [4.0], 2.0, 1.0))  # not paying
+    prefix = PrefixCache(64 * 2**20)
+    prompt = [5 + (j * 7) % 90 for j in range(150)]
+    opts = parse_options({"temperature": 0, "num_predict": 12, "draft_method": "model"})
+    jobs: queue.Queue[Job | None] = queue.Queue()
+    done: list[Event] = []
+    jobs.put(Job(GenerationRequest(prompt, opts), done.append, lambda: None))
+    jobs.put(None)
+    Scheduler(pairing, jobs, prefix=prefix, num_parallel=1).run()
+    final = done[-1]
+    assert isinstance(final, Done) and final.speculation.rounds == 0
+    source, _ = make_draft_source(pairing, opts, Rng(0))
+    assert isinstance(source, ModelDraftSource)
+    target, tokens = restore(prefix, namespace_for(pairing, opts, source), pairing, prompt, source)
+    assert target is not None and tokens >= 128
+    assert source.cached == prompt[:tokens]

@@ -89,10 +89,35 @@ def _not_paying(source: str = "model") -> SpecHistory:
 
 class _CountingDraft(ModelDraftSource):
     proposals = 0
+    read: tuple[int, ...] = ()  # how many tokens each prefill was shown
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.read = (*self.read, len(tokens))
+        super().prefill(tokens)
 
     def propose(self, tokens: Sequence[int], n: int) -> Draft:
         self.proposals += 1
         return super().propose(tokens, n)
+
+
+def test_a_paused_request_leaves_the_draft_unread(loaded: Loaded) -> None:
+    """A request that ends inside the pause never runs the draft model, not even over its
+    prompt; the prefix cache catches the draft up afterwards to store its state."""
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=48)
+    source = _CountingDraft(loaded.draft, GREEDY, Rng(0))
+    controller = DraftLengthController(FLAT, 4, 0.05, history=_not_paying(), source="model")
+    gen = Generation(loaded.target, prompt, GREEDY, {0, 2}, 48, Rng(0), source, controller)
+    try:
+        gen.prefill()
+        assert [t for new in gen for t in new] == plain
+        assert source.read == () and source.proposals == 0
+        gen.ready_source()
+        gen.ready_source()
+        assert source.read == (len(gen.tokens),)
+        assert source.cached == gen.tokens[:-1]
+    finally:
+        gen.close()
 
 
 def test_auto_that_did_not_pay_starts_on_its_lookup_arm(loaded: Loaded) -> None:
@@ -124,8 +149,10 @@ def test_requests_share_one_pause_clock(loaded: Loaded) -> None:
     assert first.stats.rounds == 0 and first.out == plain  # type: ignore[attr-defined]
     second = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
     assert second.off and second.pause_tokens == 64 - 48
-    gen = run(loaded, prompt, second)
+    source = _CountingDraft(loaded.draft, GREEDY, Rng(0))
+    gen = run(loaded, prompt, second, source)
     assert gen.stats.rounds > 0  # the trial came 16 tokens in
+    assert source.read == (len(prompt) + 16,)  # the draft read everything at once, then
     assert gen.out == plain  # type: ignore[attr-defined]
 
 
@@ -206,3 +233,19 @@ def test_without_a_history_lost_trials_still_back_off() -> None:
         pauses.append(ctl.pause_tokens)
         ctl.resume()
     assert pauses == [4, 8, 16]
+
+
+def test_greedy_and_sampled_requests_keep_separate_histories() -> None:
+    """Sampled decoding accepts far fewer drafts than greedy: neither regime's record decides
+    whether the other one speculates."""
+    history = _not_paying("model/greedy")
+    greedy = parse_options({"temperature": 0}).regime
+    sampled = parse_options({"temperature": 0.7}).regime
+    assert DraftLengthController(FLAT, 4, 0.05, history=history, source="model", regime=greedy).off
+    fresh = DraftLengthController(FLAT, 4, 0.05, history=history, source="model", regime=sampled)
+    assert not fresh.off
+    fresh.observe(4, 4)
+    fresh.conclude()
+    assert history.get("model/sampled") is not None
+    later = DraftLengthController(FLAT, 4, 0.05, history=history, source="model", regime=greedy)
+    assert later.restart(0.0, "lookup").key == "lookup/greedy"
