@@ -224,7 +224,6 @@ class DraftLengthController:
         self.backoff = 0  # the last pause after a lost trial (0: none since the last paid one)
         self.max_pause = max_pause
         self.history = history
-        self.source = source
         self.regime = regime
         key = self.key = f"{source}/{regime}" if regime else source
         self.seen = SourceRecord()  # this request's own rounds, for the history
