@@ -24,6 +24,7 @@ from engine.pairing import ModelUnavailable, Pairing, load_pairing, locate
 from engine.prefix_cache import PrefixCache
 from engine.runner import PairingRunner
 from engine.speculation import Costs
+from engine.threads import run_in_mlx_thread
 from registry.schema import ModelEntry
 from registry.store import resolve_local
 
@@ -258,7 +259,7 @@ class ModelManager:
         async with self._probe_lock:
             if entry in self._probes:
                 return self._probes[entry]
-            result = await asyncio.to_thread(_probe_blocking, entry)
+            result = await run_in_mlx_thread(lambda: _probe_blocking(entry), f"probe:{entry.name}")
             self._probes[entry] = result
         if result.ok:
             log.info("probe %s: ok in %.2fs", entry.name, result.seconds)

@@ -35,6 +35,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from engine.kvcache import new_kv_cache
+from engine.threads import start_mlx_thread
 
 log = logging.getLogger(__name__)
 
@@ -288,8 +289,7 @@ class SsdTier:
         self._queue: queue.Queue[tuple[str, Block] | None] = queue.Queue()
         self._pending: set[str] = set()
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._write_loop, name="kvcache-writer", daemon=True)
-        self._thread.start()
+        self._thread = start_mlx_thread(self._write_loop, "kvcache-writer")
         self.dropped = 0
 
     def put_async(self, key: str, block: Block) -> None:

@@ -23,6 +23,7 @@ from engine.pairing import Pairing, load_pairing
 from engine.prefix_cache import PrefixCache
 from engine.scheduler import Job, Scheduler
 from engine.speculation import Costs
+from engine.threads import start_mlx_thread
 from registry.schema import ModelEntry
 
 log = logging.getLogger(__name__)
@@ -86,8 +87,7 @@ class PairingRunner:
         self._outbox = Outbox()
         self._active = 0
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._main, name=f"runner:{entry.name}", daemon=True)
-        self._thread.start()
+        self._thread = start_mlx_thread(self._main, f"runner:{entry.name}")
 
     def _main(self) -> None:
         t0 = time.perf_counter()
