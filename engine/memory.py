@@ -22,6 +22,7 @@ DEFAULT_CONTEXT_LENGTH = 4096  # a config that names no context length
 OVERHEAD_BYTES = 128 * 1024 * 1024  # activations, logits, compute buffers per pairing
 BUDGET_FRACTION = 0.75  # of total memory, when MLXD_MEMORY_BUDGET is not set
 DEFAULT_KV_DTYPE_BYTES = 2
+CPU_DTYPE_ENV = "MLXD_CPU_DTYPE"  # "float32" (default) or "native"
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8}
 
@@ -87,6 +88,29 @@ def _dtype_bytes(config: Mapping[str, Any]) -> int:
     return DEFAULT_KV_DTYPE_BYTES
 
 
+def computes_in_float32(config: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> bool:
+    """Whether a model computes in float32 rather than its files' 16-bit floats: on MLX's CPU
+    backend, where 16-bit matmuls have no fast path (3-7 GFLOP/s against 15-165 for float32
+    through an optimized BLAS). It costs twice the weights' memory; quantized models keep their
+    own kernels, and `MLXD_CPU_DTYPE=native` keeps the files' dtype."""
+    if env.get(CPU_DTYPE_ENV, "float32").strip().lower() == "native":
+        return False
+    if config.get("quantization") or config.get("quantization_config"):
+        return False
+    if _dtype_bytes(config) != 2:
+        return False
+    import mlx.core as mx
+
+    return bool(mx.default_device() == mx.cpu)
+
+
+def as_computed(config: Mapping[str, Any]) -> dict[str, Any]:
+    """`config` with the dtype the model computes (and caches K/V) in."""
+    if not computes_in_float32(config):
+        return dict(config)
+    return {**config, "torch_dtype": "float32", "dtype": "float32"}
+
+
 def kv_element_bytes(config: Mapping[str, Any], options: Mapping[str, Any]) -> float:
     """Bytes per cached element: the model's dtype, or `kv_bits` plus a scale and bias per
     group when the entry quantizes its KV cache."""
@@ -124,12 +148,14 @@ def context_tokens(entry: ModelEntry, config: Mapping[str, Any]) -> int:
 
 def estimate(dirs: list[Path], entry: ModelEntry, rows: int) -> MemoryNeed:
     """The need of a pairing whose files are in `dirs` (target first, then the draft)."""
-    configs = [_read_config(d) for d in dirs]
+    files = [_read_config(d) for d in dirs]
+    configs = [as_computed(c) for c in files]
     context = context_tokens(entry, configs[0])
     rows = max(1, rows)
     kv = sum(kv_bytes_per_token(c, entry.options) for c in configs) * context * rows
+    widen = [_dtype_bytes(c) // _dtype_bytes(f) for c, f in zip(configs, files, strict=True)]
     return MemoryNeed(
-        weights=sum(weight_bytes(d) for d in dirs),
+        weights=sum(weight_bytes(d) * w for d, w in zip(dirs, widen, strict=True)),
         kv=kv,
         overhead=OVERHEAD_BYTES,
         context=context,

@@ -17,6 +17,7 @@ from engine.attention import route_batched_decode
 from engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from engine.generation import Generation
 from engine.kvcache import make_cache
+from engine.memory import computes_in_float32
 from engine.options import parse_options
 from engine.prefill import feed, warm_shapes
 from engine.prompt import FimFormat, detect_fim
@@ -48,7 +49,7 @@ class Pairing:
     costs: Costs
     fim: FimFormat | None
     context_length: int
-    revision: str = ""  # digest of the target's files: part of every prefix-cache namespace
+    revision: str = ""  # the target's files and compute dtype: part of every prefix-cache namespace
     draft_revision: str = ""
     history: SpecHistory = field(default_factory=SpecHistory)  # what speculation did lately
 
@@ -87,7 +88,15 @@ def _load_one(path: Path, template: str | None) -> tuple[nn.Module, Any, dict[st
         model, tokenizer, config = loaded  # type: ignore[misc]
     except Exception as exc:
         raise ModelUnavailable(f"cannot load {path}: {exc}") from exc
+    if computes_in_float32(config):
+        model.set_dtype(mx.float32)
     return model, tokenizer, config
+
+
+def revision_of(path: Path, config: dict[str, Any]) -> str:
+    """The files' digest, and the dtype they compute in when that is not theirs: K/V computed
+    in another dtype must never be restored from the prefix cache."""
+    return model_digest(path) + ("+float32" if computes_in_float32(config) else "")
 
 
 def context_length_of(entry: ModelEntry, config: dict[str, Any]) -> int:
@@ -180,9 +189,11 @@ def load_pairing(entry: ModelEntry, costs: Costs | None = None) -> Pairing:
     route_batched_decode(target)  # batch rows attend to their own keys, no mask (CUDA)
     draft = None
     draft_dir = None
+    draft_revision = ""
     if entry.draft:
         draft_dir = locate(entry.draft, "draft")
-        draft, draft_tok, _ = _load_one(draft_dir, None)
+        draft, draft_tok, draft_config = _load_one(draft_dir, None)
+        draft_revision = revision_of(draft_dir, draft_config)
         check_tokenizers(tokenizer, draft_tok)
     if costs is None:
         try:
@@ -202,8 +213,8 @@ def load_pairing(entry: ModelEntry, costs: Costs | None = None) -> Pairing:
         costs=costs,
         fim=detect_fim(vocab),
         context_length=context_length_of(entry, config),
-        revision=model_digest(target_dir),
-        draft_revision=model_digest(draft_dir) if draft_dir is not None else "",
+        revision=revision_of(target_dir, config),
+        draft_revision=draft_revision,
     )
 
 

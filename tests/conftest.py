@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import uvicorn
 
+import engine  # noqa: F401  (first: the CPU BLAS must be in place before MLX is imported)
 from tests.fixtures.tiny_models import TinyPair, build_pair
 
 
