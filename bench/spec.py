@@ -17,18 +17,20 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import engine  # noqa: F401  (first: on Linux it puts mlxd's CPU BLAS under MLX)
+
+# isort: split
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm import load
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from engine.generation import Generation
 from engine.options import SamplingOptions, parse_options
-from engine.pairing import measure_costs, warm_up
+from engine.pairing import load_model, measure_costs, warm_up
 from engine.sampling import Rng
 from engine.speculation import Costs, DraftLengthController, SpecHistory
 
@@ -114,8 +116,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
-    target, tokenizer = load(str(args.pair / "target"))[:2]
-    draft = load(str(args.pair / "draft"))[0]
+    # Both engines decode the models as mlxd loads them (float32 on the CPU).
+    target, tokenizer, _ = load_model(args.pair / "target")
+    draft = load_model(args.pair / "draft")[0]
     heads = json.loads((args.pair / "heldout_prompts.json").read_text())["code"][: args.prompts]
     prompts = [list(tokenizer.encode(h["prompt"])) for h in heads]
     costs = measure_costs(target, draft)

@@ -81,7 +81,8 @@ def locate(ref: str, what: str) -> Path:
     return path
 
 
-def _load_one(path: Path, template: str | None) -> tuple[nn.Module, Any, dict[str, Any]]:
+def load_model(path: Path, template: str | None = None) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """A model as mlxd computes with it: through mlx-lm, in float32 on the CPU (`memory`)."""
     tokenizer_config = {"chat_template": template} if template else None
     try:
         loaded = mlx_load(str(path), tokenizer_config=tokenizer_config, return_config=True)
@@ -185,14 +186,14 @@ def load_pairing(entry: ModelEntry, costs: Costs | None = None) -> Pairing:
     forwards are measured and every round shape is run once, which also proves both models
     compute."""
     target_dir = locate(entry.target, "target")
-    target, tokenizer, config = _load_one(target_dir, entry.template)
+    target, tokenizer, config = load_model(target_dir, entry.template)
     route_batched_decode(target)  # batch rows attend to their own keys, no mask (CUDA)
     draft = None
     draft_dir = None
     draft_revision = ""
     if entry.draft:
         draft_dir = locate(entry.draft, "draft")
-        draft, draft_tok, draft_config = _load_one(draft_dir, None)
+        draft, draft_tok, draft_config = load_model(draft_dir, None)
         draft_revision = revision_of(draft_dir, draft_config)
         check_tokenizers(tokenizer, draft_tok)
     if costs is None:
