@@ -53,6 +53,12 @@ class DraftSource(ABC):
     def accept(self, tokens: Sequence[int]) -> None:
         """Learn the committed sequence after verification and drop rejected state."""
 
+    def has_draft(self, tokens: Sequence[int]) -> bool:
+        """Whether `propose` would return anything after `tokens`; host work only, asked once per
+        token while decoding plainly. Between drafts the target then decodes pipelined instead
+        of paying for a round that drafts nothing."""
+        return True
+
     def cheaper(self) -> DraftSource | None:
         """What to continue with when this source no longer pays (None: plain decoding)."""
         return None
@@ -169,19 +175,26 @@ class LookupDraftSource(DraftSource):
         self._indexed = 0
         self._extend(tokens)
 
-    def propose(self, tokens: Sequence[int], n: int) -> Draft:
-        if n <= 0:
-            return Draft.empty(self.name)
+    def _match(self, tokens: Sequence[int]) -> int | None:
+        """Where the continuation of the longest trailing n-gram seen before starts."""
         self._extend(tokens)
         for g in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(tokens) < g:
                 continue
             pos = self.index.get(tuple(tokens[-g:]))
-            if pos is not None:
-                cont = list(tokens[pos : pos + n])
-                if cont:
-                    return Draft(mx.array(cont, dtype=mx.uint32), len(cont), None, self.name)
-        return Draft.empty(self.name)
+            if pos is not None and pos < len(tokens):
+                return pos
+        return None
+
+    def has_draft(self, tokens: Sequence[int]) -> bool:
+        return self._match(tokens) is not None
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        pos = self._match(tokens) if n > 0 else None
+        if pos is None:
+            return Draft.empty(self.name)
+        cont = list(tokens[pos : pos + n])
+        return Draft(mx.array(cont, dtype=mx.uint32), len(cont), None, self.name)
 
     def accept(self, tokens: Sequence[int]) -> None:
         self._extend(tokens)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -136,6 +136,9 @@ class Generation:
             self.ready_source()
             if self.source is None:  # its prefill failed: plain decoding from here
                 continue
+            if k > 0 and not self._has_draft():  # e.g. prompt lookup found no match
+                yield from self._plain(resume=self._has_draft)
+                continue
             t0 = time.perf_counter()
             new = self._speculative_round(k)
             self._maybe_quantize()
@@ -145,6 +148,9 @@ class Generation:
                 yield new
         if self.finish is None:
             self.finish = "length"
+
+    def _has_draft(self) -> bool:
+        return self.source is not None and self.source.has_draft(self.tokens)
 
     def _commit(self, new: list[int]) -> list[int]:
         """Append new tokens up to EOS (kept, so callers see why it ended) and the limit."""
@@ -193,11 +199,14 @@ class Generation:
                 self._fallback(f"draft source failed: {exc}")
         return new
 
-    def _plain(self, until: int | None = None) -> Iterator[list[int]]:
-        """Single-token decoding up to `until` produced tokens; pipelined (next forward queued
-        before the host reads the current token) unless penalties need every token on the
-        host first. It never queues past `until`, so the cache ends holding all but the last
-        committed token, as a speculative round expects."""
+    def _plain(
+        self, until: int | None = None, resume: Callable[[], bool] | None = None
+    ) -> Iterator[list[int]]:
+        """Single-token decoding up to `until` produced tokens, or until `resume()` turns true
+        after a committed token (then the token in flight is the last); pipelined (next forward
+        queued before the host reads the current token) unless penalties need every token on
+        the host first. It never queues past its end, so the cache ends holding all but the
+        last committed token, as a speculative round expects."""
         bound = self.limit if until is None else min(until, self.limit)
 
         def step(tok: mx.array, extra: list[int]) -> mx.array:
@@ -217,6 +226,10 @@ class Generation:
             yield new
             if self.finish is not None or self.produced >= bound:
                 break
+            if resume is not None and resume():
+                if nxt is None:
+                    break
+                bound = self.produced + 1  # commit the token in flight; queue nothing more
             y = nxt if nxt is not None else step(mx.array(new, dtype=mx.uint32), [])
 
     def _paused(self, pause: int) -> Iterator[list[int]]:

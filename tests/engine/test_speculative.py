@@ -89,6 +89,36 @@ def test_greedy_parity_over_50_prompts(loaded: Loaded, method: str) -> None:
         assert accepted > 0.9 * rounds * 1  # a draft equal to the target is almost always right
 
 
+class _RecordingLookup(LookupDraftSource):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proposals: list[tuple[int, int]] = []  # (asked for, proposed)
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        draft = super().propose(tokens, n)
+        self.proposals.append((n, draft.count))
+        return draft
+
+
+PENALTIES = parse_options({"temperature": 0, "repeat_penalty": 1.3, "presence_penalty": 0.5})
+
+
+@pytest.mark.parametrize("opts", [GREEDY, PENALTIES], ids=["pipelined", "penalties"])
+def test_rounds_only_where_lookup_has_a_draft(loaded: Loaded, opts: SamplingOptions) -> None:
+    """Between prompt-lookup matches the target decodes plainly (pipelined where it can) rather
+    than spending a verify round that drafts nothing; the output stays the target's own."""
+    asked = 0
+    for prompt in prompts(loaded.tokenizer, 20):
+        plain, _ = generate(loaded.target, prompt, opts, None, limit=40)
+        source = _RecordingLookup()
+        spec, gen = generate(loaded.target, prompt, opts, source, limit=40)
+        assert spec == plain
+        assert all(got > 0 for want, got in source.proposals if want > 0)
+        asked += sum(1 for want, _ in source.proposals if want > 0)
+        assert gen.stats.rounds == sum(1 for _, got in source.proposals if got > 0)
+    assert asked > 0
+
+
 def test_greedy_parity_with_penalties(loaded: Loaded) -> None:
     opts = parse_options(
         {"temperature": 0, "repeat_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.2}
