@@ -110,22 +110,25 @@ def context_length_of(entry: ModelEntry, config: dict[str, Any]) -> int:
     return 4096
 
 
-def _forward_seconds(model: nn.Module, widths: tuple[int, ...], context: int) -> dict[int, float]:
+def _forward_seconds(
+    model: nn.Module, widths: tuple[int, ...], context: int, passes: int = 7
+) -> dict[int, float]:
     """Median seconds of an L-token forward at a cache length never seen before (as in real
-    decoding, where every round lands on a new length)."""
+    decoding, where every round lands on a new length). The widths take turns, pass after
+    pass, so a slow spell of the machine skews none of the ratios between them; the first pass
+    only warms up."""
     cache = make_cache(model)
     feed(model, cache, [0] * context)
     mx.eval([c.state for c in cache])
-    out: dict[int, float] = {}
-    for width in widths:
-        samples = []
-        for _ in range(8):
+    samples: dict[int, list[float]] = {width: [] for width in widths}
+    for i in range(passes + 1):
+        for width in widths:
             x = mx.zeros((1, width), dtype=mx.uint32)
             t0 = time.perf_counter()
             mx.eval(model(x, cache=cache))
-            samples.append(time.perf_counter() - t0)
-        out[width] = statistics.median(samples[1:])
-    return out
+            if i:
+                samples[width].append(time.perf_counter() - t0)
+    return {width: statistics.median(s) for width, s in samples.items()}
 
 
 def _plain_seconds(target: nn.Module, context: int, tokens: int = 24) -> float:
