@@ -14,6 +14,7 @@ from api.app import build_app
 from api.ollama import ServerState
 from daemon.config import Settings
 from daemon.lifecycle import Lifecycle
+from engine import cpu_blas
 from engine.manager import ModelManager
 from engine.prefix_cache import PrefixCache
 from registry.home import ensure_home
@@ -51,6 +52,8 @@ def build_state(settings: Settings) -> ServerState:
     live = LiveRegistry(lambda: Registry.from_env(cli_path=settings.registry))
     registry = live()
     log.info("registry: %d models from %s", len(registry), ", ".join(map(str, registry.paths)))
+    if cpu_blas.loaded:
+        log.info("MLX's CPU matmuls run on %s", cpu_blas.loaded)
     cache_dir = settings.cache_dir or ensure_home() / "kvcache"
     prefix = PrefixCache(settings.cache_ram_bytes, cache_dir, settings.cache_ssd_bytes)
     manager = ModelManager(
