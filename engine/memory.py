@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from engine import cpu_blas
 from registry.schema import ModelEntry
 from registry.store import model_files
 
@@ -90,10 +91,13 @@ def _dtype_bytes(config: Mapping[str, Any]) -> int:
 
 def computes_in_float32(config: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> bool:
     """Whether a model computes in float32 rather than its files' 16-bit floats: on MLX's CPU
-    backend, where 16-bit matmuls have no fast path (3-7 GFLOP/s against 15-165 for float32
-    through an optimized BLAS). It costs twice the weights' memory; quantized models keep their
-    own kernels, and `MLXD_CPU_DTYPE=native` keeps the files' dtype."""
+    backend with an optimized BLAS under it, where 16-bit matmuls have no fast path (3-7 GFLOP/s
+    against 15-165 for float32). It costs twice the weights' memory; quantized models keep their
+    own kernels, and `MLXD_CPU_DTYPE=native` keeps the files' dtype. On the reference BLAS,
+    float32 would speed one stream but slow batches of rows, so the files' dtype stays."""
     if env.get(CPU_DTYPE_ENV, "float32").strip().lower() == "native":
+        return False
+    if cpu_blas.loaded is None:
         return False
     if config.get("quantization") or config.get("quantization_config"):
         return False
