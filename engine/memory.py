@@ -103,9 +103,9 @@ def computes_in_float32(config: Mapping[str, Any], env: Mapping[str, str] = os.e
         return False
     if _dtype_bytes(config) != 2:
         return False
-    import mlx.core as mx
+    from engine.kvcache import ON_GPU  # imports MLX: only once a model is at hand
 
-    return bool(mx.default_device() == mx.cpu)
+    return not ON_GPU
 
 
 def as_computed(config: Mapping[str, Any]) -> dict[str, Any]:
