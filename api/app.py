@@ -10,10 +10,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from api import lifecycle, models, ollama, openai
-from api.cors import CorsMiddleware, CorsPolicy
-from api.errors import ApiError, api_error_handler
-from api.ollama import ServerState
+from mlxd.api import lifecycle, models, ollama, openai
+from mlxd.api.cors import CorsMiddleware, CorsPolicy
+from mlxd.api.errors import ApiError, api_error_handler
+from mlxd.api.ollama import ServerState
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:

@@ -16,11 +16,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from api.modelinfo import LocalModel, find_local, rfc3339
-from api.ollama import ServerState, state_of
-from engine.manager import ModelStatus
-from engine.memory import processor
-from registry.schema import ModelEntry
+from mlxd.api.modelinfo import LocalModel, find_local, rfc3339
+from mlxd.api.ollama import ServerState, state_of
+from mlxd.engine.manager import ModelStatus
+from mlxd.engine.memory import processor
+from mlxd.registry.schema import ModelEntry
 
 # Go's largest Duration, as Ollama stores a negative keep_alive: "forever" lands in 2318.
 FOREVER_SECONDS = (2**63 - 1) / 1e9

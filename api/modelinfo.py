@@ -8,9 +8,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from engine.prompt import detect_fim
-from registry.schema import ModelEntry
-from registry.store import ModelDetails, model_digest, model_size, read_details, resolve_local
+from mlxd.engine.prompt import detect_fim
+from mlxd.registry.schema import ModelEntry
+from mlxd.registry.store import ModelDetails, model_digest, model_size, read_details, resolve_local
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from api.errors import ApiError, field, read_json
-from api.ollama import NDJSON, ServerState, state_of
-from registry.names import InvalidModelName, parse_name
-from registry.pull import (
+from mlxd.api.errors import ApiError, field, read_json
+from mlxd.api.ollama import NDJSON, ServerState, state_of
+from mlxd.registry.names import InvalidModelName, parse_name
+from mlxd.registry.pull import (
     DeleteError,
     Progress,
     PullError,
@@ -27,9 +27,9 @@ from registry.pull import (
     delete_model,
     user_file_in_use,
 )
-from registry.pull import pull as pull_progress
-from registry.registry import Registry
-from registry.schema import RegistryError
+from mlxd.registry.pull import pull as pull_progress
+from mlxd.registry.registry import Registry
+from mlxd.registry.schema import RegistryError
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ async def pull(request: Request) -> Response:
 
 async def delete(request: Request) -> Response:
     """Unload the model, take its entry out of the user registry and delete its downloaded
-    files (see :func:`registry.pull.delete_model` for entries from other registry files)."""
+    files (see :func:`mlxd.registry.pull.delete_model` for entries from other registry files)."""
     state = state_of(request)
     body = await read_json(request)
     name = field(body, "model", str) or field(body, "name", str)

@@ -14,17 +14,17 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
-from api.durations import DurationError, parse_keep_alive
-from api.errors import ApiError, field, read_json
-from api.modelinfo import find_local, show_json, tag_json
-from engine.events import Done, Failed, GenerationRequest, TextChunk
-from engine.manager import Loaded, ModelManager, QueueFull
-from engine.options import OptionsError, SamplingOptions, parse_options
-from engine.pairing import ModelUnavailable, Pairing
-from engine.prompt import PromptError, encode, render_chat, render_generate, with_system
-from registry.names import InvalidModelName, parse_name
-from registry.registry import Registry
-from registry.schema import ModelEntry
+from mlxd.api.durations import DurationError, parse_keep_alive
+from mlxd.api.errors import ApiError, field, read_json
+from mlxd.api.modelinfo import find_local, show_json, tag_json
+from mlxd.engine.events import Done, Failed, GenerationRequest, TextChunk
+from mlxd.engine.manager import Loaded, ModelManager, QueueFull
+from mlxd.engine.options import OptionsError, SamplingOptions, parse_options
+from mlxd.engine.pairing import ModelUnavailable, Pairing
+from mlxd.engine.prompt import PromptError, encode, render_chat, render_generate, with_system
+from mlxd.registry.names import InvalidModelName, parse_name
+from mlxd.registry.registry import Registry
+from mlxd.registry.schema import ModelEntry
 
 log = logging.getLogger(__name__)
 

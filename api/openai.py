@@ -22,9 +22,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from api.errors import ApiError, field, read_json
-from api.modelinfo import LocalModel, find_local
-from api.ollama import (
+from mlxd.api.errors import ApiError, field, read_json
+from mlxd.api.modelinfo import LocalModel, find_local
+from mlxd.api.ollama import (
     ServerState,
     Shape,
     chat_renderer,
@@ -36,11 +36,11 @@ from api.ollama import (
     respond,
     state_of,
 )
-from engine.events import Done, Failed, GenerationRequest, TextChunk
-from engine.manager import Loaded
-from engine.pairing import Pairing
-from engine.prompt import render_generate
-from registry.names import InvalidModelName, parse_name
+from mlxd.engine.events import Done, Failed, GenerationRequest, TextChunk
+from mlxd.engine.manager import Loaded
+from mlxd.engine.pairing import Pairing
+from mlxd.engine.prompt import render_generate
+from mlxd.registry.names import InvalidModelName, parse_name
 
 log = logging.getLogger(__name__)
 

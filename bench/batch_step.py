@@ -23,8 +23,8 @@ from mlx_lm.models import llama
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.concurrency import SHAPES
-from engine.attention import route_batched_decode
-from engine.kvcache import BucketedBatchKVCache
+from mlxd.engine.attention import route_batched_decode
+from mlxd.engine.kvcache import BucketedBatchKVCache
 
 
 def median_ms(fn: object, reps: int = 12) -> float:

@@ -70,9 +70,9 @@ class Daemon:
 
         import uvicorn
 
-        from api.app import build_app
-        from daemon.config import Settings
-        from daemon.server import build_state
+        from mlxd.api.app import build_app
+        from mlxd.daemon.config import Settings
+        from mlxd.daemon.server import build_state
 
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))

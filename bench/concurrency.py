@@ -200,7 +200,7 @@ def main() -> None:
                 MLXD_HOST=f"127.0.0.1:{port}",
                 MLXD_NUM_PARALLEL=str(args.parallel),
             )
-            cmd = [sys.executable, "-m", "daemon.cli", "serve", "--registry", str(registry)]
+            cmd = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(registry)]
             served = "bench"
         else:
             cmd = [

@@ -89,7 +89,7 @@ def main() -> None:
         "HF_HUB_OFFLINE": "1",
     }
     server = subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", "serve", "--registry", str(registry)],
+        [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(registry)],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     base = f"http://127.0.0.1:{port}"

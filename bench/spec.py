@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import engine  # noqa: F401  (first: on Linux it puts mlxd's CPU BLAS under MLX)
+import mlxd.engine  # noqa: F401  (first: on Linux it puts mlxd's CPU BLAS under MLX)
 
 # isort: split
 import mlx.core as mx
@@ -27,12 +27,12 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
-from engine.generation import Generation
-from engine.options import SamplingOptions, parse_options
-from engine.pairing import load_model, measure_costs, warm_up
-from engine.sampling import Rng
-from engine.speculation import Costs, DraftLengthController, SpecHistory
+from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
+from mlxd.engine.generation import Generation
+from mlxd.engine.options import SamplingOptions, parse_options
+from mlxd.engine.pairing import load_model, measure_costs, warm_up
+from mlxd.engine.sampling import Rng
+from mlxd.engine.speculation import Costs, DraftLengthController, SpecHistory
 
 
 @dataclass

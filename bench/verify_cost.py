@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engine.kvcache import make_cache
+from mlxd.engine.kvcache import make_cache
 
 
 def per_forward(model: object, cache: list[object], width: int, reps: int) -> float:

@@ -12,10 +12,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
-from daemon.client import Client, ClientError
-from daemon.config import ConfigError, Settings, client_base_url
-from registry.home import ensure_home
-from registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, InvalidModelName, parse_name
+from mlxd.daemon.client import Client, ClientError
+from mlxd.daemon.config import ConfigError, Settings, client_base_url
+from mlxd.registry.home import ensure_home
+from mlxd.registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, InvalidModelName, parse_name
 
 VERSION = "0.1.0"
 
@@ -37,7 +37,7 @@ def ensure_daemon(client: Client, wait: float = 60.0) -> None:
     logs.mkdir(parents=True, exist_ok=True)
     with open(logs / "server.log", "ab") as log_file:
         subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "serve"],
+            [sys.executable, "-m", "mlxd.daemon.cli", "serve"],
             stdout=log_file,
             stderr=log_file,
             stdin=subprocess.DEVNULL,
@@ -165,7 +165,7 @@ def print_stats(final: dict[str, Any]) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from daemon.server import serve
+    from mlxd.daemon.server import serve
 
     try:
         settings = Settings.from_env(registry=args.registry)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from api.durations import DurationError, env_keep_alive
+from mlxd.api.durations import DurationError, env_keep_alive
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11434

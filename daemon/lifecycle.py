@@ -11,10 +11,10 @@ from pathlib import Path
 
 from watchfiles import awatch
 
-from engine.manager import ModelManager
-from registry.live import LiveRegistry
-from registry.registry import Registry
-from registry.schema import ModelEntry, RegistryError
+from mlxd.engine.manager import ModelManager
+from mlxd.registry.live import LiveRegistry
+from mlxd.registry.registry import Registry
+from mlxd.registry.schema import ModelEntry, RegistryError
 
 log = logging.getLogger(__name__)
 

@@ -10,17 +10,17 @@ from types import FrameType
 
 import uvicorn
 
-from api.app import build_app
-from api.ollama import ServerState
-from daemon.config import Settings
-from daemon.lifecycle import Lifecycle
-from engine import cpu_blas
-from engine.manager import ModelManager
-from engine.prefix_cache import PrefixCache
-from registry.home import ensure_home
-from registry.live import LiveRegistry
-from registry.registry import Registry
-from registry.schema import RegistryError
+from mlxd.api.app import build_app
+from mlxd.api.ollama import ServerState
+from mlxd.daemon.config import Settings
+from mlxd.daemon.lifecycle import Lifecycle
+from mlxd.engine import cpu_blas
+from mlxd.engine.manager import ModelManager
+from mlxd.engine.prefix_cache import PrefixCache
+from mlxd.registry.home import ensure_home
+from mlxd.registry.live import LiveRegistry
+from mlxd.registry.registry import Registry
+from mlxd.registry.schema import RegistryError
 
 log = logging.getLogger("mlxd")
 

@@ -14,6 +14,6 @@ GRAPH_CACHE_SIZE = "2048"
 os.environ.setdefault("MLX_CUDA_GRAPH_CACHE_SIZE", GRAPH_CACHE_SIZE)
 
 # Before MLX is first imported: an optimized BLAS for its CPU backend on Linux (see cpu_blas).
-from engine.cpu_blas import load_cpu_blas  # noqa: E402
+from mlxd.engine.cpu_blas import load_cpu_blas  # noqa: E402
 
 load_cpu_blas()

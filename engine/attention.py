@@ -19,8 +19,8 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from engine.kvcache import BucketedBatchKVCache
-from engine.sampling import to_ints
+from mlxd.engine.kvcache import BucketedBatchKVCache
+from mlxd.engine.sampling import to_ints
 
 Ragged = Callable[[mx.array, mx.array, mx.array, float, mx.array, int], mx.array]
 

@@ -6,11 +6,11 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
-from engine.drafting import DraftSource, HybridDraftSource, ModelDraftSource
-from engine.generation import Generation
-from engine.options import SamplingOptions
-from engine.pairing import Pairing
-from engine.prefix_cache import Block, Namespace, PrefixCache, build_caches, slice_layers
+from mlxd.engine.drafting import DraftSource, HybridDraftSource, ModelDraftSource
+from mlxd.engine.generation import Generation
+from mlxd.engine.options import SamplingOptions
+from mlxd.engine.pairing import Pairing
+from mlxd.engine.prefix_cache import Block, Namespace, PrefixCache, build_caches, slice_layers
 
 log = logging.getLogger(__name__)
 

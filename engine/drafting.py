@@ -16,10 +16,10 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import trim_prompt_cache
 
-from engine.kvcache import make_cache
-from engine.options import SamplingOptions
-from engine.prefill import feed
-from engine.sampling import Rng, next_tokens, to_int, to_ints
+from mlxd.engine.kvcache import make_cache
+from mlxd.engine.options import SamplingOptions
+from mlxd.engine.prefill import feed
+from mlxd.engine.sampling import Rng, next_tokens, to_int, to_ints
 
 
 @dataclass

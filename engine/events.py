@@ -8,8 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.options import SamplingOptions
-from engine.speculation import SpecStats
+from mlxd.engine.options import SamplingOptions
+from mlxd.engine.speculation import SpecStats
 
 
 @dataclass

@@ -19,13 +19,13 @@ import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from engine.drafting import Draft, DraftSource
-from engine.kvcache import make_cache
-from engine.options import SamplingOptions
-from engine.prefill import feed
-from engine.sampling import Rng, next_tokens, to_int
-from engine.speculation import DraftLengthController, SpecStats
-from engine.verify import verify
+from mlxd.engine.drafting import Draft, DraftSource
+from mlxd.engine.kvcache import make_cache
+from mlxd.engine.options import SamplingOptions
+from mlxd.engine.prefill import feed
+from mlxd.engine.sampling import Rng, next_tokens, to_int
+from mlxd.engine.speculation import DraftLengthController, SpecStats
+from mlxd.engine.verify import verify
 
 log = logging.getLogger(__name__)
 TRACE = os.environ.get("MLXD_TRACE_SPEC", "") not in ("", "0", "false")

@@ -18,15 +18,15 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from engine.events import Event, GenerationRequest
-from engine.memory import Budget, MemoryNeed, estimate, human_bytes, resolve_budget
-from engine.pairing import ModelUnavailable, Pairing, load_pairing, locate
-from engine.prefix_cache import PrefixCache
-from engine.runner import PairingRunner
-from engine.speculation import Costs
-from engine.threads import run_in_mlx_thread
-from registry.schema import ModelEntry
-from registry.store import resolve_local
+from mlxd.engine.events import Event, GenerationRequest
+from mlxd.engine.memory import Budget, MemoryNeed, estimate, human_bytes, resolve_budget
+from mlxd.engine.pairing import ModelUnavailable, Pairing, load_pairing, locate
+from mlxd.engine.prefix_cache import PrefixCache
+from mlxd.engine.runner import PairingRunner
+from mlxd.engine.speculation import Costs
+from mlxd.engine.threads import run_in_mlx_thread
+from mlxd.registry.schema import ModelEntry
+from mlxd.registry.store import resolve_local
 
 log = logging.getLogger(__name__)
 

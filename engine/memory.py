@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine import cpu_blas
-from registry.schema import ModelEntry
-from registry.store import model_files
+from mlxd.engine import cpu_blas
+from mlxd.registry.schema import ModelEntry
+from mlxd.registry.store import model_files
 
 DEFAULT_NUM_CTX = 4096  # Ollama's default context (and KV budgeted per row) when nothing sets it
 DEFAULT_CONTEXT_LENGTH = 4096  # a config that names no context length
@@ -103,7 +103,7 @@ def computes_in_float32(config: Mapping[str, Any], env: Mapping[str, str] = os.e
         return False
     if _dtype_bytes(config) != 2:
         return False
-    from engine.kvcache import ON_GPU  # imports MLX: only once a model is at hand
+    from mlxd.engine.kvcache import ON_GPU  # imports MLX: only once a model is at hand
 
     return not ON_GPU
 
@@ -213,6 +213,6 @@ def resolve_budget(configured: int | None) -> Budget:
 
 def processor() -> str:
     """`gpu` when MLX computes on Metal or CUDA, else `cpu` (the `mlxd ps` PROCESSOR column)."""
-    from engine.kvcache import ON_GPU
+    from mlxd.engine.kvcache import ON_GPU
 
     return "gpu" if ON_GPU else "cpu"

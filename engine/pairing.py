@@ -13,18 +13,18 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
-from engine.attention import route_batched_decode
-from engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
-from engine.generation import Generation
-from engine.kvcache import make_cache
-from engine.memory import computes_in_float32
-from engine.options import parse_options
-from engine.prefill import feed, warm_shapes
-from engine.prompt import FimFormat, detect_fim
-from engine.sampling import Rng
-from engine.speculation import Costs, FixedDraftLength, SpecHistory
-from registry.schema import ModelEntry
-from registry.store import model_digest, resolve_local
+from mlxd.engine.attention import route_batched_decode
+from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
+from mlxd.engine.generation import Generation
+from mlxd.engine.kvcache import make_cache
+from mlxd.engine.memory import computes_in_float32
+from mlxd.engine.options import parse_options
+from mlxd.engine.prefill import feed, warm_shapes
+from mlxd.engine.prompt import FimFormat, detect_fim
+from mlxd.engine.sampling import Rng
+from mlxd.engine.speculation import Costs, FixedDraftLength, SpecHistory
+from mlxd.registry.schema import ModelEntry
+from mlxd.registry.store import model_digest, resolve_local
 
 VERIFY_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 GREEDY = parse_options({"temperature": 0})

@@ -23,7 +23,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
-from engine import kvcache
+from mlxd.engine import kvcache
 
 CHUNK = 512
 

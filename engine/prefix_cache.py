@@ -34,8 +34,8 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
-from engine.kvcache import new_kv_cache
-from engine.threads import start_mlx_thread
+from mlxd.engine.kvcache import new_kv_cache
+from mlxd.engine.threads import start_mlx_thread
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from engine.events import Done, Event, GenerationRequest, Metrics, TextChunk
-from engine.speculation import SpecStats
-from engine.textstream import IncrementalDetokenizer, StopMatcher
+from mlxd.engine.events import Done, Event, GenerationRequest, Metrics, TextChunk
+from mlxd.engine.speculation import SpecStats
+from mlxd.engine.textstream import IncrementalDetokenizer, StopMatcher
 
 
 @dataclass

@@ -18,13 +18,13 @@ from collections.abc import AsyncIterator, Callable
 
 import mlx.core as mx
 
-from engine.events import Done, Event, Failed, GenerationRequest
-from engine.pairing import Pairing, load_pairing
-from engine.prefix_cache import PrefixCache
-from engine.scheduler import Job, Scheduler
-from engine.speculation import Costs
-from engine.threads import start_mlx_thread
-from registry.schema import ModelEntry
+from mlxd.engine.events import Done, Event, Failed, GenerationRequest
+from mlxd.engine.pairing import Pairing, load_pairing
+from mlxd.engine.prefix_cache import PrefixCache
+from mlxd.engine.scheduler import Job, Scheduler
+from mlxd.engine.speculation import Costs
+from mlxd.engine.threads import start_mlx_thread
+from mlxd.registry.schema import ModelEntry
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 
-from engine.options import SamplingOptions
+from mlxd.engine.options import SamplingOptions
 
 
 class Rng:

@@ -20,20 +20,20 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import trim_prompt_cache
 
-from engine import kvcache
-from engine.cache_use import has_companion, namespace_for, offer, offer_caches, restore
-from engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
-from engine.events import Event, Failed, GenerationRequest
-from engine.generation import Generation
-from engine.kvcache import make_cache
-from engine.memory import DEFAULT_NUM_CTX
-from engine.options import SamplingOptions, parse_options
-from engine.pairing import Pairing
-from engine.prefill import batchable, feed, feed_rows, row_shape
-from engine.prefix_cache import PrefixCache
-from engine.rowstream import RowStream
-from engine.sampling import Rng, penalize, probabilities, sample, to_ints
-from engine.speculation import DraftLengthController
+from mlxd.engine import kvcache
+from mlxd.engine.cache_use import has_companion, namespace_for, offer, offer_caches, restore
+from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
+from mlxd.engine.events import Event, Failed, GenerationRequest
+from mlxd.engine.generation import Generation
+from mlxd.engine.kvcache import make_cache
+from mlxd.engine.memory import DEFAULT_NUM_CTX
+from mlxd.engine.options import SamplingOptions, parse_options
+from mlxd.engine.pairing import Pairing
+from mlxd.engine.prefill import batchable, feed, feed_rows, row_shape
+from mlxd.engine.prefix_cache import PrefixCache
+from mlxd.engine.rowstream import RowStream
+from mlxd.engine.sampling import Rng, penalize, probabilities, sample, to_ints
+from mlxd.engine.speculation import DraftLengthController
 
 log = logging.getLogger(__name__)
 

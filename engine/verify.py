@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from engine.drafting import Draft
-from engine.options import SamplingOptions
-from engine.sampling import Rng, penalize, probabilities, sample, to_int, to_ints
+from mlxd.engine.drafting import Draft
+from mlxd.engine.options import SamplingOptions
+from mlxd.engine.sampling import Rng, penalize, probabilities, sample, to_int, to_ints
 
 
 @dataclass(frozen=True)

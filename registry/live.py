@@ -6,8 +6,8 @@ import logging
 import threading
 from collections.abc import Callable
 
-from registry.registry import Registry
-from registry.schema import RegistryError
+from mlxd.registry.registry import Registry
+from mlxd.registry.schema import RegistryError
 
 log = logging.getLogger(__name__)
 

@@ -65,12 +65,12 @@ from huggingface_hub.errors import (
 from huggingface_hub.file_download import http_get, repo_folder_name
 from huggingface_hub.utils import build_hf_headers, filter_repo_objects
 
-from registry.home import user_registry_path
-from registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, ModelName, parse_name
-from registry.registry import Registry
-from registry.schema import ModelEntry, RegistryError
-from registry.store import MODEL_FILE_PATTERNS, hub_cache_dir, model_files, resolve_local
-from registry.userfile import entry_fields, file_lock, remove_entry, set_entry
+from mlxd.registry.home import user_registry_path
+from mlxd.registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, ModelName, parse_name
+from mlxd.registry.registry import Registry
+from mlxd.registry.schema import ModelEntry, RegistryError
+from mlxd.registry.store import MODEL_FILE_PATTERNS, hub_cache_dir, model_files, resolve_local
+from mlxd.registry.userfile import entry_fields, file_lock, remove_entry, set_entry
 
 __all__ = [
     "DEFAULT_ENDPOINT",

@@ -6,9 +6,9 @@ import os
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from registry.home import packaged_registry_path, user_registry_path
-from registry.names import parse_name
-from registry.schema import ModelEntry, load_registry_file
+from mlxd.registry.home import packaged_registry_path, user_registry_path
+from mlxd.registry.names import parse_name
+from mlxd.registry.schema import ModelEntry, load_registry_file
 
 __all__ = ["REGISTRY_ENV", "Registry", "default_registry_paths"]
 

@@ -31,8 +31,8 @@ from typing import Any
 
 import yaml
 
-from registry.embedded import EMBEDDED_DIR
-from registry.names import InvalidModelName, parse_name
+from mlxd.registry.embedded import EMBEDDED_DIR
+from mlxd.registry.names import InvalidModelName, parse_name
 
 __all__ = [
     "ENTRY_KEYS",

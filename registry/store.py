@@ -31,7 +31,7 @@ from huggingface_hub.errors import (
     RevisionNotFoundError,
 )
 
-from registry.home import ensure_home
+from mlxd.registry.home import ensure_home
 
 __all__ = [
     "DIGEST_CACHE_FILENAME",

@@ -28,9 +28,9 @@ from typing import Any
 
 import yaml
 
-from registry.home import user_registry_path
-from registry.names import parse_name
-from registry.schema import (
+from mlxd.registry.home import user_registry_path
+from mlxd.registry.names import parse_name
+from mlxd.registry.schema import (
     ENTRY_KEYS,
     SCHEMA_VERSION,
     ModelEntry,

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import uvicorn
 
-import engine  # noqa: F401  (first: the CPU BLAS must be in place before MLX is imported)
+import mlxd.engine  # noqa: F401  (first: the CPU BLAS must be in place before MLX is imported)
 from tests.fixtures.tiny_models import TinyPair, build_pair
 
 
@@ -80,9 +80,9 @@ class ServerThread:
         self, registry: Path, keep_alive: float = 300.0, max_loaded: int = 3, **settings: Any
     ) -> None:
         """`settings`: further `Settings` fields by name (max_queue, memory_budget, ...)."""
-        from api.app import build_app
-        from daemon.config import Settings
-        from daemon.server import build_state
+        from mlxd.api.app import build_app
+        from mlxd.daemon.config import Settings
+        from mlxd.daemon.server import build_state
 
         self.port = free_port()
         self.state = build_state(
@@ -125,6 +125,6 @@ def server(registry_file: Path) -> Iterator[RunningServer]:
 @pytest.fixture
 def gpu_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """Run with the GPU's cache layout (bucketed KV buffers, power-of-two prefill) on the CPU."""
-    from engine import kvcache
+    from mlxd.engine import kvcache
 
     monkeypatch.setattr(kvcache, "BUCKETED", True)

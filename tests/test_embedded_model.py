@@ -60,7 +60,7 @@ PY_KEYWORDS = (
 
 pytestmark = pytest.mark.skipif(
     not (TARGET / "model.safetensors").is_file(),
-    reason="embedded tiny weights not built (python -m engine.embedded_train)",
+    reason="embedded tiny weights not built (python -m tools.embedded_train)",
 )
 
 

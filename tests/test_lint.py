@@ -19,5 +19,5 @@ def test_ruff_clean() -> None:
 
 
 def test_mypy_clean() -> None:
-    result = _run(sys.executable, "-m", "mypy")
+    result = _run(sys.executable, "-m", "tools.typecheck")
     assert result.returncode == 0, result.stdout + result.stderr

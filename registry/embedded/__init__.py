@@ -2,7 +2,7 @@
 
 Each pairing is a folder with ``target/`` and ``draft/`` checkpoints in Hugging
 Face layout (loadable by ``mlx_lm.load``) that share one tokenizer. They are
-built by ``python -m engine.embedded_train``; see ``tiny/TRAINING.md``.
+built by ``python -m tools.embedded_train``; see ``tiny/TRAINING.md``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import random
 import mlx.core as mx
 import numpy as np
 
-from engine.prefix_cache import DEFAULT_BLOCK, Block, Namespace, block_keys
+from mlxd.engine.prefix_cache import DEFAULT_BLOCK, Block, Namespace, block_keys
 
 BLOCK = DEFAULT_BLOCK
 

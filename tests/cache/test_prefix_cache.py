@@ -27,8 +27,8 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from engine import prefix_cache as pc
-from engine.prefix_cache import (
+from mlxd.engine import prefix_cache as pc
+from mlxd.engine.prefix_cache import (
     Block,
     Namespace,
     PrefixCache,
@@ -403,7 +403,7 @@ def _prompt_keys(target: Path, prompt: str) -> list[str]:
     """The block keys a raw `prompt` to `target` with speculation off is cached under."""
     from mlx_lm.tokenizer_utils import load as load_tokenizer
 
-    from registry.store import model_digest
+    from mlxd.registry.store import model_digest
 
     tokens = list(load_tokenizer(target).encode(prompt))  # what raw mode sends to the engine
     ns = Namespace(model=model_digest(target), draft="off")
@@ -782,7 +782,7 @@ _WRITER = textwrap.dedent(
     import sys
     from pathlib import Path
     from tests.cache.blocks import kill_block, kill_keys
-    from engine.prefix_cache import PrefixCache
+    from mlxd.engine.prefix_cache import PrefixCache
 
     cache = PrefixCache(1 << 20, Path(sys.argv[1]), 1 << 30)
     for i, key in enumerate(kill_keys()):

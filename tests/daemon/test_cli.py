@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from daemon import cli
-from daemon.client import Client
+from mlxd.daemon import cli
+from mlxd.daemon.client import Client
 from tests.conftest import RunningServer, ServerThread, free_port
 from tests.fixtures.tiny_models import TinyPair
 
@@ -46,7 +46,7 @@ def mlxd(
         {"input": stdin.encode()} if stdin is not None else {"stdin": subprocess.DEVNULL}
     )
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", *args],
+        [sys.executable, "-m", "mlxd.daemon.cli", *args],
         cwd=REPO, env=dict(env) if env is not None else cli_env(port),
         capture_output=True, timeout=180, check=False, **kwargs,
     )  # fmt: skip
@@ -273,7 +273,7 @@ def served_then_terminated(
     log_path = tmp_path_factory.mktemp("serve") / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "serve", "--registry", str(server.registry)],
+            [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(server.registry)],
             cwd=REPO, env=cli_env(port), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
         )  # fmt: skip
         try:

@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from api.durations import DurationError, env_keep_alive, parse_go_duration, parse_keep_alive
-from daemon.config import DEFAULT_PORT, ConfigError, Settings, client_base_url, env, parse_host
+from mlxd.api.durations import DurationError, env_keep_alive, parse_go_duration, parse_keep_alive
+from mlxd.daemon.config import DEFAULT_PORT, ConfigError, Settings, client_base_url, env, parse_host
 
 
 @pytest.mark.parametrize(

@@ -8,9 +8,14 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
-from engine.attention import cuda_available, ragged_cuda, ragged_reference, route_batched_decode
-from engine.kvcache import BucketedBatchKVCache, BucketedKVCache, make_cache
-from engine.prefill import feed
+from mlxd.engine.attention import (
+    cuda_available,
+    ragged_cuda,
+    ragged_reference,
+    route_batched_decode,
+)
+from mlxd.engine.kvcache import BucketedBatchKVCache, BucketedKVCache, make_cache
+from mlxd.engine.prefill import feed
 from tests.engine.conftest import Loaded
 
 LENGTHS = [3, 17, 9, 1]

@@ -12,11 +12,11 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from engine import cpu_blas
-from engine.memory import CPU_DTYPE_ENV, computes_in_float32, estimate
-from engine.pairing import load_pairing
-from engine.speculation import Costs
-from registry.schema import ModelEntry
+from mlxd.engine import cpu_blas
+from mlxd.engine.memory import CPU_DTYPE_ENV, computes_in_float32, estimate
+from mlxd.engine.pairing import load_pairing
+from mlxd.engine.speculation import Costs
+from mlxd.registry.schema import ModelEntry
 from tests.fixtures.tiny_models import build_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -31,7 +31,7 @@ import json, sys
 {first}
 import numpy as np
 import mlx.core as mx
-from engine import cpu_blas
+from mlxd.engine import cpu_blas
 a = np.random.default_rng(0).standard_normal((8, 512)).astype(np.float32)
 w = np.random.default_rng(1).standard_normal((512, 1280)).astype(np.float32)
 got = np.array(mx.array(a) @ mx.array(w))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.speculation import Costs, DraftLengthController
+from mlxd.engine.speculation import Costs, DraftLengthController
 
 # A compute-bound machine: every extra verify position costs about a third of a step.
 LINEAR = Costs(

@@ -8,18 +8,18 @@ import queue
 
 import pytest
 
-from engine import kvcache
-from engine.cache_use import namespace_for, restore
-from engine.drafting import ModelDraftSource
-from engine.events import Done, Event, GenerationRequest
-from engine.kvcache import BucketedKVCache, make_cache
-from engine.options import parse_options
-from engine.pairing import load_pairing
-from engine.prefix_cache import PrefixCache
-from engine.sampling import Rng
-from engine.scheduler import Job, Scheduler, make_draft_source
-from engine.speculation import SourceRecord
-from registry.schema import ModelEntry
+from mlxd.engine import kvcache
+from mlxd.engine.cache_use import namespace_for, restore
+from mlxd.engine.drafting import ModelDraftSource
+from mlxd.engine.events import Done, Event, GenerationRequest
+from mlxd.engine.kvcache import BucketedKVCache, make_cache
+from mlxd.engine.options import parse_options
+from mlxd.engine.pairing import load_pairing
+from mlxd.engine.prefix_cache import PrefixCache
+from mlxd.engine.sampling import Rng
+from mlxd.engine.scheduler import Job, Scheduler, make_draft_source
+from mlxd.engine.speculation import SourceRecord
+from mlxd.registry.schema import ModelEntry
 from tests.engine.conftest import Loaded
 from tests.engine.test_scheduler_prefill import (
     COSTS,

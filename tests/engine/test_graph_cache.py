@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine import GRAPH_CACHE_SIZE
+from mlxd.engine import GRAPH_CACHE_SIZE
 
 PROBE = "import engine, os; print(os.environ['MLX_CUDA_GRAPH_CACHE_SIZE'])"
 

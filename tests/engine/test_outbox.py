@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from engine.events import Event, TextChunk
-from engine.runner import Outbox
+from mlxd.engine.events import Event, TextChunk
+from mlxd.engine.runner import Outbox
 
 
 def test_events_wait_for_the_flush_and_arrive_in_order() -> None:

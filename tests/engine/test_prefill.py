@@ -7,8 +7,8 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
-from engine.kvcache import BucketedKVCache, make_cache
-from engine.prefill import (
+from mlxd.engine.kvcache import BucketedKVCache, make_cache
+from mlxd.engine.prefill import (
     batchable,
     chunk_sizes,
     feed,
@@ -17,7 +17,7 @@ from engine.prefill import (
     padded_sizes,
     row_shape,
 )
-from engine.sampling import to_ints
+from mlxd.engine.sampling import to_ints
 from tests.engine.conftest import Loaded
 
 

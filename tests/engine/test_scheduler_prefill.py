@@ -6,14 +6,14 @@ import queue
 
 import pytest
 
-import engine.scheduler as scheduler_module
-from engine.events import Done, Event, GenerationRequest, TextChunk
-from engine.options import parse_options
-from engine.pairing import load_pairing
-from engine.prefill import feed_rows
-from engine.scheduler import PREFILL_CHUNK, Job, Joining, Scheduler
-from engine.speculation import Costs
-from registry.schema import ModelEntry
+import mlxd.engine.scheduler as scheduler_module
+from mlxd.engine.events import Done, Event, GenerationRequest, TextChunk
+from mlxd.engine.options import parse_options
+from mlxd.engine.pairing import load_pairing
+from mlxd.engine.prefill import feed_rows
+from mlxd.engine.scheduler import PREFILL_CHUNK, Job, Joining, Scheduler
+from mlxd.engine.speculation import Costs
+from mlxd.registry.schema import ModelEntry
 from tests.fixtures.tiny_models import TinyPair
 
 COSTS = Costs(verify={w: 1.0 for w in range(1, 10)}, draft_step=0.1)

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from engine.drafting import (
+from mlxd.engine.drafting import (
     Draft,
     DraftSource,
     HybridDraftSource,
     LookupDraftSource,
     ModelDraftSource,
 )
-from engine.generation import Generation
-from engine.options import parse_options
-from engine.sampling import Rng
-from engine.speculation import Costs, DraftLengthController, SourceRecord, SpecHistory
+from mlxd.engine.generation import Generation
+from mlxd.engine.options import parse_options
+from mlxd.engine.sampling import Rng
+from mlxd.engine.speculation import Costs, DraftLengthController, SourceRecord, SpecHistory
 from tests.engine.conftest import Loaded
 from tests.engine.test_speculative import generate, prompts
 

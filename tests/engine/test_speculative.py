@@ -12,11 +12,11 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 
-from engine.drafting import Draft, DraftSource, LookupDraftSource, ModelDraftSource
-from engine.generation import Generation
-from engine.options import SamplingOptions, parse_options
-from engine.sampling import Rng
-from engine.speculation import Costs, DraftLengthController
+from mlxd.engine.drafting import Draft, DraftSource, LookupDraftSource, ModelDraftSource
+from mlxd.engine.generation import Generation
+from mlxd.engine.options import SamplingOptions, parse_options
+from mlxd.engine.sampling import Rng
+from mlxd.engine.speculation import Costs, DraftLengthController
 from tests.engine.conftest import Loaded
 
 # Costs that make speculation always look worthwhile, so the tests exercise it every round.
@@ -243,7 +243,7 @@ def tiny_vocab_model(seed: int, vocab: int) -> nn.Module:
 def exact_pair_distribution(
     model: nn.Module, prompt: list[int], opts: SamplingOptions, vocab: int
 ) -> dict[tuple[int, int], float]:
-    from engine.sampling import probabilities
+    from mlxd.engine.sampling import probabilities
 
     first = probabilities(model(mx.array([prompt]))[0, -1:], opts)[0].tolist()
     out = {}
@@ -290,7 +290,7 @@ def test_sampled_distribution_matches_target(method: str) -> None:
 
 def test_sampled_acceptance_beats_exact_match(loaded: Loaded) -> None:
     """min(1, p/q) accepts more than "draft equals the target's own sample" would."""
-    from engine.sampling import probabilities
+    from mlxd.engine.sampling import probabilities
 
     opts = parse_options({"temperature": 0.8, "top_k": 0, "top_p": 1.0})
     prompt = prompts(loaded.tokenizer, 1)[0]

@@ -8,7 +8,7 @@ import threading
 import mlx.core as mx
 import pytest
 
-from engine.threads import release_streams, run_in_mlx_thread, start_mlx_thread
+from mlxd.engine.threads import release_streams, run_in_mlx_thread, start_mlx_thread
 
 
 def _sum_on_current_thread() -> tuple[str, float]:

@@ -18,11 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
-from daemon.cli import human_size
-from daemon.config import Settings
-from daemon.server import build_state
-from engine.manager import estimate_need
-from registry.schema import ModelEntry
+from mlxd.daemon.cli import human_size
+from mlxd.daemon.config import Settings
+from mlxd.daemon.server import build_state
+from mlxd.engine.manager import estimate_need
+from mlxd.registry.schema import ModelEntry
 from tests.conftest import RunningServer, ServerThread, free_port, wait_for
 from tests.fixtures.tiny_models import TinyPair
 
@@ -294,7 +294,7 @@ def mlxd(port: int, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("OLLAMA_HOST", "MLXD_REGISTRY")}
     env["MLXD_HOST"] = f"127.0.0.1:{port}"
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", *args], cwd=REPO, env=env, capture_output=True,
+        [sys.executable, "-m", "mlxd.daemon.cli", *args], cwd=REPO, env=env, capture_output=True,
         text=True, timeout=120, check=False, stdin=subprocess.DEVNULL,
     )  # fmt: skip
 
@@ -369,7 +369,7 @@ def test_mlxd_serve_reads_lifecycle_env(registry_file: Path) -> None:
         OLLAMA_MAX_QUEUE="3",
         MLXD_MEMORY_BUDGET="1GiB",
     )
-    cmd = [sys.executable, "-m", "daemon.cli", "serve", "--registry", str(registry_file)]
+    cmd = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(registry_file)]
     proc = subprocess.Popen(
         cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
     )

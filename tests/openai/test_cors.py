@@ -8,7 +8,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from api.cors import CorsPolicy, env_origins, split_host
+from mlxd.api.cors import CorsPolicy, env_origins, split_host
 from tests.conftest import RunningServer, ServerThread
 
 
@@ -193,9 +193,9 @@ def test_split_host() -> None:
 def test_bound_to_all_interfaces_skips_the_host_check(registry_file: Path) -> None:
     import asyncio
 
-    from api.app import build_app
-    from daemon.config import Settings
-    from daemon.server import build_state
+    from mlxd.api.app import build_app
+    from mlxd.daemon.config import Settings
+    from mlxd.daemon.server import build_state
 
     state = build_state(Settings("0.0.0.0", 0, registry_file, 300.0, 1))
 

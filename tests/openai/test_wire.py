@@ -12,8 +12,8 @@ import httpx
 import openai
 import pytest
 
-from engine.events import Event, Failed, GenerationRequest, TextChunk
-from engine.manager import Loaded
+from mlxd.engine.events import Event, Failed, GenerationRequest, TextChunk
+from mlxd.engine.manager import Loaded
 from tests.conftest import RunningServer, ServerThread
 
 MESSAGES = [{"role": "user", "content": "Why is the sky blue?"}]

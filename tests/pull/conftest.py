@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-import registry.pull
+import mlxd.registry.pull as pull_module
 from tests.conftest import RunningServer, ServerThread, free_port
 from tests.fixtures.tiny_models import TinyPair
 from tests.pull.hubserver import HubServer
@@ -75,7 +75,7 @@ def hub_env(
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setenv("HF_HUB_DISABLE_IMPLICIT_TOKEN", "1")
     monkeypatch.setenv("MLXD_HOME", str(env.home))
-    monkeypatch.setattr(registry.pull, "DOWNLOAD_CHUNK", 16 * 1024)
+    monkeypatch.setattr(pull_module, "DOWNLOAD_CHUNK", 16 * 1024)
     return env
 
 
@@ -118,7 +118,7 @@ def cli(args: list[str], server: RunningServer, **kwargs: Any) -> subprocess.Com
     env["MLXD_HOST"] = f"127.0.0.1:{server.port}"
     env["PYTHONIOENCODING"] = "utf-8"
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", *args],
+        [sys.executable, "-m", "mlxd.daemon.cli", *args],
         cwd=REPO,
         env=env,
         stdin=subprocess.DEVNULL,

@@ -10,8 +10,8 @@ import httpx
 import ollama
 import pytest
 
-from registry.schema import load_registry_file
-from registry.store import resolve_local
+from mlxd.registry.schema import load_registry_file
+from mlxd.registry.store import resolve_local
 from tests.conftest import RunningServer
 from tests.pull.conftest import DRAFT_REPO, GREEDY, TARGET_REPO, HubEnv
 

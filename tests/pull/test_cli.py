@@ -7,8 +7,8 @@ import re
 
 import httpx
 
-from daemon.cli import PullProgress
-from registry.store import resolve_local
+from mlxd.daemon.cli import PullProgress
+from mlxd.registry.store import resolve_local
 from tests.conftest import RunningServer
 from tests.pull.conftest import TARGET_REPO, HubEnv, cli
 

@@ -1,4 +1,4 @@
-"""registry.pull.pull against the local hub: progress shape, cache reuse, resume, verification
+"""mlxd.registry.pull.pull against the local hub: progress shape, cache reuse, resume, verification
 and the errors a user can meet (unknown repo, no network, offline, disk full)."""
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 from huggingface_hub import snapshot_download
 
-import registry.pull
-from registry.pull import Progress, PullError, pull
-from registry.registry import Registry
-from registry.schema import ModelEntry, load_registry_file
-from registry.store import MODEL_FILE_PATTERNS, resolve_local
+import mlxd.registry.pull as pull_module
+from mlxd.registry.pull import Progress, PullError, pull
+from mlxd.registry.registry import Registry
+from mlxd.registry.schema import ModelEntry, load_registry_file
+from mlxd.registry.store import MODEL_FILE_PATTERNS, resolve_local
 from tests.pull.conftest import DRAFT_REPO, TARGET_REPO, HubEnv, unused_endpoint
 
 STATUSES = ("pulling manifest", "verifying sha256 digest", "writing manifest", "success")
@@ -213,7 +213,7 @@ def test_disk_full(hub_env: HubEnv, monkeypatch: pytest.MonkeyPatch) -> None:
     def full(*args: Any, **kwargs: Any) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(registry.pull, "http_get", full)
+    monkeypatch.setattr(pull_module, "http_get", full)
     _, error = failing("org/tiny")
     assert str(error) == "no space left on device"
     assert resolve_local(TARGET_REPO) is None

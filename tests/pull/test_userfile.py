@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from registry.schema import ModelEntry, RegistryError, load_registry_file
-from registry.userfile import NEW_FILE_HEADER, entry_fields, remove_entry, set_entry
+from mlxd.registry.schema import ModelEntry, RegistryError, load_registry_file
+from mlxd.registry.userfile import NEW_FILE_HEADER, entry_fields, remove_entry, set_entry
 
 HAND_WRITTEN = """\
 # my models

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from registry.names import InvalidModelName, ModelName, parse_name
+from mlxd.registry.names import InvalidModelName, ModelName, parse_name
 
 
 @pytest.mark.parametrize(

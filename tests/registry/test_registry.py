@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from registry import home
-from registry.home import ensure_home, mlxd_home, packaged_registry_path, user_registry_path
-from registry.names import InvalidModelName
-from registry.registry import Registry, default_registry_paths
-from registry.schema import ModelEntry, RegistryError
+from mlxd.registry import home
+from mlxd.registry.home import ensure_home, mlxd_home, packaged_registry_path, user_registry_path
+from mlxd.registry.names import InvalidModelName
+from mlxd.registry.registry import Registry, default_registry_paths
+from mlxd.registry.schema import ModelEntry, RegistryError
 
 
 def write(path: Path, text: str) -> Path:
@@ -118,7 +118,7 @@ def test_default_paths_packaged_then_user(tmp_path: Path) -> None:
 
 
 def test_default_paths_without_packaged(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("registry.registry.packaged_registry_path", lambda: None)
+    monkeypatch.setattr("mlxd.registry.registry.packaged_registry_path", lambda: None)
     assert default_registry_paths({"MLXD_HOME": str(tmp_path)}) == [tmp_path / "models.yaml"]
 
 

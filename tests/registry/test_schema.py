@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from registry.schema import ModelEntry, RegistryError, load_registry_file
+from mlxd.registry.schema import ModelEntry, RegistryError, load_registry_file
 
 GOOD = """\
 version: 1

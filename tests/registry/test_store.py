@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from registry import store
-from registry.store import (
+from mlxd.registry import store
+from mlxd.registry.store import (
     MODEL_FILE_PATTERNS,
     ModelDetails,
     ModelFilesError,

@@ -7,7 +7,7 @@ sources): a byte-level BPE tokenizer with ChatML + FIM specials, a ~1M-parameter
 Llama target and a much smaller Llama draft trained jointly on the same batches
 (the draft also distils the target so speculative decoding accepts more tokens).
 
-Run: ``python -m engine.embedded_train [--out registry/embedded/tiny] [--minutes 8]``.
+Run: ``python -m tools.embedded_train [--out registry/embedded/tiny] [--minutes 8]``.
 
 Speed note: mlx's Linux CPU wheel links the reference (netlib) BLAS, about 10x
 slower at matmuls than OpenBLAS. The script does not depend on it, but on Linux
@@ -722,7 +722,7 @@ def write_report(out: Path, info: dict[str, Any], samples: dict[str, str]) -> No
         "",
         "A from-scratch Llama target/draft pair that ships with mlxd so `mlxd run tiny` works",
         "offline. It is a toy: it writes Python-looking code, not correct code.",
-        "Regenerate with `python -m engine.embedded_train --out registry/embedded/tiny"
+        "Regenerate with `python -m tools.embedded_train --out registry/embedded/tiny"
         f" --minutes {info['minutes']} --seed {info['seed']}"
         f" --batch-size {info['batch_size']} --lr {info['lr']}`.",
         "",

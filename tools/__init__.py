@@ -1,0 +1,1 @@
+"""Scripts that are not runtime code: training the embedded tiny pairing."""
