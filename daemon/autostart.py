@@ -96,17 +96,17 @@ def wait_until_up(started: Started, answers: Callable[[], bool], wait: float) ->
     after `wait` seconds)."""
     deadline = time.monotonic() + wait
     while True:
-        if answers():
-            return
         code = started.process.poll()
         if code is not None:
-            if answers():  # another daemon won the race for the address
+            if answers():  # another daemon took the address meanwhile
                 return
             tail = log_tail(started.log, started.offset) or "(nothing logged)"
             raise DaemonStartError(
                 f"mlxd serve exited with status {code} while starting; "
                 f"the end of {started.log}:\n{tail}"
             )
+        if answers():
+            return
         if time.monotonic() >= deadline:
             raise DaemonStartError(
                 f"mlxd serve did not answer within {wait:.0f} s; see {started.log}"
