@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
+import json
 import sys
-import time
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
+from mlxd.daemon import autostart
 from mlxd.daemon.client import Client, ClientError
 from mlxd.daemon.config import ConfigError, Settings, client_base_url
-from mlxd.registry.home import ensure_home
 from mlxd.registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, InvalidModelName, parse_name
 
 VERSION = "0.1.0"
@@ -30,26 +28,20 @@ def _fail(message: str) -> int:
 
 
 def ensure_daemon(client: Client, wait: float = 60.0) -> None:
-    """Start `mlxd serve` in the background when nothing answers, then wait for it."""
+    """Start `mlxd serve` in the background when nothing answers, saying so on stderr, and wait
+    for it; if it exits instead, fail at once with the end of its log."""
     if client.heartbeat():
         return
-    logs = ensure_home() / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    with open(logs / "server.log", "ab") as log_file:
-        subprocess.Popen(
-            [sys.executable, "-m", "mlxd.daemon.cli", "serve"],
-            stdout=log_file,
-            stderr=log_file,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            env=os.environ.copy(),
-        )
-    deadline = time.monotonic() + wait
-    while time.monotonic() < deadline:
-        if client.heartbeat():
-            return
-        time.sleep(0.2)
-    raise ClientError(f"could not start mlxd serve; see {logs / 'server.log'}")
+    started = autostart.start()
+    print(
+        f"Starting the mlxd daemon for {client.base_url} (log: {started.log})",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        autostart.wait_until_up(started, client.heartbeat, wait)
+    except autostart.DaemonStartError as exc:
+        raise ClientError(str(exc)) from exc
 
 
 # -- formatting ------------------------------------------------------------------------------
@@ -344,9 +336,13 @@ def interactive(client: Client, args: argparse.Namespace, options: dict[str, Any
             print(f"Unknown command '{stripped.split()[0]}'. Type /? for help")
             continue
         history.append({"role": "user", "content": line})
-        body = {"model": args.model, "messages": history, "options": options, "stream": True}
-        if args.keepalive:
-            body["keep_alive"] = args.keepalive
+        body = {
+            "model": args.model,
+            "messages": history,
+            "options": options,
+            "stream": True,
+            **run_fields(args),
+        }
         try:
             reply, final = _stream_text(client, "/api/chat", body, "message")
         except ClientError as exc:
@@ -357,6 +353,23 @@ def interactive(client: Client, args: argparse.Namespace, options: dict[str, Any
         history.append({"role": "assistant", "content": reply})
         if verbose and final:
             print_stats(final)
+
+
+def run_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The request fields `run`'s flags set, as Ollama's CLI sends them: `--format json` is the
+    string "json", anything else is sent as the JSON it parses to (a schema) or as given;
+    `--think` is true, `--think=false` false, `--think=high` the level."""
+    fields: dict[str, Any] = {}
+    if args.keepalive:
+        fields["keep_alive"] = args.keepalive
+    if args.format:
+        try:
+            fields["format"] = args.format if args.format == "json" else json.loads(args.format)
+        except ValueError:
+            fields["format"] = args.format
+    if args.think is not None:
+        fields["think"] = {"true": True, "false": False}.get(args.think.lower(), args.think)
+    return fields
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -377,9 +390,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             "prompt": prompt,
             "options": options,
             "stream": True,
+            **run_fields(args),
         }
-        if args.keepalive:
-            body["keep_alive"] = args.keepalive
         try:
             _, final = _stream_text(client, "/api/generate", body, "response")
         except ClientError as exc:
@@ -389,11 +401,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.verbose and final:
             print_stats(final)
         return 0
-    load: dict[str, Any] = {"model": args.model, "prompt": ""}
-    if args.keepalive:
-        load["keep_alive"] = args.keepalive
+    load = {"model": args.model, "prompt": "", "stream": False, **run_fields(args)}
     try:
-        client.post("/api/generate", {**load, "stream": False})
+        client.post("/api/generate", load)
     except ClientError as exc:
         return _fail(str(exc))
     return interactive(client, args, options)
@@ -566,6 +576,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("prompt", nargs="*")
     p.add_argument("--verbose", action="store_true", help="print timings and draft statistics")
     p.add_argument("--keepalive", default=None, help="how long to keep the model loaded (e.g. 5m)")
+    p.add_argument("--format", default=None, help="response format (e.g. json)")
+    p.add_argument(
+        "--nowordwrap",
+        action="store_true",
+        help="don't wrap words to the next line (mlxd never wraps; accepted as ollama does)",
+    )
+    p.add_argument(
+        "--think",
+        default=None,
+        metavar="true|false|high|medium|low",
+        help="thinking: --think turns it on, --think=VALUE sets it",
+    )
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("list", aliases=["ls"], help="list models")
@@ -600,9 +622,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Flags that, as in Ollama's CLI, take a value only as `--flag=VALUE`: alone they mean "true"
+# and never swallow the next word (`mlxd run m --think "why?"`).
+OPTIONAL_VALUE_FLAGS = ("--think",)
+
+
+def _bare_flags_true(args: Sequence[str]) -> list[str]:
+    out: list[str] = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + list(args[i:])
+        out.append(f"{arg}=true" if arg in OPTIONAL_VALUE_FLAGS else arg)
+    return out
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse.Namespace:
+    """Flags anywhere after the subcommand, before or after its positionals
+    (`mlxd run tiny "def f(" --verbose`), as Ollama's CLI takes them.
+
+    The top level has only value-less flags, so the command is the first word without a dash;
+    its own parser then reads the rest intermixed.
+    """
+    commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    at = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
+    if at is None or argv[at] not in commands.choices:
+        return parser.parse_args(argv)  # no command, or an unknown one: the usual errors
+    args = parser.parse_args(argv[:at])
+    args.command = argv[at]
+    sub: argparse.ArgumentParser = commands.choices[argv[at]]
+    return sub.parse_intermixed_args(_bare_flags_true(argv[at + 1 :]), args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse_args(parser, sys.argv[1:] if argv is None else argv)
     if args.version:
         client = _client()
         server = "unknown (daemon not running)"

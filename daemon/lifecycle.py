@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 
-from watchfiles import awatch
+from watchfiles import Change, awatch
 
 from mlxd.engine.manager import ModelManager
 from mlxd.registry.live import LiveRegistry
@@ -77,11 +77,35 @@ class Lifecycle:
             task.add_done_callback(self._tasks.discard)
 
     async def _watch(self, paths: Sequence[Path]) -> None:
+        """Only the registry files: each folder non-recursively, events filtered to those names.
+
+        A registry file may sit in $MLXD_HOME next to the daemon's own log; watching more than
+        the files would turn every log line into a change event (and watchfiles' own log line
+        about it into another).
+        """
         files = {p.expanduser().resolve() for p in paths}
         dirs = sorted({str(f.parent) for f in files if f.parent.is_dir()})
         if not dirs:
             return
+        logging.getLogger("watchfiles").setLevel(logging.WARNING)
         log.info("watching registry files: %s", ", ".join(map(str, sorted(files))))
-        async for changes in awatch(*dirs, stop_event=self._stop, debounce=200, step=50):
-            if any(Path(path).resolve() in files for _, path in changes):
-                self.reload()
+        changes = awatch(
+            *dirs,
+            watch_filter=registry_filter(files),
+            recursive=False,
+            stop_event=self._stop,
+            debounce=200,
+            step=50,
+        )
+        async for _ in changes:
+            self.reload()
+
+
+def registry_filter(files: Collection[Path]) -> Callable[[Change, str], bool]:
+    """A watchfiles filter passing events on exactly `files` (resolved paths)."""
+    wanted = {str(f) for f in files}
+
+    def keep(change: Change, path: str) -> bool:
+        return path in wanted or str(Path(path).resolve()) in wanted
+
+    return keep

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import builtins
 import os
 import re
@@ -459,7 +458,7 @@ def test_interactive_session(
         monkeypatch,
         ['"""line one', 'line two"""', "/set verbose", "again", "/bogus", "/bye", "never"],
     )
-    args = argparse.Namespace(model="sys", verbose=False, keepalive=None)
+    args = cli.parse_args(cli.build_parser(), ["run", "sys"])
     client = Client(server.base_url)
     try:
         assert cli.interactive(client, args, {}) == 0
@@ -486,11 +485,7 @@ def test_interactive_eof_exits(server: RunningServer, monkeypatch: pytest.Monkey
     feed_input(monkeypatch, [])
     client = Client(server.base_url)
     try:
-        assert (
-            cli.interactive(
-                client, argparse.Namespace(model="sys", verbose=False, keepalive=None), {}
-            )
-            == 0
-        )
+        args = cli.parse_args(cli.build_parser(), ["run", "sys"])
+        assert cli.interactive(client, args, {}) == 0
     finally:
         client.close()
