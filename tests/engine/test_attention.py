@@ -10,9 +10,10 @@ import pytest
 
 from mlxd.engine.attention import (
     cuda_available,
+    install_batched_decode,
     ragged_cuda,
     ragged_reference,
-    route_batched_decode,
+    route_module,
 )
 from mlxd.engine.kvcache import BucketedBatchKVCache, BucketedKVCache, make_cache
 from mlxd.engine.prefill import feed
@@ -71,7 +72,7 @@ def test_routed_batch_step_matches_the_masked_one(
         calls.append(args[0].shape[0])
         return ragged_reference(*args)
 
-    assert route_batched_decode(loaded.target, spy)
+    assert route_module(module, spy, lambda _dim: True)
     cache = rows_cache(loaded, prompts)
     assert calls == []  # prompts are read on the usual path
     got = loaded.target(step, cache=cache)
@@ -87,9 +88,29 @@ def test_routing_twice_keeps_one_hook(loaded: Loaded, monkeypatch: pytest.Monkey
     module = sys.modules[type(loaded.target).__module__]
     original = module.scaled_dot_product_attention
     monkeypatch.setattr(module, "scaled_dot_product_attention", original)
-    route_batched_decode(loaded.target, ragged_reference)
-    route_batched_decode(loaded.target, ragged_reference)
+    route_module(module, ragged_reference, lambda _dim: True)
+    route_module(module, ragged_reference, lambda _dim: True)
     assert module.scaled_dot_product_attention.__wrapped__ is original
+
+
+def test_installing_routes_models_imported_before_and_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The configuration installs the route once: mlx-lm's base function (which model modules
+    imported later bind) and every model module already imported; twice changes nothing."""
+    from mlx_lm.models import base, llama
+
+    for module in (base, llama):
+        original = module.scaled_dot_product_attention
+        monkeypatch.setattr(module, "scaled_dot_product_attention", original)
+    if not cuda_available():
+        assert not install_batched_decode()
+        assert not hasattr(base.scaled_dot_product_attention, "__wrapped__")
+        return
+    assert install_batched_decode() and install_batched_decode()
+    for module in (base, llama):
+        routed = module.scaled_dot_product_attention
+        assert not hasattr(routed.__wrapped__, "__wrapped__")
 
 
 @pytest.mark.skipif(not cuda_available(), reason="the kernel runs on MLX's CUDA build")
