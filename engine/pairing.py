@@ -48,7 +48,6 @@ class Pairing:
     config: dict[str, Any]
     costs: Costs
     fim: FimFormat | None
-    context: int  # tokens a row may hold (`context.row_context`); what the budget reserves
     revision: str = ""  # the target's files and compute dtype: part of every prefix-cache namespace
     draft_revision: str = ""
     history: SpecHistory = field(default_factory=SpecHistory)  # what speculation did lately
@@ -214,7 +213,6 @@ def load_pairing(entry: ModelEntry, backend: Backend, costs: Costs | None = None
         config=config,
         costs=costs,
         fim=detect_fim(vocab),
-        context=row_context(entry, config),
         revision=revision_of(target_dir, config, backend),
         draft_revision=draft_revision,
     )

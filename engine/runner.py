@@ -125,11 +125,6 @@ class PairingRunner:
         return self._active > 0
 
     @property
-    def active_requests(self) -> int:
-        """Requests submitted and not yet finished (running rows and queued ones)."""
-        return self._active
-
-    @property
     def running_rows(self) -> int:
         scheduler = self.scheduler
         return len(scheduler.rows) if scheduler is not None else 0
