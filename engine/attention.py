@@ -167,18 +167,17 @@ def route_module(module: Any, ragged: Ragged, serves: Callable[[int], bool]) -> 
     return True
 
 
-def install_batched_decode() -> bool:
-    """Route every mlx-lm model's batched single-token attention to the CUDA kernel, once, at
-    startup. mlx-lm's model modules bind `base.scaled_dot_product_attention` when imported, so
-    `base` is routed for the ones imported later and each imported one for itself. False (and
-    nothing changed) where CUDA is not available."""
-    if not cuda_available():
-        return False
+def install_batched_decode(
+    ragged: Ragged = ragged_cuda, serves: Callable[[int], bool] = kernel_serves
+) -> None:
+    """Route every mlx-lm model's batched single-token attention to `ragged` (the backend
+    configuration does it once, on CUDA). mlx-lm's model modules bind
+    `base.scaled_dot_product_attention` when imported, so `base` is routed for the ones
+    imported later and each one already imported for itself. Idempotent."""
     from mlx_lm.models import base
 
-    route_module(base, ragged_cuda, kernel_serves)
+    route_module(base, ragged, serves)
     for name, module in list(sys.modules.items()):
         model_module = name.startswith("mlx_lm.models.") and module not in (None, base)
         if model_module and hasattr(module, "scaled_dot_product_attention"):
-            route_module(module, ragged_cuda, kernel_serves)
-    return True
+            route_module(module, ragged, serves)

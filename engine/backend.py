@@ -121,9 +121,11 @@ def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
         cpu_blas_reason=blas.reason,
         float32_compute=widen,
         kv_bucket=GPU_BUCKET if on_gpu else None,
-        batched_attention=cuda and install_batched_decode(),
+        batched_attention=cuda,
         graph_cache_size=graph_cache if cuda else None,
     )
+    if cuda:
+        install_batched_decode()  # batch rows attend to their own keys, no mask
     log.info("%s", backend.describe())
     _configured = backend
     return backend

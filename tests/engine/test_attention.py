@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
@@ -96,21 +97,30 @@ def test_routing_twice_keeps_one_hook(loaded: Loaded, monkeypatch: pytest.Monkey
 def test_installing_routes_models_imported_before_and_after(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The configuration installs the route once: mlx-lm's base function (which model modules
-    imported later bind) and every model module already imported; twice changes nothing."""
+    """The configuration installs the route once: every model module already imported, and
+    mlx-lm's base function, which model modules imported later bind; twice changes nothing."""
     from mlx_lm.models import base, llama
 
-    for module in (base, llama):
-        original = module.scaled_dot_product_attention
-        monkeypatch.setattr(module, "scaled_dot_product_attention", original)
-    if not cuda_available():
-        assert not install_batched_decode()
-        assert not hasattr(base.scaled_dot_product_attention, "__wrapped__")
-        return
-    assert install_batched_decode() and install_batched_decode()
-    for module in (base, llama):
-        routed = module.scaled_dot_product_attention
-        assert not hasattr(routed.__wrapped__, "__wrapped__")
+    later = "mlx_lm.models.gemma"
+    monkeypatch.delitem(sys.modules, later, raising=False)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and hasattr(module, "scaled_dot_product_attention"):
+            original = module.scaled_dot_product_attention
+            monkeypatch.setattr(module, "scaled_dot_product_attention", original)
+    unrouted = llama.scaled_dot_product_attention
+    install_batched_decode(ragged_reference, lambda _dim: True)
+    install_batched_decode(ragged_reference, lambda _dim: True)
+    gemma = importlib.import_module(later)
+    try:
+        for module in (base, llama, gemma):
+            routed = module.scaled_dot_product_attention
+            assert routed.__wrapped__ is base.scaled_dot_product_attention.__wrapped__
+            assert not hasattr(routed.__wrapped__, "__wrapped__")  # one hook, however often
+        assert llama.scaled_dot_product_attention.__wrapped__ is getattr(
+            unrouted, "__wrapped__", unrouted
+        )
+    finally:
+        sys.modules.pop(later, None)  # imported routed: the next import starts afresh
 
 
 @pytest.mark.skipif(not cuda_available(), reason="the kernel runs on MLX's CUDA build")
