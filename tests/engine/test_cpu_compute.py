@@ -42,6 +42,7 @@ print(json.dumps({{
     "loaded": backend.cpu_blas,
     "reason": backend.cpu_blas_reason,
     "float32": backend.float32_compute,
+    "device": backend.device,
     "mkl_mapped": "libmkl_rt" in maps,
     "max_err": float(np.abs(got - a @ w).max()),
 }}))
@@ -109,6 +110,13 @@ def test_a_library_without_cblas_is_refused_with_a_warning() -> None:
     missing, log = _probe("", **{cpu_blas.ENV: "/nonexistent/libblas.so"})
     assert missing["loaded"] is None
     assert any("cannot load /nonexistent/libblas.so" in w for w in _warnings(log))
+
+
+def test_an_unknown_cpu_dtype_is_warned_about_and_float32_kept() -> None:
+    got, log = _probe("", **{CPU_DTYPE_ENV: "fp8"})
+    assert any("neither float32 nor native" in w for w in _warnings(log))
+    fast_cpu = got["device"] == "cpu" and got["loaded"] is not None
+    assert got["float32"] is fast_cpu  # the default policy stands
 
 
 def test_importing_mlxd_changes_nothing_in_the_process() -> None:
