@@ -19,7 +19,6 @@ from starlette.routing import Route
 from mlxd.api.modelinfo import LocalModel, find_local, rfc3339
 from mlxd.api.ollama import ServerState, state_of
 from mlxd.engine.manager import ModelStatus
-from mlxd.engine.memory import processor
 from mlxd.registry.schema import ModelEntry
 
 # Go's largest Duration, as Ollama stores a negative keep_alive: "forever" lands in 2318.
@@ -139,7 +138,7 @@ def _limits(state: ServerState) -> dict[str, Any]:
 
 
 def _device(state: ServerState) -> str:
-    return processor()
+    return state.manager.backend.device
 
 
 def _prefix_cache(state: ServerState) -> dict[str, Any]:

@@ -176,15 +176,18 @@ async def _load_or_unload(
     return JSONResponse(make("load"))
 
 
-def _render(pairing: Pairing, tokens_before: list[int], text: str, templated: bool) -> list[int]:
+def _render(
+    pairing: Pairing, opts: SamplingOptions, tokens_before: list[int], text: str, templated: bool
+) -> list[int]:
     tokens = tokens_before + encode(pairing.tokenizer, text, templated)
     if not tokens:
         raise ApiError(400, "prompt is empty after rendering")
-    if len(tokens) >= pairing.context_length:
+    context = pairing.row_context(opts)
+    if len(tokens) >= context:
         raise ApiError(
             400,
             f"the input length ({len(tokens)} tokens) exceeds the context length "
-            f"({pairing.context_length} tokens)",
+            f"({context} tokens)",
         )
     return tokens
 
@@ -207,15 +210,17 @@ async def prepare(
     entry: ModelEntry,
     keep_alive: float | None,
     render: Callable[[Pairing], str],
+    opts: SamplingOptions,
     before: list[int] | None = None,
     templated: bool = True,
 ) -> tuple[Loaded, float, list[int]]:
-    """Acquire the model, render and tokenize the prompt; the slot is released if that fails."""
+    """Acquire the model, render and tokenize the prompt, which must leave room in its row's
+    context; the slot is released if that fails."""
     slot, load_seconds = await _acquire(state, entry, keep_alive)
     try:
         pairing = state.manager.pairing(slot)
         text = render(pairing)
-        tokens = await run_in_threadpool(_render, pairing, before or [], text, templated)
+        tokens = await run_in_threadpool(_render, pairing, opts, before or [], text, templated)
     except PromptError as exc:
         state.manager.release(slot)
         msg = str(exc)
@@ -331,7 +336,7 @@ async def generate(request: Request) -> Response:
         )
 
     slot, load_seconds, prompt_tokens = await prepare(
-        state, entry, keep_alive, render, list(context or []), templated=not raw
+        state, entry, keep_alive, render, opts, list(context or []), templated=not raw
     )
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
 
@@ -418,7 +423,7 @@ async def chat(request: Request) -> Response:
         )
 
     render = chat_renderer(entry, messages, tools)
-    slot, load_seconds, prompt_tokens = await prepare(state, entry, keep_alive, render)
+    slot, load_seconds, prompt_tokens = await prepare(state, entry, keep_alive, render, opts)
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
     shape = Shape(
         chunk=lambda text: envelope(text, done=False),

@@ -366,7 +366,7 @@ async def chat_completions(request: Request) -> Response:
     opts = request_options(entry, {"options": _sampling(body)})
 
     render = chat_renderer(entry, messages, tools)
-    slot, load_seconds, tokens = await prepare(state, entry, None, render)
+    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts)
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
 
     if not stream:
@@ -418,7 +418,7 @@ async def completions(request: Request) -> Response:
             pairing.tokenizer, prompt, entry.system, None, suffix or None, pairing.fim
         )
 
-    slot, load_seconds, tokens = await prepare(state, entry, None, render)
+    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts)
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
     env = _envelope("cmpl", "text_completion", name)
 

@@ -23,7 +23,7 @@ from mlx_lm.models import llama
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.concurrency import SHAPES
-from mlxd.engine.attention import route_batched_decode
+from mlxd.engine.attention import cuda_available, install_batched_decode
 from mlxd.engine.kvcache import BucketedBatchKVCache
 
 
@@ -53,7 +53,9 @@ def main() -> None:
     print(f"device {mx.default_device()}  shape {args.shape}  context {args.context}")
     rows = [int(r) for r in args.rows.split(",")]
     masked = {b: step_ms(model, b, args.context) for b in rows}
-    routed = route_batched_decode(model)
+    routed = cuda_available()
+    if routed:
+        install_batched_decode()  # what the backend configuration does on CUDA
     print(f"{'rows':>5} {'masked ms':>10} {'per-row ms':>11} {'ms/row':>8} {'matmul ms':>10}")
     for b in rows:
         ragged = step_ms(model, b, args.context) if routed else float("nan")

@@ -8,6 +8,7 @@ rates compare like with like. Times include the prompt prefill. Prints one table
 temperature and the ratios the goals are stated in; --json writes the raw numbers.
 """
 
+# ruff: noqa: E402  (the backend is configured before MLX is imported)
 from __future__ import annotations
 
 import argparse
@@ -19,7 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import mlxd.engine  # noqa: F401  (first: on Linux it puts mlxd's CPU BLAS under MLX)
+from mlxd.engine.backend import configure_backend
+
+BACKEND = configure_backend()  # first, as `mlxd serve` does: the CPU BLAS goes under MLX
 
 # isort: split
 import mlx.core as mx
@@ -117,8 +120,8 @@ def main() -> None:
     args = ap.parse_args()
 
     # Both engines decode the models as mlxd loads them (float32 on the CPU).
-    target, tokenizer, _ = load_model(args.pair / "target")
-    draft = load_model(args.pair / "draft")[0]
+    target, tokenizer, _ = load_model(args.pair / "target", BACKEND)
+    draft = load_model(args.pair / "draft", BACKEND)[0]
     heads = json.loads((args.pair / "heldout_prompts.json").read_text())["code"][: args.prompts]
     prompts = [list(tokenizer.encode(h["prompt"])) for h in heads]
     costs = measure_costs(target, draft)

@@ -20,7 +20,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from mlxd.engine.kvcache import make_cache
+from mlxd.engine.kvcache import GPU_BUCKET, make_cache, set_bucket
 
 
 def per_forward(model: object, cache: list[object], width: int, reps: int) -> float:
@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=12)
     args = ap.parse_args()
     model = load(str(args.model))[0]
+    set_bucket(model, GPU_BUCKET)  # mlxd's GPU layout, on whatever device this runs
     widths = [1, 2, 3, 4, 5, 6, 7, 8, 9]
     print(
         f"device {mx.default_device()}; ms per forward at fresh cache lengths (context {args.context})"

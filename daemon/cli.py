@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -157,13 +158,19 @@ def print_stats(final: dict[str, Any]) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from mlxd.daemon.server import serve
-
     try:
         settings = Settings.from_env(registry=args.registry)
     except ConfigError as exc:
         return _fail(str(exc))
-    return serve(settings)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from mlxd.engine.backend import configure_backend
+
+    backend = configure_backend()  # before anything imports MLX: the CPU BLAS goes under it
+    from mlxd.daemon.server import serve
+
+    return serve(settings, backend)
 
 
 def cmd_list(args: argparse.Namespace) -> int:

@@ -1,4 +1,7 @@
-"""Running the HTTP server: bind check, uvicorn, graceful shutdown on SIGINT/SIGTERM."""
+"""Running the HTTP server: bind check, uvicorn, graceful shutdown on SIGINT/SIGTERM.
+
+Importing this module imports MLX: `mlxd serve` configures the backend (`engine.backend`) first.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ from mlxd.api.app import build_app
 from mlxd.api.ollama import ServerState
 from mlxd.daemon.config import Settings
 from mlxd.daemon.lifecycle import Lifecycle
-from mlxd.engine import cpu_blas
+from mlxd.engine.backend import Backend
 from mlxd.engine.manager import ModelManager
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.registry.home import ensure_home
@@ -48,15 +51,14 @@ def port_free(host: str, port: int) -> str | None:
     return None
 
 
-def build_state(settings: Settings) -> ServerState:
+def build_state(settings: Settings, backend: Backend) -> ServerState:
     live = LiveRegistry(lambda: Registry.from_env(cli_path=settings.registry))
     registry = live()
     log.info("registry: %d models from %s", len(registry), ", ".join(map(str, registry.paths)))
-    if cpu_blas.loaded:
-        log.info("MLX's CPU matmuls run on %s", cpu_blas.loaded)
     cache_dir = settings.cache_dir or ensure_home() / "kvcache"
     prefix = PrefixCache(settings.cache_ram_bytes, cache_dir, settings.cache_ssd_bytes)
     manager = ModelManager(
+        backend,
         default_keep_alive=settings.keep_alive,
         max_loaded=settings.max_loaded,
         prefix=prefix,
@@ -74,10 +76,7 @@ def build_state(settings: Settings) -> ServerState:
     )
 
 
-def serve(settings: Settings) -> int:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+def serve(settings: Settings, backend: Backend) -> int:
     problem = port_free(settings.host, settings.port)
     if problem:
         print(
@@ -87,7 +86,7 @@ def serve(settings: Settings) -> int:
         )
         return 1
     try:
-        state = build_state(settings)
+        state = build_state(settings, backend)
     except RegistryError as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1

@@ -6,8 +6,9 @@ matmul + softmax over the whole key buffer (1024 keys and up with the bucketed b
 and at 8 rows of an 8B model that was a third of each step. Here each row's query reads exactly
 its own keys, [left padding, write position), in one kernel launch per layer.
 
-`route_batched_decode` sends a model's single-token attention over a `BucketedBatchKVCache` to
-that kernel; every other call (prefill, solo decoding, other caches) keeps mlx-lm's path.
+`install_batched_decode` (called once by the backend configuration, on CUDA) sends every model's
+single-token attention over a `BucketedBatchKVCache` to that kernel; every other call (prefill,
+solo decoding, other caches) keeps mlx-lm's path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
-import mlx.nn as nn
 
 from mlxd.engine.kvcache import BucketedBatchKVCache
 from mlxd.engine.sampling import to_ints
@@ -139,17 +139,12 @@ def kernel_serves(head_dim: int) -> bool:
     return head_dim % 32 == 0 and head_dim <= WARPS * 32
 
 
-def route_batched_decode(model: nn.Module, ragged: Ragged | None = None) -> bool:
-    """Route `model`'s batched single-token attention to `ragged` (default: the CUDA kernel,
-    only where CUDA is available). False when the model's module offers no hook."""
-    serves: Callable[[int], bool] = lambda _dim: True  # noqa: E731
-    if ragged is None:
-        if not cuda_available():
-            return False
-        ragged, serves = ragged_cuda, kernel_serves
-    module = sys.modules.get(type(model).__module__)
+def route_module(module: Any, ragged: Ragged, serves: Callable[[int], bool]) -> bool:
+    """Send `module`'s single-token attention over a bucketed batch cache to `ragged` (for head
+    dims `serves` accepts); every other call keeps the function it had. Idempotent: a module
+    already routed is routed afresh around its original. False where it has no such function."""
     original = getattr(module, "scaled_dot_product_attention", None)
-    if module is None or original is None:
+    if original is None:
         return False
     original = getattr(original, "__wrapped__", original)
 
@@ -168,5 +163,21 @@ def route_batched_decode(model: nn.Module, ragged: Ragged | None = None) -> bool
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **extra)
 
     attention.__wrapped__ = original  # type: ignore[attr-defined]
-    module.scaled_dot_product_attention = attention  # type: ignore[attr-defined]
+    module.scaled_dot_product_attention = attention
     return True
+
+
+def install_batched_decode(
+    ragged: Ragged = ragged_cuda, serves: Callable[[int], bool] = kernel_serves
+) -> None:
+    """Route every mlx-lm model's batched single-token attention to `ragged` (the backend
+    configuration does it once, on CUDA). mlx-lm's model modules bind
+    `base.scaled_dot_product_attention` when imported, so `base` is routed for the ones
+    imported later and each one already imported for itself. Idempotent."""
+    from mlx_lm.models import base
+
+    route_module(base, ragged, serves)
+    for name, module in list(sys.modules.items()):
+        model_module = name.startswith("mlx_lm.models.") and module not in (None, base)
+        if model_module and hasattr(module, "scaled_dot_product_attention"):
+            route_module(module, ragged, serves)

@@ -8,6 +8,7 @@ from typing import Any
 
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
+from mlxd.engine.kvcache import bucket_of
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.pairing import Pairing
 from mlxd.engine.prefix_cache import Block, Namespace, PrefixCache, build_caches, slice_layers
@@ -44,10 +45,11 @@ def restore(
     layers = len(pairing.target.layers)
     tokens = sum(b.tokens for b in blocks)
     try:
-        target = build_caches(blocks, 0, layers)
+        target = build_caches(blocks, 0, layers, bucket_of(pairing.target))
         if has_companion(source) and pairing.draft is not None:
             assert source is not None
-            draft = build_caches(blocks, layers, layers + len(pairing.draft.layers))
+            end = layers + len(pairing.draft.layers)
+            draft = build_caches(blocks, layers, end, bucket_of(pairing.draft))
             source.restore((draft, list(prompt[:tokens])))
     except (ValueError, IndexError) as exc:
         log.warning("prefix cache: unusable entry treated as a miss: %s", exc)

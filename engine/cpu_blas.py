@@ -7,24 +7,35 @@ MLX's float32 matmuls. mlxd loads Intel's MKL from its pip package (a dependency
 this way; `MLXD_CPU_BLAS` picks another library (a path to one exporting `cblas_sgemm`, such as
 a distribution's libopenblas) or `off`.
 
-This module must not import MLX: `engine/__init__.py` calls `load_cpu_blas` before anything does.
+This module must not import MLX: the backend configuration calls `load_cpu_blas` before
+anything does. Nothing happens on import.
 """
 
 from __future__ import annotations
 
 import ctypes
 import importlib.metadata
-import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
 from pathlib import Path
-
-log = logging.getLogger(__name__)
 
 ENV = "MLXD_CPU_BLAS"  # "auto" (default), "off", or a path to a shared library
 
-loaded: str | None = None  # the library serving MLX's CPU matmuls in this process, if any
+
+@dataclass(frozen=True)
+class BlasChoice:
+    """The library serving MLX's CPU matmuls (None: MLX's own), why, and whether what the user
+    asked for could not take effect (then `reason` says why, for a warning)."""
+
+    path: str | None
+    reason: str
+    refused: bool = False
+
+
+# A library loaded into the global symbol scope stays there for the life of the process.
+_loaded: str | None = None
 
 
 def mkl_library() -> Path | None:
@@ -41,31 +52,37 @@ def mkl_library() -> Path | None:
     return None
 
 
-def load_cpu_blas(env: Mapping[str, str] = os.environ) -> str | None:
-    """Put an optimized BLAS in the global symbol scope, once, before MLX is imported; returns
-    its path, or None where nothing was loaded (not Linux, `off`, none found, MLX already in)."""
-    global loaded
-    if loaded is not None:
-        return loaded
+def load_cpu_blas(
+    env: Mapping[str, str] = os.environ, process_env: MutableMapping[str, str] = os.environ
+) -> BlasChoice:
+    """Put an optimized BLAS in the global symbol scope, once, before MLX is imported.
+    `process_env` receives MKL's threading layer (what the library reads when it loads)."""
+    global _loaded
+    if _loaded is not None:
+        return BlasChoice(_loaded, "loaded")
     choice = env.get(ENV, "auto").strip() or "auto"
-    if sys.platform != "linux" or choice == "off":
-        return None
+    if sys.platform != "linux":
+        return BlasChoice(None, "not Linux: MLX's own BLAS serves")
+    if choice == "off":
+        return BlasChoice(None, f"{ENV}=off")
     if "mlx.core" in sys.modules:
-        log.debug("%s: MLX was imported first; its CPU matmuls keep the reference BLAS", ENV)
-        return None
+        return BlasChoice(
+            None,
+            "MLX was imported before the backend was configured, so no BLAS can be put under"
+            " it; its CPU matmuls keep the reference BLAS",
+            refused=True,
+        )
     path = mkl_library() if choice == "auto" else Path(choice)
     if path is None:
-        return None
+        return BlasChoice(None, "the mkl package is not installed")
     # MKL threads through OpenMP by default, which spins on cores the server's other threads
     # need; decoding's few-row matmuls run as fast on one thread. A value the user set wins.
-    os.environ.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
+    process_env.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")
     try:
         lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
     except OSError as exc:
-        log.warning("%s: cannot load %s (%s); MLX keeps its reference BLAS", ENV, path, exc)
-        return None
+        return BlasChoice(None, f"cannot load {path} ({exc}); MLX keeps its reference BLAS", True)
     if not hasattr(lib, "cblas_sgemm"):
-        log.warning("%s: %s has no cblas_sgemm; MLX keeps its reference BLAS", ENV, path)
-        return None
-    loaded = str(path)
-    return loaded
+        return BlasChoice(None, f"{path} has no cblas_sgemm; MLX keeps its reference BLAS", True)
+    _loaded = str(path)
+    return BlasChoice(_loaded, "loaded")

@@ -9,22 +9,35 @@ shapes change only when the buffer grows. Single-token decoding keeps mlx-lm's e
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 
-# On a GPU a new attention shape costs a compile, so buckets are wide and every cache is
-# bucketed. On the CPU nothing compiles and attending over a padded buffer costs compute, so
-# mlx-lm's exact caches serve there (tests switch BUCKETED on to run the GPU layout on a CPU).
-ON_GPU = mx.default_device().type == mx.DeviceType.gpu
-BUCKETED = ON_GPU
-BUCKET = 1024 if ON_GPU else 256
+# Which layout a model's caches get is the backend's choice (`Backend.kv_bucket`): on a GPU a
+# new attention shape costs a compile, so buckets are wide; on the CPU nothing compiles and
+# attending over a padded buffer costs compute, so mlx-lm's exact caches serve there. The
+# pairing marks each model it loads, and every cache made for that model (by generation,
+# drafting, the scheduler, the prefix cache) follows the mark.
+GPU_BUCKET = 1024
+_MARK = "mlxd_kv_bucket"
+
+
+def set_bucket(model: nn.Module, step: int | None) -> None:
+    """Give `model`'s caches bucketed buffers of `step` keys, or (None) mlx-lm's exact ones."""
+    setattr(model, _MARK, step)
+
+
+def bucket_of(model: nn.Module | None) -> int | None:
+    """The bucket `model`'s caches use; None for exact caches (and unmarked models)."""
+    return getattr(model, _MARK, None)
 
 
 class BucketedKVCache(KVCache):
-    step = BUCKET
+    step = GPU_BUCKET
+    batch: type[BucketedBatchKVCache]
 
     def _capacity_for(self, n: int) -> int:
         need = self.offset + n
@@ -66,14 +79,14 @@ class BucketedKVCache(KVCache):
     @classmethod
     def merge(cls, caches: Any) -> Any:
         """Rows joining a continuous batch keep the bucketed shapes."""
-        return BucketedBatchKVCache.merge(caches)
+        return cls.batch.merge(caches)
 
 
 class BucketedBatchKVCache(BatchKVCache):
     """The batch cache, handing attention its whole allocated buffer with a (B, 1, N, capacity)
     mask: batched decoding otherwise masks over a key length that changes every step."""
 
-    step = BUCKET
+    step = GPU_BUCKET
 
     def _capacity_for(self, n: int) -> int:
         prev = self._idx
@@ -99,10 +112,23 @@ class BucketedBatchKVCache(BatchKVCache):
         return (cols <= rows) & (cols >= left)
 
 
+BucketedKVCache.batch = BucketedBatchKVCache
+
+
+@functools.cache
+def bucketed_type(step: int) -> type[BucketedKVCache]:
+    """The bucketed cache class (and its batch class) for buckets of `step` keys."""
+    if step == GPU_BUCKET:
+        return BucketedKVCache
+    batch = type(f"BucketedBatchKVCache{step}", (BucketedBatchKVCache,), {"step": step})
+    return type(f"BucketedKVCache{step}", (BucketedKVCache,), {"step": step, "batch": batch})
+
+
 def make_cache(model: nn.Module) -> list[Any]:
-    """mlx-lm's cache for `model`, with plain KV layers bucketed where that pays."""
-    return [new_kv_cache() if type(c) is KVCache else c for c in make_prompt_cache(model)]
+    """mlx-lm's cache for `model`, with plain KV layers bucketed where its mark says so."""
+    step = bucket_of(model)
+    return [new_kv_cache(step) if type(c) is KVCache else c for c in make_prompt_cache(model)]
 
 
-def new_kv_cache() -> KVCache:
-    return BucketedKVCache() if BUCKETED else KVCache()
+def new_kv_cache(step: int | None) -> KVCache:
+    return bucketed_type(step)() if step else KVCache()

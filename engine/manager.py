@@ -18,6 +18,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlxd.engine.backend import Backend
 from mlxd.engine.events import Event, GenerationRequest
 from mlxd.engine.memory import Budget, MemoryNeed, estimate, human_bytes, resolve_budget
 from mlxd.engine.pairing import ModelUnavailable, Pairing, load_pairing, locate
@@ -64,10 +65,10 @@ def files_present(entry: ModelEntry) -> bool:
     )
 
 
-def _probe_blocking(entry: ModelEntry) -> ProbeResult:
+def _probe_blocking(entry: ModelEntry, backend: Backend) -> ProbeResult:
     t0 = time.perf_counter()
     try:
-        pairing = load_pairing(entry)
+        pairing = load_pairing(entry, backend)
     except Exception as exc:
         return ProbeResult(False, str(exc) or type(exc).__name__, None, time.perf_counter() - t0)
     costs = pairing.costs
@@ -77,12 +78,12 @@ def _probe_blocking(entry: ModelEntry) -> ProbeResult:
     return ProbeResult(True, None, costs, time.perf_counter() - t0)
 
 
-def estimate_need(entry: ModelEntry, rows: int) -> MemoryNeed:
+def estimate_need(entry: ModelEntry, rows: int, backend: Backend) -> MemoryNeed:
     """What `entry` will hold once loaded (blocking: reads its files; 404-style error if absent)."""
     dirs: list[Path] = [locate(entry.target, "target")]
     if entry.draft:
         dirs.append(locate(entry.draft, "draft"))
-    return estimate(dirs, entry, rows)
+    return estimate(dirs, entry, rows, backend.float32_compute)
 
 
 # -- waiting requests --------------------------------------------------------------------------
@@ -228,6 +229,7 @@ class ModelManager:
 
     def __init__(
         self,
+        backend: Backend,
         default_keep_alive: float = 300.0,
         max_loaded: int = 3,
         prefix: PrefixCache | None = None,
@@ -236,6 +238,7 @@ class ModelManager:
         num_parallel: int = DEFAULT_NUM_PARALLEL,
         memory_budget: int | None = None,
     ) -> None:
+        self.backend = backend  # the machine-wide choices every pairing loads with
         self.prefix = prefix  # shared by every pairing; namespaces keep them apart
         self.default_keep_alive = default_keep_alive
         self.max_loaded = max(1, max_loaded)
@@ -259,7 +262,9 @@ class ModelManager:
         async with self._probe_lock:
             if entry in self._probes:
                 return self._probes[entry]
-            result = await run_in_mlx_thread(lambda: _probe_blocking(entry), f"probe:{entry.name}")
+            result = await run_in_mlx_thread(
+                lambda: _probe_blocking(entry, self.backend), f"probe:{entry.name}"
+            )
             self._probes[entry] = result
         if result.ok:
             log.info("probe %s: ok in %.2fs", entry.name, result.seconds)
@@ -363,7 +368,9 @@ class ModelManager:
                 current = self._loaded.get(entry.name)
                 if current is not None:  # the registry entry changed: reload
                     self._retire(current)
-                need = await asyncio.to_thread(estimate_need, entry, self.num_parallel)
+                need = await asyncio.to_thread(
+                    estimate_need, entry, self.num_parallel, self.backend
+                )
                 await self._make_room(need)
                 model = self._start(entry, need)
             return self._attach(model, keep_alive, ticket)
@@ -371,7 +378,7 @@ class ModelManager:
     def _start(self, entry: ModelEntry, need: MemoryNeed) -> Resident:
         probed = self._probes.get(entry)
         costs = probed.costs if probed is not None else None
-        runner = PairingRunner(entry, costs, self.prefix, self.num_parallel)
+        runner = PairingRunner(entry, self.backend, costs, self.prefix, self.num_parallel)
         model = Resident(entry, runner, need, self.default_keep_alive)
         self._loaded[entry.name] = model
         log.info("loading %s (%s)", entry.name, human_bytes(need.total))

@@ -14,16 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxd.engine import cpu_blas
+from mlxd.engine.context import row_context
 from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import model_files
 
-DEFAULT_NUM_CTX = 4096  # Ollama's default context (and KV budgeted per row) when nothing sets it
-DEFAULT_CONTEXT_LENGTH = 4096  # a config that names no context length
 OVERHEAD_BYTES = 128 * 1024 * 1024  # activations, logits, compute buffers per pairing
 BUDGET_FRACTION = 0.75  # of total memory, when MLXD_MEMORY_BUDGET is not set
 DEFAULT_KV_DTYPE_BYTES = 2
-CPU_DTYPE_ENV = "MLXD_CPU_DTYPE"  # "float32" (default) or "native"
 
 _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8}
 
@@ -89,28 +86,19 @@ def _dtype_bytes(config: Mapping[str, Any]) -> int:
     return DEFAULT_KV_DTYPE_BYTES
 
 
-def computes_in_float32(config: Mapping[str, Any], env: Mapping[str, str] = os.environ) -> bool:
-    """Whether a model computes in float32 rather than its files' 16-bit floats: on MLX's CPU
-    backend with an optimized BLAS under it, where 16-bit matmuls have no fast path (3-7 GFLOP/s
-    against 15-165 for float32). It costs twice the weights' memory; quantized models keep their
-    own kernels, and `MLXD_CPU_DTYPE=native` keeps the files' dtype. On the reference BLAS,
-    float32 would speed one stream but slow batches of rows, so the files' dtype stays."""
-    if env.get(CPU_DTYPE_ENV, "float32").strip().lower() == "native":
-        return False
-    if cpu_blas.loaded is None:
+def computes_in_float32(config: Mapping[str, Any], widen: bool) -> bool:
+    """Whether a model computes in float32 rather than its files' 16-bit floats, where the
+    backend widens them (`Backend.float32_compute`). Quantized models keep their own kernels."""
+    if not widen:
         return False
     if config.get("quantization") or config.get("quantization_config"):
         return False
-    if _dtype_bytes(config) != 2:
-        return False
-    from mlxd.engine.kvcache import ON_GPU  # imports MLX: only once a model is at hand
-
-    return not ON_GPU
+    return _dtype_bytes(config) == 2
 
 
-def as_computed(config: Mapping[str, Any]) -> dict[str, Any]:
+def as_computed(config: Mapping[str, Any], widen: bool) -> dict[str, Any]:
     """`config` with the dtype the model computes (and caches K/V) in."""
-    if not computes_in_float32(config):
+    if not computes_in_float32(config, widen):
         return dict(config)
     return {**config, "torch_dtype": "float32", "dtype": "float32"}
 
@@ -139,27 +127,18 @@ def kv_bytes_per_token(config: Mapping[str, Any], options: Mapping[str, Any] | N
     return int(2 * layers * kv_heads * head_dim * kv_element_bytes(config, options or {}))
 
 
-def context_tokens(entry: ModelEntry, config: Mapping[str, Any]) -> int:
-    """The context a pairing is budgeted (and reported) for: min(num_ctx, context length)."""
-    length = entry.context_length or _first_int(
-        config, "max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"
-    )
-    num_ctx = entry.options.get("num_ctx")
-    if not isinstance(num_ctx, int) or isinstance(num_ctx, bool) or num_ctx <= 0:
-        num_ctx = DEFAULT_NUM_CTX
-    return min(num_ctx, length or DEFAULT_CONTEXT_LENGTH)
-
-
-def estimate(dirs: list[Path], entry: ModelEntry, rows: int) -> MemoryNeed:
-    """The need of a pairing whose files are in `dirs` (target first, then the draft)."""
+def estimate(dirs: list[Path], entry: ModelEntry, rows: int, widen: bool) -> MemoryNeed:
+    """The need of a pairing whose files are in `dirs` (target first, then the draft); `widen`:
+    16-bit models compute in float32 (`Backend.float32_compute`). Each row reserves the
+    pairing's context (`context.row_context`)."""
     files = [_read_config(d) for d in dirs]
-    configs = [as_computed(c) for c in files]
-    context = context_tokens(entry, configs[0])
+    configs = [as_computed(c, widen) for c in files]
+    context = row_context(entry, configs[0])
     rows = max(1, rows)
     kv = sum(kv_bytes_per_token(c, entry.options) for c in configs) * context * rows
-    widen = [_dtype_bytes(c) // _dtype_bytes(f) for c, f in zip(configs, files, strict=True)]
+    scale = [_dtype_bytes(c) // _dtype_bytes(f) for c, f in zip(configs, files, strict=True)]
     return MemoryNeed(
-        weights=sum(weight_bytes(d) * w for d, w in zip(dirs, widen, strict=True)),
+        weights=sum(weight_bytes(d) * w for d, w in zip(dirs, scale, strict=True)),
         kv=kv,
         overhead=OVERHEAD_BYTES,
         context=context,
@@ -209,10 +188,3 @@ def resolve_budget(configured: int | None) -> Budget:
     if total <= 0:
         return Budget(2**63 - 1, "unknown total memory: unlimited")
     return Budget(int(total * BUDGET_FRACTION), f"{BUDGET_FRACTION:.0%} of {human_bytes(total)}")
-
-
-def processor() -> str:
-    """`gpu` when MLX computes on Metal or CUDA, else `cpu` (the `mlxd ps` PROCESSOR column)."""
-    from mlxd.engine.kvcache import ON_GPU
-
-    return "gpu" if ON_GPU else "cpu"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -13,12 +12,13 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
-from mlxd.engine.attention import route_batched_decode
+from mlxd.engine.backend import Backend
+from mlxd.engine.context import row_context
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
-from mlxd.engine.kvcache import make_cache
+from mlxd.engine.kvcache import make_cache, set_bucket
 from mlxd.engine.memory import computes_in_float32
-from mlxd.engine.options import parse_options
+from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.prefill import feed, warm_shapes
 from mlxd.engine.prompt import FimFormat, detect_fim
 from mlxd.engine.sampling import Rng
@@ -48,7 +48,6 @@ class Pairing:
     config: dict[str, Any]
     costs: Costs
     fim: FimFormat | None
-    context_length: int
     revision: str = ""  # the target's files and compute dtype: part of every prefix-cache namespace
     draft_revision: str = ""
     history: SpecHistory = field(default_factory=SpecHistory)  # what speculation did lately
@@ -62,6 +61,10 @@ class Pairing:
         if self.entry.draft_tokens is not None:
             return self.entry.draft_tokens
         return DEFAULT_DRAFT_TOKENS
+
+    def row_context(self, opts: SamplingOptions) -> int:
+        """Tokens a request's row may hold (`context.row_context`)."""
+        return row_context(self.entry, self.config, opts)
 
     @property
     def capabilities(self) -> list[str]:
@@ -81,33 +84,28 @@ def locate(ref: str, what: str) -> Path:
     return path
 
 
-def load_model(path: Path, template: str | None = None) -> tuple[nn.Module, Any, dict[str, Any]]:
-    """A model as mlxd computes with it: through mlx-lm, in float32 on the CPU (`memory`)."""
+def load_model(
+    path: Path, backend: Backend, template: str | None = None
+) -> tuple[nn.Module, Any, dict[str, Any]]:
+    """A model as mlxd computes with it on `backend`: through mlx-lm, in float32 on the CPU
+    where the backend widens 16-bit models, with its caches laid out as the backend says."""
     tokenizer_config = {"chat_template": template} if template else None
     try:
         loaded = mlx_load(str(path), tokenizer_config=tokenizer_config, return_config=True)
         model, tokenizer, config = loaded  # type: ignore[misc]
     except Exception as exc:
         raise ModelUnavailable(f"cannot load {path}: {exc}") from exc
-    if computes_in_float32(config):
+    if computes_in_float32(config, backend.float32_compute):
         model.set_dtype(mx.float32)
+    set_bucket(model, backend.kv_bucket)
     return model, tokenizer, config
 
 
-def revision_of(path: Path, config: dict[str, Any]) -> str:
+def revision_of(path: Path, config: dict[str, Any], backend: Backend) -> str:
     """The files' digest, and the dtype they compute in when that is not theirs: K/V computed
     in another dtype must never be restored from the prefix cache."""
-    return model_digest(path) + ("+float32" if computes_in_float32(config) else "")
-
-
-def context_length_of(entry: ModelEntry, config: dict[str, Any]) -> int:
-    if entry.context_length:
-        return entry.context_length
-    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
-        value = config.get(key) or config.get("text_config", {}).get(key)
-        if isinstance(value, int) and value > 0:
-            return value
-    return 4096
+    widened = computes_in_float32(config, backend.float32_compute)
+    return model_digest(path) + ("+float32" if widened else "")
 
 
 def _forward_seconds(
@@ -184,20 +182,19 @@ def check_tokenizers(target_tok: Any, draft_tok: Any) -> None:
         raise ModelUnavailable("draft and target disagree on end-of-sequence tokens")
 
 
-def load_pairing(entry: ModelEntry, costs: Costs | None = None) -> Pairing:
-    """Open and check a pairing. Without `costs` (from an earlier probe in this process) the
-    forwards are measured and every round shape is run once, which also proves both models
-    compute."""
+def load_pairing(entry: ModelEntry, backend: Backend, costs: Costs | None = None) -> Pairing:
+    """Open and check a pairing on `backend`. Without `costs` (from an earlier probe in this
+    process) the forwards are measured and every round shape is run once, which also proves
+    both models compute."""
     target_dir = locate(entry.target, "target")
-    target, tokenizer, config = load_model(target_dir, entry.template)
-    route_batched_decode(target)  # batch rows attend to their own keys, no mask (CUDA)
+    target, tokenizer, config = load_model(target_dir, backend, entry.template)
     draft = None
     draft_dir = None
     draft_revision = ""
     if entry.draft:
         draft_dir = locate(entry.draft, "draft")
-        draft, draft_tok, draft_config = load_model(draft_dir, None)
-        draft_revision = revision_of(draft_dir, draft_config)
+        draft, draft_tok, draft_config = load_model(draft_dir, backend)
+        draft_revision = revision_of(draft_dir, draft_config, backend)
         check_tokenizers(tokenizer, draft_tok)
     if costs is None:
         try:
@@ -216,12 +213,6 @@ def load_pairing(entry: ModelEntry, costs: Costs | None = None) -> Pairing:
         config=config,
         costs=costs,
         fim=detect_fim(vocab),
-        context_length=context_length_of(entry, config),
-        revision=revision_of(target_dir, config),
+        revision=revision_of(target_dir, config, backend),
         draft_revision=draft_revision,
     )
-
-
-def read_config(path: Path) -> dict[str, Any]:
-    with open(path / "config.json", encoding="utf-8") as fh:
-        return dict(json.load(fh))

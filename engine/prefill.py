@@ -28,11 +28,14 @@ from mlxd.engine import kvcache
 CHUNK = 512
 
 
-def chunk_sizes(n: int, limit: int = CHUNK, shaped: bool | None = None) -> list[int]:
-    """Chunk lengths summing to `n`: `limit`-sized, and with `shaped` (default: when the caches
-    are bucketed) the rest in descending powers of two (`limit` must then be one too)."""
-    if shaped is None:
-        shaped = kvcache.BUCKETED
+def bucketed(model: nn.Module) -> bool:
+    """Whether `model`'s caches are bucketed: then forward shapes are kept to a few that recur."""
+    return kvcache.bucket_of(model) is not None
+
+
+def chunk_sizes(n: int, limit: int = CHUNK, shaped: bool = False) -> list[int]:
+    """Chunk lengths summing to `n`: `limit`-sized, and with `shaped` (where the caches are
+    bucketed) the rest in descending powers of two (`limit` must then be one too)."""
     sizes = [limit] * (n // limit)
     rest = n - limit * len(sizes)
     if not shaped:
@@ -67,7 +70,7 @@ def feed(
     if not tokens:
         raise ValueError("feed() needs at least one token")
     if shaped is None:
-        shaped = kvcache.BUCKETED
+        shaped = bucketed(model)
     padded = shaped and paddable(cache)
     sizes = padded_sizes(len(tokens)) if padded else chunk_sizes(len(tokens), shaped=shaped)
     logits = None
@@ -92,15 +95,16 @@ def feed(
 def batchable(cache: list[Any]) -> bool:
     """True for an empty cache whose layers are all plain KV caches (rows of one forward)."""
     return all(
-        type(c) in (KVCache, kvcache.BucketedKVCache) and c.keys is None and c.offset == 0
+        (type(c) is KVCache or isinstance(c, kvcache.BucketedKVCache))
+        and c.keys is None
+        and c.offset == 0
         for c in cache
     )
 
 
-def row_shape(rows: int, longest: int, shaped: bool | None = None) -> tuple[int, int]:
-    """(rows, width) of the forward `feed_rows` runs: powers of two where shapes compile."""
-    if shaped is None:
-        shaped = kvcache.BUCKETED
+def row_shape(rows: int, longest: int, shaped: bool) -> tuple[int, int]:
+    """(rows, width) of the forward `feed_rows` runs: powers of two where shapes compile (the
+    caches are bucketed)."""
     if not shaped:
         return rows, longest
     return 1 << (rows - 1).bit_length(), 1 << (longest - 1).bit_length()
@@ -120,6 +124,8 @@ def feed_rows(
     """
     if not prompts or any(not p for p in prompts):
         raise ValueError("feed_rows() needs at least one token per prompt")
+    if shaped is None:
+        shaped = bucketed(model)
     rows, width = row_shape(len(prompts), max(len(p) for p in prompts), shaped)
     padded = [list(p) + [p[-1]] * (width - len(p)) for p in prompts]
     padded += padded[:1] * (rows - len(prompts))
@@ -132,8 +138,8 @@ def feed_rows(
 
 
 def warm_shapes(model: nn.Module) -> None:
-    """Compile every shaped chunk width in the first bucket."""
-    if not kvcache.ON_GPU:
+    """Compile every shaped chunk width in the first bucket (bucketed caches: shapes compile)."""
+    if not bucketed(model):
         return
     cache = kvcache.make_cache(model)
     if not paddable(cache):  # one feed of 2*CHUNK-1 tokens runs every power-of-two piece

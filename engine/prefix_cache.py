@@ -123,8 +123,11 @@ def slice_layers(caches: Sequence[Any], start: int, end: int) -> Block | None:
     return Block(kinds, arrays)
 
 
-def build_caches(blocks: Sequence[Block], layer_from: int, layer_to: int) -> list[Any]:
-    """Caches for layers [layer_from, layer_to) holding the concatenated blocks."""
+def build_caches(
+    blocks: Sequence[Block], layer_from: int, layer_to: int, bucket: int | None
+) -> list[Any]:
+    """Caches for layers [layer_from, layer_to) holding the concatenated blocks, laid out as
+    the model's own (`kvcache.bucket_of`)."""
     caches: list[Any] = []
     for layer in range(layer_from, layer_to):
         kinds = {b.kinds[layer] for b in blocks}
@@ -133,7 +136,7 @@ def build_caches(blocks: Sequence[Block], layer_from: int, layer_to: int) -> lis
         tokens = int(parts[0].shape[2])
         kind = kinds.pop() if len(kinds) == 1 else "mixed"
         if kind == "kv":
-            cache: Any = new_kv_cache()
+            cache: Any = new_kv_cache(bucket)
             cache.update_and_fetch(parts[0], parts[1])
         elif kind.startswith("q"):
             bits, group = (int(x) for x in kind[1:].split("/"))

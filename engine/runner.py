@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable
 
 import mlx.core as mx
 
+from mlxd.engine.backend import Backend
 from mlxd.engine.events import Done, Event, Failed, GenerationRequest
 from mlxd.engine.pairing import Pairing, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
@@ -71,11 +72,13 @@ class PairingRunner:
     def __init__(
         self,
         entry: ModelEntry,
+        backend: Backend,
         costs: Costs | None = None,
         prefix: PrefixCache | None = None,
         num_parallel: int = 4,
     ) -> None:
         self.entry = entry
+        self.backend = backend
         self.costs = costs
         self.prefix = prefix
         self.num_parallel = num_parallel
@@ -92,7 +95,7 @@ class PairingRunner:
     def _main(self) -> None:
         t0 = time.perf_counter()
         try:
-            self.pairing = load_pairing(self.entry, self.costs)
+            self.pairing = load_pairing(self.entry, self.backend, self.costs)
         except BaseException as exc:
             self.loaded.set_exception(exc)
             return
@@ -120,11 +123,6 @@ class PairingRunner:
     @property
     def busy(self) -> bool:
         return self._active > 0
-
-    @property
-    def active_requests(self) -> int:
-        """Requests submitted and not yet finished (running rows and queued ones)."""
-        return self._active
 
     @property
     def running_rows(self) -> int:

@@ -20,16 +20,14 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import trim_prompt_cache
 
-from mlxd.engine import kvcache
 from mlxd.engine.cache_use import has_companion, namespace_for, offer, offer_caches, restore
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Event, Failed, GenerationRequest
 from mlxd.engine.generation import Generation
 from mlxd.engine.kvcache import make_cache
-from mlxd.engine.memory import DEFAULT_NUM_CTX
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import Pairing
-from mlxd.engine.prefill import batchable, feed, feed_rows, row_shape
+from mlxd.engine.prefill import batchable, bucketed, feed, feed_rows, row_shape
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.rowstream import RowStream
 from mlxd.engine.sampling import Rng, penalize, probabilities, sample, to_ints
@@ -90,12 +88,9 @@ def make_draft_source(
     return source, controller
 
 
-def generation_limit(opts: SamplingOptions, prompt_len: int, context_length: int) -> int:
-    """Tokens a request may generate: num_predict within the context (num_ctx, default 4096,
-    stretched to fit the prompt, never past the model's trained length)."""
-    num_ctx = opts.num_ctx or max(DEFAULT_NUM_CTX, prompt_len + 1)
-    num_ctx = min(num_ctx, context_length)
-    room = max(num_ctx - prompt_len, 1)
+def generation_limit(opts: SamplingOptions, prompt_len: int, context: int) -> int:
+    """Tokens a request may generate: num_predict within its row's context (`row_context`)."""
+    room = max(context - prompt_len, 1)
     return room if opts.num_predict < 0 else min(opts.num_predict, room)
 
 
@@ -146,7 +141,7 @@ class Scheduler:
         extend), a sampled row, and rows leaving it (filter, extract, remove). On CUDA each
         first use compiles; in the first burst of concurrent requests that is a stall of
         seconds, here it is part of the load."""
-        if not kvcache.BUCKETED:
+        if not bucketed(self.pairing.target):
             return
         target = self.pairing.target
 
@@ -254,7 +249,9 @@ class Scheduler:
 
     def _new_stream(self, job: Job) -> RowStream:
         req = job.request
-        limit = generation_limit(req.options, len(req.prompt_tokens), self.pairing.context_length)
+        limit = generation_limit(
+            req.options, len(req.prompt_tokens), self.pairing.row_context(req.options)
+        )
         tok = self.pairing.tokenizer
         return RowStream(req, job.emit, tok.decode, self.pairing.eos_ids, limit)
 
@@ -442,7 +439,9 @@ class Scheduler:
         for p in self.prefilling:
             if not p.todo or not batchable(p.cache):
                 break
-            rows, width = row_shape(len(group) + 1, max(len(q.todo) for q in [*group, p]))
+            rows, width = row_shape(
+                len(group) + 1, max(len(q.todo) for q in [*group, p]), bucketed(self.pairing.target)
+            )
             if rows * width > PREFILL_CHUNK:
                 break
             group.append(p)
@@ -451,7 +450,9 @@ class Scheduler:
     def _feed_group(self, group: list[Prefilling], joining: list[Joining]) -> int:
         """Read the group's prompts in one forward; they join this step. Returns the budget
         it used."""
-        rows, width = row_shape(len(group), max(len(p.todo) for p in group))
+        rows, width = row_shape(
+            len(group), max(len(p.todo) for p in group), bucketed(self.pairing.target)
+        )
         for _ in group:
             self.prefilling.popleft()
         try:

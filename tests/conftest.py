@@ -15,8 +15,12 @@ from typing import Any
 import pytest
 import uvicorn
 
-import mlxd.engine  # noqa: F401  (first: the CPU BLAS must be in place before MLX is imported)
-from tests.fixtures.tiny_models import TinyPair, build_pair
+from mlxd.engine.backend import Backend, configure_backend
+
+configure_backend()  # first, as `mlxd serve` does: the CPU BLAS goes under MLX before its import
+
+# isort: split
+from tests.fixtures.tiny_models import TinyPair, build_pair  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -86,7 +90,8 @@ class ServerThread:
 
         self.port = free_port()
         self.state = build_state(
-            Settings("127.0.0.1", self.port, registry, keep_alive, max_loaded, **settings)
+            Settings("127.0.0.1", self.port, registry, keep_alive, max_loaded, **settings),
+            configure_backend(),
         )
         config = uvicorn.Config(
             build_app(self.state), host="127.0.0.1", port=self.port, log_level="warning",
@@ -123,8 +128,8 @@ def server(registry_file: Path) -> Iterator[RunningServer]:
 
 
 @pytest.fixture
-def gpu_layout(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Run with the GPU's cache layout (bucketed KV buffers, power-of-two prefill) on the CPU."""
-    from mlxd.engine import kvcache
-
-    monkeypatch.setattr(kvcache, "BUCKETED", True)
+def backend(request: pytest.FixtureRequest) -> Backend:
+    """The machine's choices as `mlxd serve` makes them; with `gpu_layout`, the GPU's caches."""
+    if "gpu_layout" in request.fixturenames:
+        return request.getfixturevalue("gpu_layout")  # type: ignore[no-any-return]
+    return configure_backend()

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 import mlx.nn as nn
 import pytest
 from mlx_lm import load
 
+from mlxd.engine.backend import Backend, configure_backend
+from mlxd.engine.kvcache import set_bucket
 from tests.fixtures.tiny_models import TinyPair
+
+GPU_TEST_BUCKET = 256  # the GPU's layout with smaller buckets: tiny models, short prompts
 
 
 @dataclass
@@ -23,4 +28,24 @@ class Loaded:
 def loaded(tiny_pair: TinyPair) -> Loaded:
     target, tokenizer = load(str(tiny_pair.target))[:2]
     draft = load(str(tiny_pair.draft))[0]
-    return Loaded(target, draft, tokenizer)
+    pair = Loaded(target, draft, tokenizer)
+    lay_out(pair, configure_backend())
+    return pair
+
+
+def lay_out(pair: Loaded, backend: Backend) -> None:
+    """Give the models' caches the layout `backend` chooses, as `load_pairing` does."""
+    for model in (pair.target, pair.draft):
+        set_bucket(model, backend.kv_bucket)
+
+
+@pytest.fixture
+def gpu_layout(loaded: Loaded) -> Iterator[Backend]:
+    """Run with the GPU's cache layout (bucketed KV buffers, power-of-two prefill) on the CPU:
+    the backend pairings load with (the `backend` fixture) and the `loaded` models take it."""
+    bucketed = replace(configure_backend(), kv_bucket=GPU_TEST_BUCKET)
+    lay_out(loaded, bucketed)
+    try:
+        yield bucketed
+    finally:
+        lay_out(loaded, configure_backend())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import Any
 
@@ -10,9 +11,10 @@ import pytest
 
 from mlxd.engine.attention import (
     cuda_available,
+    install_batched_decode,
     ragged_cuda,
     ragged_reference,
-    route_batched_decode,
+    route_module,
 )
 from mlxd.engine.kvcache import BucketedBatchKVCache, BucketedKVCache, make_cache
 from mlxd.engine.prefill import feed
@@ -71,7 +73,7 @@ def test_routed_batch_step_matches_the_masked_one(
         calls.append(args[0].shape[0])
         return ragged_reference(*args)
 
-    assert route_batched_decode(loaded.target, spy)
+    assert route_module(module, spy, lambda _dim: True)
     cache = rows_cache(loaded, prompts)
     assert calls == []  # prompts are read on the usual path
     got = loaded.target(step, cache=cache)
@@ -87,9 +89,38 @@ def test_routing_twice_keeps_one_hook(loaded: Loaded, monkeypatch: pytest.Monkey
     module = sys.modules[type(loaded.target).__module__]
     original = module.scaled_dot_product_attention
     monkeypatch.setattr(module, "scaled_dot_product_attention", original)
-    route_batched_decode(loaded.target, ragged_reference)
-    route_batched_decode(loaded.target, ragged_reference)
+    route_module(module, ragged_reference, lambda _dim: True)
+    route_module(module, ragged_reference, lambda _dim: True)
     assert module.scaled_dot_product_attention.__wrapped__ is original
+
+
+def test_installing_routes_models_imported_before_and_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The configuration installs the route once: every model module already imported, and
+    mlx-lm's base function, which model modules imported later bind; twice changes nothing."""
+    from mlx_lm.models import base, llama
+
+    later = "mlx_lm.models.gemma"
+    monkeypatch.delitem(sys.modules, later, raising=False)
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and hasattr(module, "scaled_dot_product_attention"):
+            original = module.scaled_dot_product_attention
+            monkeypatch.setattr(module, "scaled_dot_product_attention", original)
+    unrouted = llama.scaled_dot_product_attention
+    install_batched_decode(ragged_reference, lambda _dim: True)
+    install_batched_decode(ragged_reference, lambda _dim: True)
+    gemma = importlib.import_module(later)
+    try:
+        for module in (base, llama, gemma):
+            routed = module.scaled_dot_product_attention
+            assert routed.__wrapped__ is base.scaled_dot_product_attention.__wrapped__
+            assert not hasattr(routed.__wrapped__, "__wrapped__")  # one hook, however often
+        assert llama.scaled_dot_product_attention.__wrapped__ is getattr(
+            unrouted, "__wrapped__", unrouted
+        )
+    finally:
+        sys.modules.pop(later, None)  # imported routed: the next import starts afresh
 
 
 @pytest.mark.skipif(not cuda_available(), reason="the kernel runs on MLX's CUDA build")

@@ -5,10 +5,11 @@ path every GPU request takes stays under test; the CPU itself serves with mlx-lm
 from __future__ import annotations
 
 import queue
+from dataclasses import replace
 
 import pytest
 
-from mlxd.engine import kvcache
+from mlxd.engine.backend import Backend
 from mlxd.engine.cache_use import namespace_for, restore
 from mlxd.engine.drafting import ModelDraftSource
 from mlxd.engine.events import Done, Event, GenerationRequest
@@ -42,9 +43,12 @@ __all__ = [
 ]
 
 
-def test_the_layout_is_in_force(loaded: Loaded) -> None:
-    assert kvcache.BUCKETED
+def test_the_layout_is_in_force(loaded: Loaded, backend: Backend, tiny_pair: TinyPair) -> None:
+    assert backend.kv_bucket
     assert isinstance(make_cache(loaded.target)[0], BucketedKVCache)
+    assert make_cache(loaded.target)[0].step == backend.kv_bucket
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
+    assert make_cache(pairing.target)[0].step == backend.kv_bucket
 
 
 def serve(pairing: object, prefix: PrefixCache, prompts: list[list[int]]) -> list[Done]:
@@ -67,10 +71,10 @@ def serve(pairing: object, prefix: PrefixCache, prompts: list[list[int]]) -> lis
 
 @pytest.mark.parametrize("layout", ["exact", "bucketed"])
 def test_batch_rows_restore_prefixes_and_match_solo_runs(
-    tiny_pair: TinyPair, monkeypatch: pytest.MonkeyPatch, layout: str
+    tiny_pair: TinyPair, backend: Backend, layout: str
 ) -> None:
-    monkeypatch.setattr(kvcache, "BUCKETED", layout == "bucketed")
-    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), costs=COSTS)
+    chosen = backend if layout == "bucketed" else replace(backend, kv_bucket=None)
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), chosen, costs=COSTS)
     prompts = [[5 + (i * 7 + j) % 90 for j in range(150 + 20 * i)] for i in range(3)]
     alone = [serve(pairing, PrefixCache(0), [p])[0].output_tokens for p in prompts]
     prefix = PrefixCache(64 * 2**20)
@@ -82,8 +86,10 @@ def test_batch_rows_restore_prefixes_and_match_solo_runs(
     assert all(d.cached_tokens >= 128 for d in warm)
 
 
-def test_warming_the_batch_leaves_a_working_scheduler(tiny_pair: TinyPair) -> None:
-    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), costs=COSTS)
+def test_warming_the_batch_leaves_a_working_scheduler(
+    tiny_pair: TinyPair, backend: Backend
+) -> None:
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
     jobs: queue.Queue[Job | None] = queue.Queue()
     Scheduler(pairing, jobs, num_parallel=3).warm()
     prompts = [[5 + i, 6, 7] for i in range(3)]
@@ -91,11 +97,13 @@ def test_warming_the_batch_leaves_a_working_scheduler(tiny_pair: TinyPair) -> No
     assert [d.output_tokens for d in serve(pairing, PrefixCache(0), prompts)] == alone
 
 
-def test_a_paused_draft_still_stores_its_state_beside_the_target(tiny_pair: TinyPair) -> None:
+def test_a_paused_draft_still_stores_its_state_beside_the_target(
+    tiny_pair: TinyPair, backend: Backend
+) -> None:
     """The draft skips its prefill while speculation is paused, and is caught up before the
     prefix cache stores the pair: the next request with the prompt restores both."""
     pairing = load_pairing(
-        ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft)), costs=COSTS
+        ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft)), backend, costs=COSTS
     )
     pairing.history.record("model/greedy", SourceRecord([1.0], [4.0], 2.0, 1.0))  # not paying
     prefix = PrefixCache(64 * 2**20)

@@ -1,4 +1,5 @@
-"""The engine raises MLX's CUDA graph cache before any GPU stream exists, unless the user set it."""
+"""Configuring the backend sizes MLX's CUDA graph cache before any GPU stream exists, unless
+the user set it; importing the engine alone sets nothing."""
 
 from __future__ import annotations
 
@@ -8,18 +9,30 @@ import sys
 
 import pytest
 
-from mlxd.engine import GRAPH_CACHE_SIZE
+from mlxd.engine.backend import GRAPH_CACHE_ENV, GRAPH_CACHE_SIZE
 
-PROBE = "import engine, os; print(os.environ['MLX_CUDA_GRAPH_CACHE_SIZE'])"
+CONFIGURED = (
+    "from mlxd.engine.backend import configure_backend; configure_backend(); import os;"
+    f" print(os.environ.get({GRAPH_CACHE_ENV!r}))"
+)
+IMPORTED = f"import mlxd.engine.manager, os; print(os.environ.get({GRAPH_CACHE_ENV!r}))"
 
 
-@pytest.mark.parametrize(("given", "expected"), [(None, GRAPH_CACHE_SIZE), ("77", "77")])
-def test_graph_cache_size_default_and_override(given: str | None, expected: str) -> None:
-    env = {k: v for k, v in os.environ.items() if k != "MLX_CUDA_GRAPH_CACHE_SIZE"}
+def run(code: str, given: str | None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != GRAPH_CACHE_ENV}
     if given is not None:
-        env["MLX_CUDA_GRAPH_CACHE_SIZE"] = given
+        env[GRAPH_CACHE_ENV] = given
     out = subprocess.run(
-        [sys.executable, "-c", PROBE], env=env, capture_output=True, text=True, check=True
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
-    assert out.stdout.strip() == expected
-    assert int(GRAPH_CACHE_SIZE) > 400  # MLX's own default
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize(("given", "expected"), [(None, str(GRAPH_CACHE_SIZE)), ("77", "77")])
+def test_graph_cache_size_default_and_override(given: str | None, expected: str) -> None:
+    assert run(CONFIGURED, given) == expected
+    assert GRAPH_CACHE_SIZE > 400  # MLX's own default
+
+
+def test_importing_the_engine_leaves_the_graph_cache_alone() -> None:
+    assert run(IMPORTED, None) == "None"

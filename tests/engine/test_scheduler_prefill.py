@@ -7,6 +7,7 @@ import queue
 import pytest
 
 import mlxd.engine.scheduler as scheduler_module
+from mlxd.engine.backend import Backend, configure_backend
 from mlxd.engine.events import Done, Event, GenerationRequest, TextChunk
 from mlxd.engine.options import parse_options
 from mlxd.engine.pairing import load_pairing
@@ -19,8 +20,10 @@ from tests.fixtures.tiny_models import TinyPair
 COSTS = Costs(verify={w: 1.0 for w in range(1, 10)}, draft_step=0.1)
 
 
-def test_running_rows_decode_while_a_long_prompt_is_read(tiny_pair: TinyPair) -> None:
-    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), costs=COSTS)
+def test_running_rows_decode_while_a_long_prompt_is_read(
+    tiny_pair: TinyPair, backend: Backend
+) -> None:
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
     log: list[tuple[str, Event]] = []
     finished: list[str] = []
     jobs: queue.Queue[Job | None] = queue.Queue()
@@ -64,13 +67,12 @@ def test_short_prompts_arriving_together_join_the_batch_together(
     """Short prompts waiting together are read as rows of one forward and join in one more,
     so the last of a burst does not wait a forward per request ahead of it; each still decodes
     as it would alone (prompts of different lengths: the padding is invisible)."""
-    if layout == "gpu":
-        request.getfixturevalue("gpu_layout")
+    backend = request.getfixturevalue("gpu_layout") if layout == "gpu" else configure_backend()
     groups: list[int] = []
     monkeypatch.setattr(
         scheduler_module, "feed_rows", lambda m, c, p: (groups.append(len(p)), feed_rows(m, c, p))
     )
-    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), costs=COSTS)
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
     opts = parse_options({"temperature": 0, "num_predict": 6})
     prompts = [[5 + i, 9, *range(20, 20 + 3 * i), 11 + 2 * i, 13] for i in range(4)]
 

@@ -21,6 +21,7 @@ import pytest
 from mlxd.daemon.cli import human_size
 from mlxd.daemon.config import Settings
 from mlxd.daemon.server import build_state
+from mlxd.engine.backend import configure_backend
 from mlxd.engine.manager import estimate_need
 from mlxd.registry.schema import ModelEntry
 from tests.conftest import RunningServer, ServerThread, free_port, wait_for
@@ -63,7 +64,8 @@ def seconds_until(stamp: str) -> float:
 
 
 def tiny_need(pair: TinyPair, rows: int = 4) -> int:
-    return estimate_need(ModelEntry(name="tiny", target=str(pair.target)), rows).total
+    entry = ModelEntry(name="tiny", target=str(pair.target))
+    return estimate_need(entry, rows, configure_backend()).total
 
 
 @pytest.fixture(scope="module")
@@ -346,13 +348,13 @@ def test_env_settings_reach_the_manager() -> None:
             "MLXD_MEMORY_BUDGET": "8GiB",
         }
     )
-    manager = build_state(settings).manager
+    manager = build_state(settings, configure_backend()).manager
     assert manager.default_keep_alive == 90
     assert manager.max_loaded == 2
     assert manager.queue.limit == 7
     assert manager.num_parallel == 3  # MLXD_ wins over OLLAMA_
     assert manager.budget.bytes == 8 * 2**30
-    defaults = build_state(Settings.from_env({})).manager
+    defaults = build_state(Settings.from_env({}), configure_backend()).manager
     assert (defaults.default_keep_alive, defaults.max_loaded) == (300, 3)
     assert (defaults.queue.limit, defaults.num_parallel) == (512, 4)
     assert defaults.budget.source.startswith("75% of ")

@@ -196,8 +196,9 @@ def test_bound_to_all_interfaces_skips_the_host_check(registry_file: Path) -> No
     from mlxd.api.app import build_app
     from mlxd.daemon.config import Settings
     from mlxd.daemon.server import build_state
+    from mlxd.engine.backend import configure_backend
 
-    state = build_state(Settings("0.0.0.0", 0, registry_file, 300.0, 1))
+    state = build_state(Settings("0.0.0.0", 0, registry_file, 300.0, 1), configure_backend())
 
     async def status(bind_host: str, host: str) -> int:
         transport = httpx.ASGITransport(app=build_app(state, bind_host=bind_host))

@@ -1,0 +1,134 @@
+"""What the daemon decides about the machine, decided once, at startup.
+
+`configure_backend` is the only place that changes the process for MLX: it puts an optimized
+BLAS under MLX's CPU backend (which must happen before `mlx.core` is imported), sizes MLX's
+CUDA graph cache (read when the first GPU stream is built) and routes batched decoding's
+attention to mlxd's kernel on CUDA. It returns a frozen `Backend` that the daemon hands down to
+whatever needs its choices; importing any mlxd module changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Mapping, MutableMapping
+from dataclasses import dataclass
+
+from mlxd.engine import cpu_blas
+
+log = logging.getLogger(__name__)
+
+CPU_DTYPE_ENV = "MLXD_CPU_DTYPE"  # "float32" (default) or "native"
+GRAPH_CACHE_ENV = "MLX_CUDA_GRAPH_CACHE_SIZE"
+# MLX's CUDA backend keeps its captured graphs in an LRU of 400 by default. A server's shapes
+# (bucketed key lengths x prefill widths x row counts x verify widths, for two models) outgrow
+# it, and an evicted graph costs a ~40 ms capture on its next use, or a "cache thrashing" abort.
+GRAPH_CACHE_SIZE = 2048
+
+
+@dataclass(frozen=True)
+class Backend:
+    """The machine-wide choices, as they took effect."""
+
+    device: str  # "gpu" (Metal or CUDA) or "cpu": the `mlxd ps` PROCESSOR column
+    cpu_blas: str | None  # the library serving MLX's CPU matmuls, None: MLX's own
+    cpu_blas_reason: str  # why that library (or none)
+    float32_compute: bool  # 16-bit models compute in float32 (the CPU on a fast BLAS)
+    kv_bucket: int | None  # keys per bucket of the KV caches; None: mlx-lm's exact caches
+    batched_attention: bool  # batched decoding reads each row's own keys (CUDA kernel)
+    graph_cache_size: int | None  # MLX's CUDA graph cache; None: not CUDA
+
+    def describe(self) -> str:
+        """One line for the startup log."""
+        blas = self.cpu_blas or f"MLX's own ({self.cpu_blas_reason})"
+        kv = f"bucketed by {self.kv_bucket}" if self.kv_bucket else "exact"
+        graphs = "" if self.graph_cache_size is None else f", graph cache {self.graph_cache_size}"
+        return (
+            f"backend: {self.device}, CPU BLAS {blas},"
+            f" compute {'float32' if self.float32_compute else 'native dtype'},"
+            f" KV caches {kv},"
+            f" batched attention {'per-row kernel' if self.batched_attention else 'masked'}"
+            f"{graphs}"
+        )
+
+
+def _cpu_dtype(env: Mapping[str, str]) -> tuple[str, bool]:
+    """("float32" or "native", whether the user set it)."""
+    raw = env.get(CPU_DTYPE_ENV, "").strip().lower()
+    if raw in ("float32", "native"):
+        return raw, True
+    if raw:
+        log.warning("%s=%r is neither float32 nor native; using float32", CPU_DTYPE_ENV, raw)
+    return "float32", False
+
+
+def _graph_cache(env: MutableMapping[str, str]) -> tuple[int | None, bool]:
+    """Size MLX's graph cache unless the user did: (the size in effect, None if unreadable;
+    whether the user set it)."""
+    user = env.get(GRAPH_CACHE_ENV)
+    if user is None:
+        env[GRAPH_CACHE_ENV] = str(GRAPH_CACHE_SIZE)
+    try:
+        return int(env[GRAPH_CACHE_ENV]), user is not None
+    except ValueError:
+        log.warning("%s=%r is not a number; MLX ignores it", GRAPH_CACHE_ENV, env[GRAPH_CACHE_ENV])
+        return None, True
+
+
+_configured: Backend | None = None  # the choices are the process's: made once
+
+
+def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
+    """Make the machine-wide choices and return them; call once, before anything imports MLX
+    (`mlxd serve` does it first thing). Choices that cannot take effect are logged as warnings
+    saying why. A library loaded and a route installed stay for the life of the process, so a
+    second call returns the first one's choices."""
+    global _configured
+    if _configured is not None:
+        return _configured
+    mlx_first = "mlx.core" in sys.modules
+    blas = cpu_blas.load_cpu_blas(env, env)
+    if blas.refused:
+        log.warning("%s: %s", cpu_blas.ENV, blas.reason)
+    graph_cache, graph_cache_set = _graph_cache(env)  # before MLX builds a GPU stream
+
+    import mlx.core as mx  # after the BLAS: MLX binds what is in the global scope now
+
+    from mlxd.engine.attention import cuda_available, install_batched_decode
+    from mlxd.engine.kvcache import GPU_BUCKET
+
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    cuda = on_gpu and cuda_available()
+    if cuda and mlx_first and not graph_cache_set:
+        log.warning(
+            "%s: MLX was imported before the backend was configured; its graph cache takes"
+            " size %s only if no GPU stream was built yet",
+            GRAPH_CACHE_ENV,
+            graph_cache,
+        )
+    # MLX's CPU backend has no fast 16-bit matmul (3-7 GFLOP/s against 15-165 for float32 on
+    # the optimized BLAS), so there 16-bit models compute in float32, at twice the weights'
+    # memory. On the reference BLAS float32 would speed one stream but slow batches of rows.
+    dtype, dtype_set = _cpu_dtype(env)
+    widen = not on_gpu and dtype == "float32" and blas.path is not None
+    if dtype_set and dtype == "float32" and not on_gpu and not widen:
+        log.warning(
+            "%s=float32: models keep their files' dtype (no optimized BLAS under MLX: %s)",
+            CPU_DTYPE_ENV,
+            blas.reason,
+        )
+    backend = Backend(
+        device="gpu" if on_gpu else "cpu",
+        cpu_blas=blas.path,
+        cpu_blas_reason=blas.reason,
+        float32_compute=widen,
+        kv_bucket=GPU_BUCKET if on_gpu else None,
+        batched_attention=cuda,
+        graph_cache_size=graph_cache if cuda else None,
+    )
+    if cuda:
+        install_batched_decode()  # batch rows attend to their own keys, no mask
+    log.info("%s", backend.describe())
+    _configured = backend
+    return backend
