@@ -252,6 +252,12 @@ def _scrub(db: Path) -> tuple[int, set[str]]:
             "      AND filename GLOB ?)))",
             (MODE_RAW, MODE_BINARY, _VALUE_GLOB),
         ).rowcount
+        # Two rows naming one file: deleting either would take the other's value; the first
+        # (diskcache never reuses a name, so a later one is not its own) is kept.
+        dropped += con.execute(
+            "DELETE FROM Cache WHERE filename IS NOT NULL AND rowid NOT IN"
+            " (SELECT MIN(rowid) FROM Cache WHERE filename IS NOT NULL GROUP BY filename)"
+        ).rowcount
         for key, total in (("count", "COUNT(*)"), ("size", "COALESCE(SUM(size), 0)")):
             update = f"UPDATE Settings SET value = (SELECT {total} FROM Cache) WHERE key = ?"
             con.execute(update, (key,))
