@@ -87,10 +87,10 @@ class BytesDisk(diskcache.Disk):
             raise BadEntry(f"a row of mode {mode!r} naming {filename!r}")
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            with open(fd, "rb") as f:
+                return f.read()
         except OSError as exc:
-            raise BadEntry(f"value file {filename}: {exc.strerror}") from exc
-        with open(fd, "rb") as f:
-            return f.read()
+            raise BadEntry(f"value file {filename}: {exc.strerror or exc}") from exc
 
     def remove(self, file_path: Any) -> None:
         """Delete a value file and its emptied subdirectories; nothing else, ever."""
@@ -218,7 +218,7 @@ def _temporary(exc: sqlite3.Error) -> bool:
     """An error about access to the database rather than its contents."""
     text = str(exc).lower()
     return isinstance(exc, sqlite3.OperationalError) and any(
-        word in text for word in ("locked", "busy", "unable to open", "readonly", "disk i/o")
+        word in text for word in ("locked", "busy", "unable to open", "readonly")
     )
 
 

@@ -47,6 +47,7 @@ def value_files(directory: Path) -> dict[str, int]:
     return {
         p.relative_to(directory).as_posix(): p.stat().st_size
         for p in directory.rglob("*.val")
+        if p.is_file()
         if VALUE_NAME.fullmatch(p.relative_to(directory).as_posix())
     }
 
