@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from mlxd.engine.prefix_cache import Namespace, PrefixCache, block_keys
+from tests.cache.blocks import chain, make_block
 from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -117,3 +119,28 @@ def _answers(base: str) -> bool:
         return httpx.get(f"{base}/api/version", timeout=2).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_cache_runs_on_ram_when_its_directory_is_unusable(case: str, tmp_path: Path) -> None:
+    """Every case in-process, through the facade the daemon builds."""
+
+    if case == "no-permission" and os.geteuid() == 0:
+        pytest.skip("root may write anywhere")
+    home = tmp_path / "home"
+    home.mkdir()
+    reason = CASES[case](home)
+    before = _tree(tmp_path)
+    cache = PrefixCache(64 << 20, home / "kvcache", 64 << 20)
+    try:
+        assert cache.ssd is None
+        snap = cache.snapshot()
+        assert snap["ssd"].startswith("off: ") and reason in snap["ssd"]
+        ns = Namespace(model="ram-only")
+        tokens = chain(2)
+        for i, key in enumerate(block_keys(tokens, ns, 64)):
+            cache.insert(key, make_block(i))
+        assert len(cache.lookup(ns, tokens)) == 2  # the RAM tier serves
+    finally:
+        cache.close()
+    assert _tree(tmp_path) == before
