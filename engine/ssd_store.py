@@ -79,6 +79,15 @@ class BytesDisk(diskcache.Disk):
             raise TypeError("the SSD tier stores bytes")
         return super().store(value, read, key)
 
+    def filename(self, key: Any = UNKNOWN, value: Any = UNKNOWN) -> tuple[str, str]:
+        """A fresh value file name, refused when a symlink stands in for its subdirectory."""
+        name, full_path = super().filename(key, value)
+        for sub in (name[:2], name[:5]):
+            path = os.path.join(self._root, sub)
+            if os.path.lexists(path) and not stat.S_ISDIR(os.lstat(path).st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", path)
+        return name, full_path
+
     def fetch(self, mode: int, filename: Any, value: Any, read: bool) -> bytes:
         if mode == MODE_RAW and isinstance(value, bytes | memoryview) and not read:
             return bytes(value)
