@@ -20,7 +20,7 @@ from mlxd.daemon.lifecycle import Lifecycle
 from mlxd.engine.backend import Backend
 from mlxd.engine.manager import ModelManager
 from mlxd.engine.prefix_cache import PrefixCache
-from mlxd.registry.home import ensure_home
+from mlxd.registry.home import mlxd_home
 from mlxd.registry.live import LiveRegistry
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import RegistryError
@@ -55,7 +55,8 @@ def build_state(settings: Settings, backend: Backend) -> ServerState:
     live = LiveRegistry(lambda: Registry.from_env(cli_path=settings.registry))
     registry = live()
     log.info("registry: %d models from %s", len(registry), ", ".join(map(str, registry.paths)))
-    cache_dir = settings.cache_dir or ensure_home() / "kvcache"
+    # Not ensure_home(): a home that cannot be created turns the SSD tier off, not the daemon.
+    cache_dir = settings.cache_dir or mlxd_home() / "kvcache"
     prefix = PrefixCache(settings.cache_ram_bytes, cache_dir, settings.cache_ssd_bytes)
     manager = ModelManager(
         backend,

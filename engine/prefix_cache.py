@@ -8,7 +8,8 @@ neither. A prompt's last, partial block is kept too, in RAM only, filed under it
 so a repeated or extended prompt restores up to the token where it diverges from an earlier one.
 RAM is an LRU bounded by bytes; what it evicts spills to SSD. SSD writes happen on a
 writer thread (decoding never waits on disk); every SSD entry is versioned and checksummed, and
-anything that does not verify is a miss.
+anything that does not verify is a miss. The SSD directory itself is never trusted (see
+`engine.ssd_store`), and one that cannot be used turns the SSD tier off, not the daemon.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ import hashlib
 import json
 import logging
 import queue
-import shutil
 import sqlite3
 import struct
 import threading
-import time
 import zlib
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -35,6 +34,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from mlxd.engine.kvcache import new_kv_cache
+from mlxd.engine.ssd_store import BadEntry, Reclaimed, StoreUnavailable, open_store
 from mlxd.engine.threads import start_mlx_thread
 
 log = logging.getLogger(__name__)
@@ -249,44 +249,20 @@ class RamTier:
             self.nbytes -= block.nbytes
 
 
-def _open_diskcache(directory: Path, size_limit: int) -> Any:
-    """The SSD tier's store; a damaged one is moved aside and started afresh, since a cache
-    may lose its contents but must never keep the daemon from starting."""
-    import diskcache
-
-    def open_() -> Any:
-        directory.mkdir(parents=True, exist_ok=True)
-        # diskcache's defaults (1 GiB, least-recently-*stored*) do not fit a KV cache.
-        return diskcache.Cache(
-            str(directory),
-            size_limit=size_limit,
-            eviction_policy="least-recently-used",
-            cull_limit=16,
-            statistics=False,
-        )
-
-    try:
-        return open_()
-    except sqlite3.DatabaseError as exc:
-        for old in directory.parent.glob(f"{directory.name}.damaged-*"):
-            shutil.rmtree(old, ignore_errors=True)  # keep only the latest for inspection
-        aside = directory.with_name(f"{directory.name}.damaged-{time.time_ns()}")
-        log.error("prefix cache: %s is damaged (%s); moved to %s", directory, exc, aside)
-        directory.rename(aside)
-        return open_()
-
-
 class SsdTier:
     """diskcache on a directory, LRU and size-bounded, written behind by one thread.
 
     Writes queue without bound in count but within `max_pending_bytes`: decoding never waits
     on the disk, and only a backlog larger than that drops blocks (counted in `dropped`).
+    Raises `StoreUnavailable` for a directory it cannot use.
     """
 
     def __init__(
         self, directory: Path, size_limit: int, max_pending_bytes: int = 4 * 2**30
     ) -> None:
-        self.cache = _open_diskcache(directory, size_limit)
+        self._store = open_store(directory, size_limit)
+        self.cache = self._store.cache
+        self.reclaimed: Reclaimed = self._store.reclaimed
         self.max_pending_bytes = max_pending_bytes
         self._pending_bytes = 0
         self._queue: queue.Queue[tuple[str, Block] | None] = queue.Queue()
@@ -323,12 +299,15 @@ class SsdTier:
     def get(self, key: str) -> Block | None:
         try:
             data = self.cache.get(key)
+        except BadEntry as exc:
+            log.warning("prefix cache: dropping an SSD entry: %s", exc)
+            data = b""  # deleted below: its file (if it is one of ours) goes too
         except Exception:
             log.exception("prefix cache: SSD read failed")
             return None
-        if not isinstance(data, bytes | bytearray):
+        if data is None:
             return None
-        block = decode(key, bytes(data))
+        block = decode(key, data) if isinstance(data, bytes) else None
         if block is None:
             with contextlib.suppress(Exception):
                 self.cache.delete(key)
@@ -342,11 +321,14 @@ class SsdTier:
         self.flush()
         self._queue.put(None)
         self._thread.join(10)
-        self.cache.close()
+        self._store.close()
 
     @property
     def nbytes(self) -> int:
-        return int(self.cache.volume())
+        try:
+            return int(self.cache.volume()) + self.reclaimed.orphan_bytes_left
+        except Exception:
+            return 0
 
 
 @dataclass
@@ -372,7 +354,15 @@ class PrefixCache:
     ) -> None:
         self.block = block
         self.ram = RamTier(ram_bytes)
-        self.ssd = SsdTier(ssd_dir, ssd_bytes) if ssd_dir is not None and ssd_bytes > 0 else None
+        self.ssd: SsdTier | None = None
+        self.ssd_off = "" if ssd_dir is not None and ssd_bytes > 0 else "not configured"
+        if not self.ssd_off:
+            assert ssd_dir is not None
+            try:
+                self.ssd = SsdTier(ssd_dir, ssd_bytes)
+            except (StoreUnavailable, OSError, sqlite3.Error) as exc:
+                self.ssd_off = str(exc) or type(exc).__name__
+                log.warning("prefix cache: SSD tier off, RAM only: %s", self.ssd_off)
         self.stats = CacheStats()
         self._lock = threading.Lock()
         # parent key -> {partial block's tokens: its key}, most recent last; and back
@@ -490,6 +480,16 @@ class PrefixCache:
             self.persist()
             self.ssd.close()
 
+    def _reclaimed(self) -> dict[str, Any]:
+        r = self.ssd.reclaimed if self.ssd is not None else Reclaimed()
+        return {
+            "ssd_damaged_db": r.damaged,
+            "ssd_foreign_rows_dropped": r.rows_dropped,
+            "ssd_orphans_reclaimed": r.orphans,
+            "ssd_orphan_bytes_reclaimed": r.orphan_bytes,
+            "ssd_orphan_bytes": r.orphan_bytes_left,
+        }
+
     def snapshot(self) -> dict[str, Any]:
         s = self.stats
         return {
@@ -497,8 +497,10 @@ class PrefixCache:
             "ram_bytes": self.ram.nbytes,
             "ram_budget": self.ram.budget,
             "ram_blocks": len(self.ram.entries),
+            "ssd": "on" if self.ssd is not None else f"off: {self.ssd_off}",
             "ssd_bytes": self.ssd.nbytes if self.ssd is not None else 0,
             "ssd_dropped_writes": self.ssd.dropped if self.ssd is not None else 0,
+            **self._reclaimed(),
             "lookups": s.lookups,
             "lookup_tokens": s.lookup_tokens,
             "hit_tokens": s.hit_tokens,

@@ -20,7 +20,7 @@ them, and a model already there is not downloaded again. How a file gets there:
    per attempt and deleted on failure, so they cannot resume across pulls);
 3. once every file is down, each new one is checked (size, and sha256 for LFS files or the
    git blob hash for the others); only then is it moved to ``blobs/<etag>`` and linked into
-   ``snapshots/<commit>`` by ``hf_hub_download`` (which finds the blob and just links it);
+   ``snapshots/<commit>`` the way huggingface_hub lays out its cache (a relative symlink);
 4. last, ``refs/<revision>`` is written and, for hub names, the registry entry: until then
    :func:`~registry.store.resolve_local` cannot see the new snapshot, so a partial or
    unverified download is never listed or served.
@@ -28,6 +28,11 @@ them, and a model already there is not downloaded again. How a file gets there:
 Configuration is read from the environment at call time (``HF_ENDPOINT``, ``HF_HOME`` /
 ``HF_HUB_CACHE``, ``HF_TOKEN``, ``HF_HUB_OFFLINE``); huggingface_hub itself reads most of
 these once at import, so they are passed explicitly to every call.
+
+Nothing the hub sends is trusted as a path: listed file names must be plain relative paths of
+allowed characters, and blob names (LFS sha256, git oid) must be hex digests of the right
+length, before anything is downloaded; an ETag the hub answers is only ever compared, never
+used as a name. A hub that sends anything else fails the pull with an error saying so.
 """
 
 from __future__ import annotations
@@ -48,7 +53,6 @@ from urllib.parse import urlsplit
 from huggingface_hub import (
     HfApi,
     get_hf_file_metadata,
-    hf_hub_download,
     hf_hub_url,
     scan_cache_dir,
 )
@@ -97,6 +101,12 @@ PROGRESS_INTERVAL = 0.08  # seconds between progress objects while a file downlo
 DOWNLOAD_CHUNK = 1024 * 1024  # bytes per read: how often progress moves and a cancel is seen
 
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+_SHA1_RE = re.compile(r"[0-9a-f]{40}")
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+# One segment of a listed file name: the characters real model repos use, nothing that a
+# file system or a shell reads specially (no separators, NUL, control characters, "..").
+_SEGMENT_RE = re.compile(r"[A-Za-z0-9_.+=@,~-][A-Za-z0-9_.+=@,~ -]{0,254}")
+_NAME_MAX = 1024
 _HASH_CHUNK = 4 * 1024 * 1024
 
 
@@ -376,6 +386,38 @@ def _size(path: Path) -> int | None:
         return None
 
 
+def _safe_name(name: str) -> bool:
+    """A relative path of plain segments that cannot leave the snapshot directory."""
+    if not isinstance(name, str) or not 0 < len(name) <= _NAME_MAX:
+        return False
+    return all(
+        _SEGMENT_RE.fullmatch(seg) is not None and seg not in (".", "..") and seg[-1] != " "
+        for seg in name.split("/")
+    )
+
+
+def _under(path: Path, root: Path) -> bool:
+    """Whether ``path`` stays inside ``root`` once ``..`` are resolved (lexically: the cache
+    itself may be a symlink to another disk)."""
+    real = os.path.normpath(os.path.abspath(path))
+    top = os.path.normpath(os.path.abspath(root))
+    return real.startswith(top + os.sep)
+
+
+def _checked_file(repo_id: str, name: str, size: Any, oid: Any, sha256: Any) -> _RemoteFile:
+    """A listed file, once every name in it is safe to build a path from."""
+    what = f"pull model manifest: {repo_id}: the hub sent"
+    if not _safe_name(name):
+        raise PullError(f"{what} an unsafe file name {name!r}")
+    if not isinstance(oid, str) or _SHA1_RE.fullmatch(oid) is None:
+        raise PullError(f"{what} a bad git id {oid!r} for {name}")
+    if sha256 is not None and (not isinstance(sha256, str) or _SHA256_RE.fullmatch(sha256) is None):
+        raise PullError(f"{what} a bad sha256 {sha256!r} for {name}")
+    if not isinstance(size, int) or size < 0:
+        raise PullError(f"{what} a bad size {size!r} for {name}")
+    return _RemoteFile(name, size, oid, sha256)
+
+
 def _fetch_manifest(ref: HubRef, api: HfApi, cache: Path) -> _Manifest:
     info = api.model_info(ref.repo_id, revision=ref.revision, files_metadata=True)
     commit = info.sha or ""
@@ -392,7 +434,9 @@ def _fetch_manifest(ref: HubRef, api: HfApi, cache: Path) -> _Manifest:
                 f"pull model manifest: {ref.repo_id}: no size or id for {sibling.rfilename}"
             )
         sha = sibling.lfs.sha256 if sibling.lfs is not None else None
-        files.append(_RemoteFile(sibling.rfilename, int(sibling.size), sibling.blob_id, sha))
+        files.append(
+            _checked_file(ref.repo_id, sibling.rfilename, sibling.size, sibling.blob_id, sha)
+        )
     names = {f.path for f in files}
     if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
         raise PullError(
@@ -400,7 +444,11 @@ def _fetch_manifest(ref: HubRef, api: HfApi, cache: Path) -> _Manifest:
             " (config.json and *.safetensors)"
         )
     storage = cache / repo_folder_name(repo_id=ref.repo_id, repo_type="model")
-    return _Manifest(ref, commit, tuple(sorted(files, key=lambda f: f.path)), storage)
+    manifest = _Manifest(ref, commit, tuple(sorted(files, key=lambda f: f.path)), storage)
+    for f in manifest.files:  # the checks above make this hold; a last guard before writing
+        if not (_under(manifest.snapshot / f.path, storage) and _under(storage, cache)):
+            raise PullError(f"pull model manifest: {ref.repo_id}: unsafe file name {f.path!r}")
+    return manifest
 
 
 def _offline_manifest(ref: HubRef, cache: Path, env: Mapping[str, str]) -> _Manifest:
@@ -534,6 +582,12 @@ def _download(job: _Job, endpoint: str, token: str | None, cancel: threading.Eve
             job.repo_id, job.file.path, revision=job.manifest.commit, endpoint=endpoint
         )
         meta = get_hf_file_metadata(url, token=token, endpoint=endpoint)
+        if meta.etag and (
+            _SHA1_RE.fullmatch(meta.etag) is None and _SHA256_RE.fullmatch(meta.etag) is None
+        ):
+            raise PullError(
+                f"pull {job.repo_id}/{job.file.path}: the hub sent a bad ETag {meta.etag[:80]!r}"
+            )
         if meta.etag and job.file.etag and meta.etag != job.file.etag:
             raise PullError(
                 f"pull {job.repo_id}/{job.file.path}: the hub serves a different file than it"
@@ -641,16 +695,23 @@ def _verify_and_commit(job: _Job, cancel: threading.Event) -> None:
         job.state = "link"
 
 
-def _link(job: _Job, cache: Path, endpoint: str, token: str | None) -> None:
-    """Link a blob into ``snapshots/<commit>``: huggingface_hub finds the blob and only links."""
-    hf_hub_download(
-        job.repo_id,
-        job.file.path,
-        revision=job.manifest.commit,
-        cache_dir=cache,
-        endpoint=endpoint,
-        token=token,
-    )
+def _link(job: _Job) -> None:
+    """Point ``snapshots/<commit>/<path>`` at ``blobs/<etag>`` with a relative symlink, as
+    huggingface_hub does (a copy where the file system has no symlinks).
+
+    Done here rather than by ``hf_hub_download``, which asks the hub again and builds the
+    blob's path from whatever ETag it answers; these paths come from the checked listing.
+    """
+    pointer = job.manifest.snapshot / job.file.path
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    tmp = pointer.with_name(f".{pointer.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    try:
+        os.symlink(os.path.relpath(job.blob, pointer.parent), tmp)
+    except OSError:
+        shutil.copyfile(job.blob, tmp)
+    os.replace(tmp, pointer)
     job.state = "cached"
 
 
@@ -746,7 +807,7 @@ def pull(
                 _verify_and_commit(job, cancel)
             for job in jobs:
                 if job.state == "link":
-                    _link(job, cache, endpoint, token)
+                    _link(job)
         except Exception as exc:
             raise _explain(exc, "verify", endpoint) from exc
 

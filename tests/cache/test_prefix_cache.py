@@ -540,8 +540,16 @@ def test_ssd_tier_round_trip_and_bad_values(tmp_path: Path) -> None:
         tier.cache.set(keys[0], bytes(flipped))
         tier.cache.set(keys[1], stored[: len(stored) - 100])
         tier.cache.set(keys[2], stored)  # key 0's entry under key 2: a foreign entry
-        tier.cache.set(keys[3], "not bytes")
-        tier.cache.set(keys[4], 12345)
+        with pytest.raises(TypeError):
+            tier.cache.set(keys[3], "not bytes")  # the tier's store takes bytes only
+        # Rows of other kinds, written behind the store's back: text, an int.
+        con = sqlite3.connect(tmp_path / "ssd" / "cache.db")
+        with con:
+            con.execute("UPDATE Cache SET mode = 3, value = NULL, filename = 'x.txt'"
+                        " WHERE key = ?", (keys[3],))  # fmt: skip
+            con.execute("UPDATE Cache SET mode = 1, value = 12345, filename = NULL"
+                        " WHERE key = ?", (keys[4],))  # fmt: skip
+        con.close()
         for key in keys:
             assert tier.get(key) is None, key
         # A bad entry is deleted on read, so it is rewritten by the next put.

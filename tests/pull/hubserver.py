@@ -20,6 +20,11 @@ hashes, :meth:`HubServer.cut` drops the connection after N bytes (and can fail t
 requests with a status), :attr:`HubServer.lfs_redirect` sends LFS downloads to a "CDN"
 on another origin (``localhost`` instead of ``127.0.0.1``), and every request is recorded
 (:meth:`HubServer.gets`, :attr:`HubServer.requests`).
+
+A hostile hub, for the pull's defences: :meth:`HubServer.serve_etag` answers with another
+``ETag`` (e.g. an absolute path or ``../..``) once a file has been fetched, and
+:meth:`HubServer.list_as` lists a file under another name too (``../x.json``, ``/abs.json``, a
+NUL byte) or with other hashes, while still serving it under that name.
 """
 
 from __future__ import annotations
@@ -86,6 +91,13 @@ class _Repo:
 
 
 @dataclass(frozen=True)
+class _Listed:
+    path: str  # the real file
+    sha256: str | None
+    oid: str | None
+
+
+@dataclass(frozen=True)
 class Request:
     method: str
     path: str  # decoded path, without the query
@@ -113,6 +125,8 @@ class HubServer:
         self._repos: dict[str, _Repo] = {}
         self._corrupt: set[tuple[str, str]] = set()
         self._cuts: dict[tuple[str, str], _Cut] = {}
+        self._etags: dict[tuple[str, str], tuple[str, int]] = {}  # -> (etag, true ones left)
+        self._listed: dict[tuple[str, str], _Listed] = {}  # (repo, listed name) -> what
         self._lock = threading.Lock()
         self.requests: list[Request] = []
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
@@ -204,6 +218,27 @@ class HubServer:
         with self._lock:
             self._cuts[(repo_id.lower(), path)] = _Cut(after, times, then_status, then_times)
 
+    def serve_etag(self, repo_id: str, path: str, etag: str, *, after: int = 0) -> None:
+        """Answer ``etag`` (quoted, as ``ETag`` and ``X-Linked-Etag``) for ``path`` after
+        ``after`` responses with the true one."""
+        with self._lock:
+            self._etags[(repo_id.lower(), path)] = (etag, after)
+
+    def list_as(
+        self,
+        repo_id: str,
+        path: str,
+        *,
+        name: str | None = None,
+        sha256: str | None = None,
+        oid: str | None = None,
+    ) -> None:
+        """List ``path`` also as ``name`` (its bytes are served under that name too), or with
+        the given hashes in place of its true ones."""
+        listed = name if name is not None else path
+        with self._lock:
+            self._listed[(repo_id.lower(), listed)] = _Listed(path, sha256, oid)
+
     def gets(self, suffix: str = "") -> list[Request]:
         """Recorded file downloads (GETs of ``resolve``/CDN URLs) whose path ends with suffix."""
         with self._lock:
@@ -249,6 +284,37 @@ class HubServer:
                 cut.then_times -= 1
                 return ("status", cut.then_status)
             return None
+
+    def _etag(self, repo: _Repo, f: HubFile) -> str:
+        with self._lock:
+            hostile = self._etags.get((repo.repo_id.lower(), f.path))
+            if hostile is None:
+                return f.etag
+            etag, left = hostile
+            if left > 0:
+                self._etags[(repo.repo_id.lower(), f.path)] = (etag, left - 1)
+                return f.etag
+            return etag
+
+    def _listing(
+        self, repo: _Repo, files: Mapping[str, HubFile]
+    ) -> list[tuple[str, HubFile, str, str]]:
+        """(listed name, file, listed sha256, listed oid) of every file, hostile ones included."""
+        with self._lock:
+            listed = {k[1]: v for k, v in self._listed.items() if k[0] == repo.repo_id.lower()}
+        out = [(p, f, f.sha256, f.oid) for p, f in sorted(files.items())]
+        for name, v in sorted(listed.items()):
+            f = files.get(v.path)
+            if f is None:
+                continue
+            out = [o for o in out if o[0] != name]
+            out.append((name, f, v.sha256 or f.sha256, v.oid or f.oid))
+        return out
+
+    def _aliased(self, repo: _Repo, files: Mapping[str, HubFile], name: str) -> HubFile | None:
+        with self._lock:
+            listed = self._listed.get((repo.repo_id.lower(), name))
+        return files.get(listed.path) if listed is not None else files.get(name)
 
     def _by_sha(self, sha: str) -> tuple[_Repo, HubFile] | None:
         with self._lock:
@@ -371,15 +437,14 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             self, repo: _Repo, commit: str, files: Mapping[str, HubFile], blobs: bool
         ) -> dict[str, Any]:
             siblings: list[dict[str, Any]] = []
-            for path in sorted(files):
-                f = files[path]
+            for path, f, sha256, oid in hub._listing(repo, files):
                 item: dict[str, Any] = {"rfilename": path}
                 if blobs:
                     item["size"] = f.size
-                    item["blobId"] = f.oid
+                    item["blobId"] = oid
                     if f.lfs:
                         item["lfs"] = {
-                            "sha256": f.sha256,
+                            "sha256": sha256,
                             "size": f.size,
                             "pointerSize": POINTER_SIZE,
                         }
@@ -460,7 +525,7 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             if commit is None:
                 self._error(404, "RevisionNotFound", f"Invalid rev id: {revision}")
                 return
-            f = repo.commits[commit].get(path)
+            f = hub._aliased(repo, repo.commits[commit], path)
             if f is None:
                 self._error(404, "EntryNotFound", f"{path} does not exist", commit)
                 return
@@ -481,15 +546,16 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
             self._file(repo, f, commit)
 
         def _file(self, repo: _Repo, f: HubFile, commit: str, cdn: bool = False) -> None:
+            etag = hub._etag(repo, f)
             headers = {
                 "Content-Type": "application/octet-stream",
                 "Accept-Ranges": "bytes",
-                "ETag": f'"{f.etag}"',
+                "ETag": f'"{etag}"',
             }
             if commit:
                 headers["X-Repo-Commit"] = commit
             if f.lfs and not cdn:
-                headers["X-Linked-Etag"] = f'"{f.sha256}"'
+                headers["X-Linked-Etag"] = f'"{etag}"'
                 headers["X-Linked-Size"] = str(f.size)
             body = hub._body_for(repo, f)
             start, end = 0, len(body) - 1
