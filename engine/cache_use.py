@@ -11,6 +11,7 @@ from mlxd.engine.generation import Generation
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.pairing import Pairing
 from mlxd.engine.prefix_cache import Block, Namespace, PrefixCache, build_caches, slice_layers
+from mlxd.engine.sampling import Rng
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +65,42 @@ def offer(cache: PrefixCache, ns: Namespace, gen: Generation, companion: bool) -
             return 0  # the draft's state is gone (speculation stopped): keep the pair whole
         draft = state
     return offer_caches(cache, ns, gen.cache, gen.tokens, draft)
+
+
+def offer_final(
+    cache: PrefixCache,
+    ns: Namespace,
+    gen: Generation,
+    pairing: Pairing,
+    prompt_len: int,
+    companion: bool,
+) -> int:
+    """Offer a finished solo generation: its prompt (all but the last token) and everything
+    it holds. In a namespace with the draft's state beside the target's, the draft must
+    cover what is offered, yet speculation that was paused may never have read the prompt
+    (its prefill is deferred) or may have dropped the draft model (stepped down to prompt
+    lookup, or fell back): the draft reads the tokens now, after the response, so the next
+    identical prompt still hits."""
+    if not companion:
+        offered = offer_caches(cache, ns, gen.cache, gen.tokens[: prompt_len - 1])
+        return offered + offer_caches(cache, ns, gen.cache, gen.tokens)
+    own = has_companion(gen.source)
+    source: DraftSource | None = gen.source if own else None
+    try:
+        if own:
+            gen.ready_source()
+            source = gen.source
+        if source is None and pairing.draft is not None:
+            source = ModelDraftSource(pairing.draft, gen.opts, Rng(0))
+            source.prefill(gen.tokens)
+        state = source.checkpoint() if source is not None else None
+        if not state or not state[0]:
+            return 0  # no draft state to store beside the target's: keep the pair whole
+        offered = offer_caches(cache, ns, gen.cache, gen.tokens[: prompt_len - 1], state)
+        return offered + offer_caches(cache, ns, gen.cache, gen.tokens, state)
+    finally:
+        if source is not None and source is not gen.source:
+            source.dispose()
 
 
 def offer_caches(

@@ -21,7 +21,14 @@ from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import trim_prompt_cache
 
 from mlxd.engine import kvcache
-from mlxd.engine.cache_use import has_companion, namespace_for, offer, offer_caches, restore
+from mlxd.engine.cache_use import (
+    has_companion,
+    namespace_for,
+    offer,
+    offer_caches,
+    offer_final,
+    restore,
+)
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Event, Failed, GenerationRequest
 from mlxd.engine.generation import Generation
@@ -296,9 +303,7 @@ class Scheduler:
                     return self._handover(job, row, gen)
             row.finish(gen.finish or "length")
             if self.prefix is not None and row.reason != "cancel":
-                if companion:  # the draft's state is stored beside the target's
-                    gen.ready_source()
-                offer(self.prefix, ns, gen, companion)
+                offer_final(self.prefix, ns, gen, pairing, len(req.prompt_tokens), companion)
             return False
         finally:
             if gen.cache:
