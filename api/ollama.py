@@ -89,7 +89,7 @@ def _with_status(state: ServerState, entry: ModelEntry, obj: dict[str, Any]) -> 
     """mlxd's extra: why a pairing that failed its probe is not being served."""
     probed = state.manager.probe_result(entry)
     if probed is not None and not probed.ok:
-        obj["unavailable"] = probed.reason
+        obj.setdefault("unavailable", probed.reason)
     return obj
 
 
@@ -102,7 +102,7 @@ async def show(request: Request) -> Response:
     local = await run_in_threadpool(find_local, entry)
     if local is None:
         raise ApiError(404, f"model '{entry.name}' not found")
-    return JSONResponse(_with_status(state_of(request), entry, show_json(local)))
+    return JSONResponse(_with_status(state_of(request), entry, show_json(local.usable())))
 
 
 # -- inference ------------------------------------------------------------------------------
