@@ -148,6 +148,11 @@ def _prefix_cache(state: ServerState) -> dict[str, Any]:
     return prefix.snapshot() if prefix is not None else {}
 
 
+def _registry_errors(state: ServerState) -> list[str]:
+    """Why the last edit of the registry files was not applied (the last good one serves)."""
+    return state.registry_errors()
+
+
 STATS: dict[str, StatsPart] = {
     "models": _models,
     "prefix_cache": _prefix_cache,
@@ -156,6 +161,7 @@ STATS: dict[str, StatsPart] = {
     "memory": _memory,
     "limits": _limits,
     "device": _device,
+    "registry_errors": _registry_errors,
 }
 
 

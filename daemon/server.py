@@ -69,6 +69,7 @@ def build_state(settings: Settings) -> ServerState:
         registry=live,
         manager=manager,
         reload=life.reload,
+        registry_errors=live.errors,
         startup=life.startup,
         shutdown=life.shutdown,
     )

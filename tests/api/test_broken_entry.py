@@ -8,7 +8,6 @@ models.yaml, a half-deleted download) must not turn /api/tags, /v1/models or /ap
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import pytest
