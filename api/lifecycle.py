@@ -135,6 +135,8 @@ def _limits(state: ServerState) -> dict[str, Any]:
         "max_loaded_models": manager.max_loaded,
         "num_parallel": manager.num_parallel,
         "default_keep_alive": keep_alive_json(manager.default_keep_alive),
+        "runner_stall_s": manager.stall_limit,
+        "runner_stalls": manager.stalls,
     }
 
 

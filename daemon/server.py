@@ -63,6 +63,7 @@ def build_state(settings: Settings) -> ServerState:
         max_queue=settings.max_queue,
         num_parallel=settings.num_parallel,
         memory_budget=settings.memory_budget,
+        stall_limit=settings.runner_stall_s,
     )
     life = Lifecycle(live, manager)
     return ServerState(
