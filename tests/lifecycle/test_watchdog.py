@@ -8,6 +8,10 @@ kernel or a pathological request would. The watchdog's limit is set short for th
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +19,10 @@ import httpx
 import pytest
 
 from mlxd.engine import runner as runner_module
-from tests.conftest import ServerThread
+from tests.conftest import ServerThread, free_port, wait_for
 from tests.fixtures.tiny_models import TinyPair
 
+REPO = Path(__file__).resolve().parents[2]
 STALL_LIMIT = 2.0  # seconds without a step before the watchdog steps in
 
 
@@ -89,3 +94,47 @@ def test_the_stuck_thread_exits_once_its_step_returns(
         r = httpx.post(f"{srv.base_url}/api/generate", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["eval_count"] == 16
+
+
+def test_the_daemon_stops_on_sigterm_with_a_runner_still_stuck(
+    tiny_pair: TinyPair, tmp_path: Path
+) -> None:
+    """`mlxd serve` whose abandoned runner never returns still exits 0 on SIGTERM: nothing
+    waits for that thread, and no SIGKILL is needed."""
+    registry = tmp_path / "models.yaml"
+    registry.write_text(f"models:\n  tiny:\n    target: {tiny_pair.target}\n", encoding="utf-8")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OLLAMA_", "MLXD_HOST"))}
+    env.update(
+        MLXD_HOST=f"127.0.0.1:{port}",
+        MLXD_RUNNER_STALL_S=str(STALL_LIMIT),
+        MLXD_TEST_STALL_S="600",
+        MLXD_CACHE_DIR=str(tmp_path / "kvcache"),
+    )
+    cmd = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(registry)]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w", encoding="utf-8") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=log_file)
+    base = f"http://127.0.0.1:{port}"
+    body = {"model": "tiny", "prompt": "hello", "options": {"temperature": 0, "num_predict": 8}}
+    try:
+        assert wait_for(lambda: _up(base), timeout=90), "mlxd serve did not start"
+        _, lines = stream_lines(base, body)
+        assert "stopped making progress" in lines[-1].get("error", ""), lines
+        _, lines = stream_lines(base, body)
+        assert lines[-1].get("done") is True, lines
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log_path.read_text(encoding="utf-8")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = log_path.read_text(encoding="utf-8")
+    assert "made no progress" in log and "terminate called" not in log
+
+
+def _up(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/api/version", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
