@@ -307,6 +307,7 @@ class Scheduler:
                         return self._handover(job, row, gen)
             row.finish(gen.finish or "length")
             if self.prefix is not None and row.reason != "cancel":
+                self.flush()  # the response goes out before the cache work (a draft may catch up)
                 offer_final(self.prefix, ns, gen, pairing, len(req.prompt_tokens), companion)
             return False
         finally:
