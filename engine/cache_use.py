@@ -84,23 +84,25 @@ def offer_final(
     if not companion:
         offered = offer_caches(cache, ns, gen.cache, gen.tokens[: prompt_len - 1])
         return offered + offer_caches(cache, ns, gen.cache, gen.tokens)
-    own = has_companion(gen.source)
-    source: DraftSource | None = gen.source if own else None
+    fresh: ModelDraftSource | None = None
     try:
-        if own:
-            gen.ready_source()
-            source = gen.source
+        if has_companion(gen.source):
+            gen.ready_source()  # a paused draft reads the tokens now (may drop a failing one)
+        source = gen.source if has_companion(gen.source) else None
         if source is None and pairing.draft is not None:
-            source = ModelDraftSource(pairing.draft, gen.opts, Rng(0))
-            source.prefill(gen.tokens)
+            source = fresh = ModelDraftSource(pairing.draft, gen.opts, Rng(0))
+            fresh.prefill(gen.tokens)
         state = source.checkpoint() if source is not None else None
         if not state or not state[0]:
             return 0  # no draft state to store beside the target's: keep the pair whole
         offered = offer_caches(cache, ns, gen.cache, gen.tokens[: prompt_len - 1], state)
         return offered + offer_caches(cache, ns, gen.cache, gen.tokens, state)
+    except Exception:  # the response is out already: the cache misses this one, no more
+        log.exception("prefix cache: offering a finished request failed")
+        return 0
     finally:
-        if source is not None and source is not gen.source:
-            source.dispose()
+        if fresh is not None:
+            fresh.dispose()
 
 
 def offer_caches(
