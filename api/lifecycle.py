@@ -134,6 +134,8 @@ def _limits(state: ServerState) -> dict[str, Any]:
         "max_loaded_models": manager.max_loaded,
         "num_parallel": manager.num_parallel,
         "default_keep_alive": keep_alive_json(manager.default_keep_alive),
+        "runner_stall_s": manager.stall_limit,
+        "runner_stalls": manager.stalls,
     }
 
 
@@ -147,6 +149,11 @@ def _prefix_cache(state: ServerState) -> dict[str, Any]:
     return prefix.snapshot() if prefix is not None else {}
 
 
+def _registry_errors(state: ServerState) -> list[str]:
+    """Why the last edit of the registry files was not applied (the last good one serves)."""
+    return state.registry_errors()
+
+
 STATS: dict[str, StatsPart] = {
     "models": _models,
     "prefix_cache": _prefix_cache,
@@ -155,6 +162,7 @@ STATS: dict[str, StatsPart] = {
     "memory": _memory,
     "limits": _limits,
     "device": _device,
+    "registry_errors": _registry_errors,
 }
 
 

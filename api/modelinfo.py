@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mlxd.api.errors import ApiError
 from mlxd.engine.prompt import detect_fim
 from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import ModelDetails, model_digest, model_size, read_details, resolve_local
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class LocalModel:
-    """A registered model whose files are present."""
+    """A registered model whose files are present (readable as a model, or `problem` says
+    why not)."""
 
     entry: ModelEntry
     target_dir: Path
@@ -24,22 +30,57 @@ class LocalModel:
     size: int
     digest: str
     modified_at: datetime
+    problem: str | None = None
+
+    def usable(self) -> LocalModel:
+        """This model, or the error that names it: a broken entry fails only its own
+        requests."""
+        if self.problem is not None:
+            raise ApiError(500, f"model '{self.entry.name}' is unavailable: {self.problem}")
+        return self
 
 
 def find_local(entry: ModelEntry) -> LocalModel | None:
+    """The entry's files, None when they are not downloaded. A directory that is not a model
+    (or not one mlxd can read) is returned with its `problem`, so one bad registry entry
+    never breaks the listings of the others."""
     target = resolve_local(entry.target)
     if target is None:
         return None
     draft = resolve_local(entry.draft) if entry.draft else None
     if entry.draft and draft is None:
         return None
+    try:
+        return _read_local(entry, target, draft)
+    except Exception as exc:
+        log.warning("model %s: cannot read its files: %s", entry.name, exc)
+        return LocalModel(
+            entry=entry,
+            target_dir=target,
+            draft_dir=draft,
+            details=ModelDetails(),
+            size=0,
+            digest="",
+            modified_at=_mtime([target] + ([draft] if draft else [])),
+            problem=str(exc) or type(exc).__name__,
+        )
+
+
+def _mtime(dirs: list[Path]) -> datetime:
+    try:
+        seconds = max(d.stat().st_mtime for d in dirs)
+    except OSError:
+        seconds = 0.0
+    return datetime.fromtimestamp(seconds, tz=timezone.utc)
+
+
+def _read_local(entry: ModelEntry, target: Path, draft: Path | None) -> LocalModel:
     dirs = [target] + ([draft] if draft else [])
     mtime = max((p.stat().st_mtime for d in dirs for p in d.iterdir() if p.is_file()), default=0.0)
     digest = model_digest(target)
     if draft is not None:
-        import hashlib
-
         digest = hashlib.sha256(f"{digest}:{model_digest(draft)}".encode()).hexdigest()
+        read_details(draft)  # a draft directory that is not a model breaks the pairing
     return LocalModel(
         entry=entry,
         target_dir=target,
@@ -56,7 +97,7 @@ def rfc3339(dt: datetime) -> str:
 
 
 def tag_json(m: LocalModel) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "name": m.entry.name,
         "model": m.entry.name,
         "modified_at": rfc3339(m.modified_at),
@@ -64,6 +105,9 @@ def tag_json(m: LocalModel) -> dict[str, Any]:
         "digest": m.digest,
         "details": m.details.ollama_details(),
     }
+    if m.problem is not None:
+        out["unavailable"] = m.problem  # mlxd's extra, as for a pairing that failed its probe
+    return out
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -40,6 +40,7 @@ class ServerState:
     registry: Callable[[], Registry]
     manager: ModelManager
     reload: Callable[[], object] = lambda: None  # re-read the registry files now
+    registry_errors: Callable[[], list[str]] = list  # why the last registry edit was not applied
     startup: Callable[[], Awaitable[None]] | None = None  # runs before the server is ready
     shutdown: Callable[[], Awaitable[None]] | None = None
 
@@ -82,14 +83,18 @@ async def tags(request: Request) -> Response:
         lambda: [m for m in (find_local(e) for e in state.registry().entries()) if m]
     )
     found.sort(key=lambda m: m.modified_at, reverse=True)
-    return JSONResponse({"models": [_with_status(state, m.entry, tag_json(m)) for m in found]})
+    out: dict[str, Any] = {"models": [_with_status(state, m.entry, tag_json(m)) for m in found]}
+    errors = state.registry_errors()
+    if errors:  # mlxd's extra: an edit to the registry files was not applied
+        out["warning"] = "serving the last good registry: " + "; ".join(errors)
+    return JSONResponse(out)
 
 
 def _with_status(state: ServerState, entry: ModelEntry, obj: dict[str, Any]) -> dict[str, Any]:
     """mlxd's extra: why a pairing that failed its probe is not being served."""
     probed = state.manager.probe_result(entry)
     if probed is not None and not probed.ok:
-        obj["unavailable"] = probed.reason
+        obj.setdefault("unavailable", probed.reason)
     return obj
 
 
@@ -102,7 +107,7 @@ async def show(request: Request) -> Response:
     local = await run_in_threadpool(find_local, entry)
     if local is None:
         raise ApiError(404, f"model '{entry.name}' not found")
-    return JSONResponse(_with_status(state_of(request), entry, show_json(local)))
+    return JSONResponse(_with_status(state_of(request), entry, show_json(local.usable())))
 
 
 # -- inference ------------------------------------------------------------------------------

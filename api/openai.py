@@ -465,6 +465,7 @@ async def list_models(request: Request) -> Response:
     found = await run_in_threadpool(
         lambda: [m for m in (find_local(e) for e in state.registry().entries()) if m]
     )
+    found = [m for m in found if m.problem is None]  # OpenAI's list has no field to say why
     found.sort(key=lambda m: m.modified_at, reverse=True)
     return JSONResponse({"object": "list", "data": [_model_json(m, m.entry.name) for m in found]})
 
@@ -478,7 +479,7 @@ async def retrieve_model(request: Request) -> Response:
     local = await run_in_threadpool(find_local, entry)
     if local is None:
         raise ApiError(404, f"model '{name}' not found")
-    return JSONResponse(_model_json(local, name))
+    return JSONResponse(_model_json(local.usable(), name))
 
 
 def routes() -> list[Route]:

@@ -95,6 +95,17 @@ def _count(environ: Mapping[str, str], name: str, default: int) -> int:
     return number if number > 0 else default
 
 
+def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
+    """A duration in seconds (0 or negative: off); unset means the default."""
+    value = environ.get(name, "").strip().strip("\"'")
+    if not value:
+        return default
+    try:
+        return max(0.0, float(value))
+    except ValueError as exc:
+        raise ConfigError(f"invalid {name} {value!r}: expected seconds") from exc
+
+
 @dataclass(frozen=True)
 class Settings:
     host: str
@@ -108,6 +119,7 @@ class Settings:
     max_queue: int = 512  # requests waiting for a model before 503
     num_parallel: int = 4  # rows per loaded pairing (KV budget and scheduler)
     memory_budget: int | None = None  # bytes for loaded pairings; None: 75% of total memory
+    runner_stall_s: float = 120.0  # a runner stuck this long in one step is reloaded (0: never)
 
     @classmethod
     def from_env(
@@ -127,4 +139,5 @@ class Settings:
             max_queue=_count(environ, "MAX_QUEUE", 512),
             num_parallel=_count(environ, "NUM_PARALLEL", 4),
             memory_budget=parse_bytes(budget) if budget else None,
+            runner_stall_s=_seconds(environ, "MLXD_RUNNER_STALL_S", 120.0),
         )

@@ -66,12 +66,14 @@ def build_state(settings: Settings, backend: Backend) -> ServerState:
         max_queue=settings.max_queue,
         num_parallel=settings.num_parallel,
         memory_budget=settings.memory_budget,
+        stall_limit=settings.runner_stall_s,
     )
     life = Lifecycle(live, manager)
     return ServerState(
         registry=live,
         manager=manager,
         reload=life.reload,
+        registry_errors=live.errors,
         startup=life.startup,
         shutdown=life.shutdown,
     )

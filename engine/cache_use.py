@@ -12,6 +12,7 @@ from mlxd.engine.kvcache import bucket_of
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.pairing import Pairing
 from mlxd.engine.prefix_cache import Block, Namespace, PrefixCache, build_caches, slice_layers
+from mlxd.engine.sampling import Rng
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,44 @@ def offer(cache: PrefixCache, ns: Namespace, gen: Generation, companion: bool) -
             return 0  # the draft's state is gone (speculation stopped): keep the pair whole
         draft = state
     return offer_caches(cache, ns, gen.cache, gen.tokens, draft)
+
+
+def offer_final(
+    cache: PrefixCache,
+    ns: Namespace,
+    gen: Generation,
+    pairing: Pairing,
+    prompt_len: int,
+    companion: bool,
+) -> int:
+    """Offer a finished solo generation: its prompt (all but the last token) and everything
+    it holds. In a namespace with the draft's state beside the target's, the draft must
+    cover what is offered, yet speculation that was paused may never have read the prompt
+    (its prefill is deferred) or may have dropped the draft model (stepped down to prompt
+    lookup, or fell back): the draft reads the tokens now, after the response, so the next
+    identical prompt still hits."""
+    if not companion:
+        offered = offer_caches(cache, ns, gen.cache, gen.tokens[: prompt_len - 1])
+        return offered + offer_caches(cache, ns, gen.cache, gen.tokens)
+    fresh: ModelDraftSource | None = None
+    try:
+        if has_companion(gen.source):
+            gen.ready_source()  # a paused draft reads the tokens now (may drop a failing one)
+        source = gen.source if has_companion(gen.source) else None
+        if source is None and pairing.draft is not None:
+            source = fresh = ModelDraftSource(pairing.draft, gen.opts, Rng(0))
+            fresh.prefill(gen.tokens)
+        state = source.checkpoint() if source is not None else None
+        if not state or not state[0]:
+            return 0  # no draft state to store beside the target's: keep the pair whole
+        offered = offer_caches(cache, ns, gen.cache, gen.tokens[: prompt_len - 1], state)
+        return offered + offer_caches(cache, ns, gen.cache, gen.tokens, state)
+    except Exception:  # the response is out already: the cache misses this one, no more
+        log.exception("prefix cache: offering a finished request failed")
+        return 0
+    finally:
+        if fresh is not None:
+            fresh.dispose()
 
 
 def offer_caches(

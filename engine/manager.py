@@ -1,5 +1,6 @@
 """Which pairings are loaded: load on demand, keep_alive expiry, a cap on loaded models, a memory
-budget checked before every load, and a bounded count of requests waiting to run.
+budget checked before every load, a bounded count of requests waiting to run, and a watchdog
+that reloads a pairing whose runner stopped making progress.
 
 Everything here runs on the event loop except `Ticket.start`, which a runner thread may call.
 """
@@ -35,6 +36,7 @@ FOREVER = float("inf")
 DEFAULT_MAX_QUEUE = 512
 DEFAULT_NUM_PARALLEL = 4
 JOIN_TIMEOUT = 60.0  # seconds to wait for a stopped runner's thread to let go of its memory
+DEFAULT_STALL_LIMIT = 120.0  # seconds a runner may hold requests without finishing a step
 QUEUE_FULL = "server busy, please try again.  maximum pending requests exceeded"
 
 
@@ -157,6 +159,7 @@ class Resident:
     last_used: float = field(default_factory=time.monotonic)
     retired: bool = False  # leaving: stops once idle, then its memory comes back
     stopped: bool = False  # its runner was told to stop
+    abandoned: bool = False  # its runner got stuck in a step: out of service and accounts
     timer: asyncio.TimerHandle | None = None
 
     @property
@@ -237,7 +240,10 @@ class ModelManager:
         max_queue: int = DEFAULT_MAX_QUEUE,
         num_parallel: int = DEFAULT_NUM_PARALLEL,
         memory_budget: int | None = None,
+        stall_limit: float = DEFAULT_STALL_LIMIT,
     ) -> None:
+        """`stall_limit`: seconds a runner may hold requests without finishing a step before
+        its requests fail and its pairing is reloaded (0: never)."""
         self.backend = backend  # the machine-wide choices every pairing loads with
         self.prefix = prefix  # shared by every pairing; namespaces keep them apart
         self.default_keep_alive = default_keep_alive
@@ -252,6 +258,9 @@ class ModelManager:
         self._load_lock = asyncio.Lock()  # one load decision at a time, as Ollama's scheduler
         self._waiters: list[asyncio.Future[None]] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        self.stall_limit = stall_limit
+        self.stalls = 0  # runners abandoned by the watchdog
+        self._watchdog: asyncio.Task[None] | None = None
 
     # -- probe-open ----------------------------------------------------------------------------
 
@@ -382,7 +391,66 @@ class ModelManager:
         model = Resident(entry, runner, need, self.default_keep_alive)
         self._loaded[entry.name] = model
         log.info("loading %s (%s)", entry.name, human_bytes(need.total))
+        self._start_watchdog()
         return model
+
+    # -- the watchdog ------------------------------------------------------------------------
+
+    def _start_watchdog(self) -> None:
+        if self.stall_limit > 0 and (self._watchdog is None or self._watchdog.done()):
+            self._watchdog = asyncio.get_running_loop().create_task(self._watch_runners())
+
+    async def _watch_runners(self) -> None:
+        """Every quarter of the limit (at most 5 s), look for runners stuck in a step."""
+        every = min(self.stall_limit / 4, 5.0)
+        while self._loaded or self._retiring:
+            await asyncio.sleep(every)
+            now = time.monotonic()
+            for model in [*self._loaded.values(), *self._retiring]:
+                stalled = model.runner.stalled_for(now)
+                if stalled > self.stall_limit and not model.abandoned:
+                    self._abandon(model, stalled)
+
+    def _abandon(self, model: Resident, stalled: float) -> None:
+        """Take a stuck runner out of service: its requests end with an error line, its
+        thread is left to exit if it ever can (its memory is no longer counted: it may never
+        come back), and a fresh runner loads the pairing unless it was leaving anyway."""
+        name = model.entry.name
+        leaving = model.retired
+        answered = model.runner.abandon(
+            f"model '{name}' stopped making progress ({stalled:.0f}s without finishing a step)"
+            " and is being reloaded; please retry"
+        )
+        log.error(
+            "runner of %s made no progress for %.0fs: %d request(s) failed, %s",
+            name, stalled, answered, "not reloading (it was unloading)" if leaving else "reloading",
+        )  # fmt: skip
+        self.stalls += 1
+        model.abandoned = model.retired = model.stopped = True
+        model.cancel_timer()
+        if self._loaded.get(name) is model:
+            del self._loaded[name]
+        if model in self._retiring:
+            self._retiring.remove(model)
+        self._notify()
+        if not leaving and model.keep_alive > 0:
+            task = asyncio.get_running_loop().create_task(self._reload(model))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _reload(self, stuck: Resident) -> None:
+        """Load the pairing of an abandoned runner on a fresh runner, kept as it was."""
+        entry = stuck.entry
+        try:
+            async with self._load_lock:
+                if entry.name in self._loaded:
+                    return  # a request loaded it meanwhile
+                await self._make_room(stuck.need)
+                model = self._start(entry, stuck.need)
+                model.keep_alive = stuck.keep_alive
+                self._on_idle(model)
+        except Exception:
+            log.exception("reloading %s failed; the next request loads it", entry.name)
 
     def memory_used(self) -> int:
         return sum(m.need.total for m in [*self._loaded.values(), *self._retiring])
@@ -451,7 +519,7 @@ class ModelManager:
         model.cancel_timer()
         if self._loaded.get(model.entry.name) is model:
             del self._loaded[model.entry.name]
-        if model not in self._retiring:
+        if model not in self._retiring and not model.abandoned:
             self._retiring.append(model)
         model.retired = True
         if model.users == 0 and not model.stopped:
@@ -491,6 +559,8 @@ class ModelManager:
         return [_status(m, now) for m in [*self._loaded.values(), *busy_leaving]]
 
     async def shutdown(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         for task in list(self._tasks):
             task.cancel()
         models = [*self._loaded.values(), *self._retiring]

@@ -24,6 +24,7 @@ import mlx.nn as nn
 from mlx_lm.models.cache import KVCache
 
 from mlxd.engine import kvcache
+from mlxd.engine.progress import beat
 
 CHUNK = 512
 
@@ -88,6 +89,7 @@ def feed(
         if pending >= CHUNK and start < len(tokens):  # bound the lazy graph, not every piece
             mx.eval([c.state for c in cache])
             pending = 0
+            beat()  # a long prompt is progress, not a stuck step
     assert logits is not None
     return logits
 

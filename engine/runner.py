@@ -3,6 +3,11 @@
 Keeping all of a pairing's MLX work on one thread keeps streams and caches single-owner and the
 event loop free. The thread runs the pairing's Scheduler; events go back to the caller's
 asyncio queue.
+
+The thread beats a heartbeat after every scheduler step. A runner that holds requests and has
+not beaten for too long is stuck inside a step (the manager's watchdog decides); Python cannot
+kill its thread, so `abandon` answers its requests from the caller's side and drops whatever
+the thread still produces.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -22,12 +28,45 @@ from mlxd.engine.backend import Backend
 from mlxd.engine.events import Done, Event, Failed, GenerationRequest
 from mlxd.engine.pairing import Pairing, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
+from mlxd.engine.progress import beat_with
 from mlxd.engine.scheduler import Job, Scheduler
 from mlxd.engine.speculation import Costs
 from mlxd.engine.threads import start_mlx_thread
 from mlxd.registry.schema import ModelEntry
 
 log = logging.getLogger(__name__)
+
+STALL_ENV = "MLXD_TEST_STALL_S"
+
+
+class TestStall:
+    """Test-only: with MLXD_TEST_STALL_S=<seconds> set, the first step of this process that
+    hands events to a request then blocks for that long on the runner's thread (a step that
+    does not return), once per process, so the watchdog can be exercised on a real model.
+    `release` ends the block early (tests, so the thread can finish)."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self._used = False
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def seconds() -> float:
+        try:
+            return max(0.0, float(os.environ.get(STALL_ENV) or 0))
+        except ValueError:
+            return 0.0
+
+    def block(self, seconds: float) -> None:
+        with self._lock:
+            if self._used:
+                return
+            self._used = True
+        log.warning("%s: blocking this runner's step for %.1f s", STALL_ENV, seconds)
+        self.release.wait(seconds)
+
+
+TEST_STALL = TestStall()
 
 
 class Outbox:
@@ -40,17 +79,25 @@ class Outbox:
     def __init__(self) -> None:
         self._held: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event], Event]] = []
         self._lock = threading.Lock()
+        self._closed = False  # abandoned runner: what its thread still sends is dropped
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._held = []
 
     def sender(
         self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]
     ) -> Callable[[Event], None]:
         def send(event: Event) -> None:
             with self._lock:
-                self._held.append((loop, events, event))
+                if not self._closed:
+                    self._held.append((loop, events, event))
 
         return send
 
-    def flush(self) -> None:
+    def flush(self) -> int:
+        """Hand the held events over; returns how many."""
         with self._lock:
             held, self._held = self._held, []
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
@@ -59,6 +106,7 @@ class Outbox:
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that caller's loop is gone
                 loop.call_soon_threadsafe(_deliver, items)
+        return len(held)
 
 
 def _deliver(items: list[tuple[asyncio.Queue[Event], Event]]) -> None:
@@ -90,6 +138,11 @@ class PairingRunner:
         self._outbox = Outbox()
         self._active = 0
         self._lock = threading.Lock()
+        # callers waiting for events: what `abandon` answers when the thread cannot
+        self._callers: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event]]] = {}
+        self.abandoned = False
+        self.heartbeat = time.monotonic()  # the last step's end (or a request to an idle runner)
+        self._test_stall = TestStall.seconds()
         self._thread = start_mlx_thread(self._main, f"runner:{entry.name}")
 
     def _main(self) -> None:
@@ -100,13 +153,15 @@ class PairingRunner:
             self.loaded.set_exception(exc)
             return
         self.scheduler = Scheduler(
-            self.pairing, self._jobs, self.prefix, self.num_parallel, self._outbox.flush
+            self.pairing, self._jobs, self.prefix, self.num_parallel, self._stepped
         )
         try:
             self.scheduler.warm()
         except Exception:
             log.exception("warming the batch of %s failed", self.entry.name)
         self.load_seconds = time.perf_counter() - t0
+        self.heartbeat = time.monotonic()
+        beat_with(self._beat)
         self.loaded.set_result(self.pairing)
         try:
             self.scheduler.run()
@@ -118,7 +173,38 @@ class PairingRunner:
             self.pairing = None
             mx.clear_cache()
 
+    def _beat(self) -> None:
+        self.heartbeat = time.monotonic()
+
+    def _stepped(self) -> None:
+        """After every scheduler step, on this thread: the heartbeat, then the step's events."""
+        self.heartbeat = time.monotonic()
+        if self._outbox.flush() and self._test_stall:
+            TEST_STALL.block(self._test_stall)
+
     # -- caller side ---------------------------------------------------------------------------
+
+    def stalled_for(self, now: float) -> float:
+        """Seconds this runner has held requests without finishing a step (0 while it is
+        idle, loading, or abandoned already)."""
+        if self.abandoned or self._active <= 0 or not self.loaded.done():
+            return 0.0
+        return max(0.0, now - self.heartbeat)
+
+    def abandon(self, message: str) -> int:
+        """Give up on a runner whose thread is stuck in a step: every request it holds ends
+        with `message` (delivered from here, since the thread cannot), and what the thread
+        still produces is dropped. The thread is told to stop and exits if its step ever
+        returns. Returns how many requests were answered."""
+        with self._lock:
+            self.abandoned = True
+            callers, self._callers = list(self._callers.values()), {}
+        self._outbox.close()
+        for loop, events in callers:
+            with contextlib.suppress(RuntimeError):  # that caller's loop is gone
+                loop.call_soon_threadsafe(events.put_nowait, Failed(message))
+        self._jobs.put(None)
+        return len(callers)
 
     @property
     def busy(self) -> bool:
@@ -139,10 +225,20 @@ class PairingRunner:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Event]:
         """Stream events for one request; closing the iterator cancels the generation."""
         events: asyncio.Queue[Event] = asyncio.Queue()
-        emit = self._outbox.sender(asyncio.get_running_loop(), events)
+        loop = asyncio.get_running_loop()
+        emit = self._outbox.sender(loop, events)
+        key = id(events)
         with self._lock:
-            self._active += 1
-        self._jobs.put(Job(request, emit, self._finished))
+            taken = not self.abandoned
+            if taken:
+                if self._active <= 0:  # an idle runner's clock starts with its next request
+                    self.heartbeat = time.monotonic()
+                self._active += 1
+                self._callers[key] = (loop, events)
+                self._jobs.put(Job(request, emit, self._finished))
+        if not taken:
+            yield Failed(f"model '{self.entry.name}' stopped responding; please retry")
+            return
         try:
             while True:
                 event = await events.get()
@@ -150,11 +246,15 @@ class PairingRunner:
                 if isinstance(event, Done | Failed):
                     return
         finally:
+            with self._lock:
+                self._callers.pop(key, None)
             request.cancel.set()
 
     def stop(self) -> None:
         """Finish queued work, then release the models (the thread exits)."""
         self._jobs.put(None)
 
-    def join(self, timeout: float | None = None) -> None:
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to exit; True once it has."""
         self._thread.join(timeout)
+        return not self._thread.is_alive()

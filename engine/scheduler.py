@@ -20,7 +20,14 @@ import mlx.core as mx
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import trim_prompt_cache
 
-from mlxd.engine.cache_use import has_companion, namespace_for, offer, offer_caches, restore
+from mlxd.engine.cache_use import (
+    has_companion,
+    namespace_for,
+    offer,
+    offer_caches,
+    offer_final,
+    restore,
+)
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Event, Failed, GenerationRequest
 from mlxd.engine.generation import Generation
@@ -133,6 +140,7 @@ class Scheduler:
         self.rows: dict[int, tuple[Job, RowStream, Any]] = {}  # uid -> (job, stream, namespace)
         self.batch: BatchGenerator | None = None
         self.stream = mx.new_stream(mx.default_device())
+        self.stopping = False  # the stop marker arrived: finish the work in hand, then return
 
     def warm(self) -> None:
         """Run the batch's paths once at load: every shape of prompts read together, the
@@ -202,11 +210,10 @@ class Scheduler:
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> None:
-        stopping = False
         while True:
             self.flush()
             busy = bool(self.rows or self.waiting or self.prefilling)
-            stopping = self._collect(block=not busy and not stopping) or stopping
+            stopping = self._collect(block=not busy and not self.stopping)
             if stopping and not (self.rows or self.waiting or self.prefilling):
                 break
             alone = not (self.rows or self.prefilling) and len(self.waiting) == 1
@@ -224,16 +231,19 @@ class Scheduler:
             self.batch = None
 
     def _collect(self, block: bool) -> bool:
-        """Move queued jobs to `waiting`; True once the stop marker arrived."""
+        """Move queued jobs to `waiting`; True once the stop marker arrived (remembered, so
+        a marker taken mid-request, by a solo request looking for company, is not lost)."""
         try:
             item = self.jobs.get() if block else self.jobs.get_nowait()
             while True:
                 if item is None:
-                    return True
+                    self.stopping = True
+                    break
                 self.waiting.append(item)
                 item = self.jobs.get_nowait()
         except queue.Empty:
-            return False
+            pass
+        return self.stopping
 
     def _guarded(self, job: Job, fn: Callable[[Job], bool]) -> None:
         """Run `fn`; a failure ends that request's stream with an error line, nothing else."""
@@ -290,12 +300,12 @@ class Scheduler:
                     break
                 if not self.jobs.empty() or self.waiting:
                     self._collect(block=False)
-                    return self._handover(job, row, gen)
+                    if self.waiting:
+                        return self._handover(job, row, gen)
             row.finish(gen.finish or "length")
             if self.prefix is not None and row.reason != "cancel":
-                if companion:  # the draft's state is stored beside the target's
-                    gen.ready_source()
-                offer(self.prefix, ns, gen, companion)
+                self.flush()  # the response goes out before the cache work (a draft may catch up)
+                offer_final(self.prefix, ns, gen, pairing, len(req.prompt_tokens), companion)
             return False
         finally:
             if gen.cache:

@@ -5,6 +5,10 @@ length k, a round commits E(k) = 1 + sum_j prod_{i<=j} a_i tokens and costs k dr
 one (k+1)-token verify, all measured at probe-open time. The controller picks the k with the best
 tokens per second and turns speculation off for the request once even the best k loses to plain
 decoding.
+
+The search is one pass over the positions (O(k)), and k never exceeds MAX_DRAFT_TOKENS whatever
+a request asks for: a round drafts k tokens and verifies k+1, so an unbounded k would let one
+request hold its pairing's thread for as long as it liked.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import math
 import threading
 from dataclasses import dataclass, field
+
+MAX_DRAFT_TOKENS = 64  # drafts per round, at most: far past where acceptance stops paying
 
 
 @dataclass(frozen=True)
@@ -202,7 +208,7 @@ class DraftLengthController:
         the request waits out the pairing's pause clock first (`off` at once; a source with a
         cheaper arm runs that)."""
         self.costs = costs
-        self.max_k = max_k
+        self.max_k = max_k = min(max_k, MAX_DRAFT_TOKENS)
         self.draft_cost = draft_cost
         self.explore = explore
         self.a0 = prior * prior_weight
@@ -310,9 +316,18 @@ class DraftLengthController:
         return expected / (k * self.draft_cost + self.costs.v(k + 1))
 
     def choose(self) -> int:
+        """The k of the best `expected_rate`, in one pass: E(k) extends E(k-1) by one term."""
         if self.off:
             return 0
-        return max(range(1, self.max_k + 1), key=self.expected_rate)
+        best_k, best_rate = 1, -1.0
+        expected, survive = 1.0, 1.0
+        for k, a in enumerate(self.alphas(self.max_k, optimistic=True), start=1):
+            survive *= a
+            expected += survive
+            rate = expected / (k * self.draft_cost + self.costs.v(k + 1))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k
 
     def observe(self, proposed: int, accepted: int) -> None:
         """Count position i as tried only when every draft before it was accepted: the

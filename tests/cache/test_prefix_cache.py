@@ -883,3 +883,37 @@ def test_stats_endpoint_reports_the_prefix_cache(server: object) -> None:
         assert key in cache
     assert cache["hit_tokens"] >= warm["prompt_cache_tokens"]
     assert cache["restored_bytes"] > 0 and cache["ram_bytes"] > 0
+
+
+# -- 4. a pairing whose speculation is paused still caches --------------------------------------
+
+
+def _pause_speculation(srv: CacheServer, model: str) -> None:
+    """Make `model`'s pairing remember that every draft source lost to plain decoding lately,
+    as after a run of requests where speculation did not pay: the next request starts paused."""
+    from mlxd.engine.speculation import SourceRecord
+
+    generate(srv.base_url, model, "load", num_predict=1)  # load it
+    entry = srv.state.registry().get(model)
+    assert entry is not None
+    pairing = srv.state.manager.loaded()[entry.name].runner.pairing
+    assert pairing is not None
+    losing = SourceRecord([1.0], [4.0], spec_seconds=4.0, plain_seconds=1.0)
+    for source in ("model", "auto", "lookup"):
+        pairing.history.record(f"{source}/greedy", losing)
+
+
+@pytest.mark.parametrize("method", ["model", "auto"])
+def test_a_long_prompt_is_cached_while_speculation_is_paused(
+    shared: CacheServer, method: str
+) -> None:
+    """A paused draft never read the prompt (its prefill is deferred) and `auto` drops its
+    draft model for prompt lookup: the blocks carrying the draft's state are still offered."""
+    _pause_speculation(shared, "pair")
+    prompt = prompt_text(f"paused-{method}", words=120)
+    cold = generate(shared.base_url, "pair", prompt, draft_method=method)
+    assert cold["prompt_cache_tokens"] == 0
+    assert cold.get("draft_disabled_reason")  # paused (model), or stepped down to lookup (auto)
+    warm = generate(shared.base_url, "pair", prompt, draft_method=method)
+    assert warm["prompt_cache_tokens"] == all_but_last(cold["prompt_eval_count"])
+    assert warm["response"] == cold["response"]

@@ -182,3 +182,11 @@ def test_parse_keep_alive_errors(value: object) -> None:
 def test_missing_unit_message_matches_go() -> None:
     with pytest.raises(DurationError, match=r'^time: missing unit in duration "3600"$'):
         parse_go_duration("3600")
+
+
+def test_runner_stall_limit() -> None:
+    assert Settings.from_env({}).runner_stall_s == 120.0
+    assert Settings.from_env({"MLXD_RUNNER_STALL_S": "2.5"}).runner_stall_s == 2.5
+    assert Settings.from_env({"MLXD_RUNNER_STALL_S": "0"}).runner_stall_s == 0.0  # off
+    with pytest.raises(ConfigError):
+        Settings.from_env({"MLXD_RUNNER_STALL_S": "soon"})

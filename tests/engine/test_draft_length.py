@@ -48,3 +48,32 @@ def test_a_short_unlucky_run_does_not_stop_speculation() -> None:
     for _ in range(losing.patience):
         losing.observe_time(3.0, 1)
     assert losing.off
+
+
+def _brute_force_choice(ctl: DraftLengthController) -> int:
+    """The controller's objective, evaluated k by k (quadratic: small k only)."""
+    return max(range(1, ctl.max_k + 1), key=ctl.expected_rate)
+
+
+def test_the_choice_equals_the_best_k_by_the_cost_model() -> None:
+    """Choosing k in one pass over the positions picks what evaluating every k picks."""
+    for pattern in ([(4, 0), (4, 4)], [(3, 0)], [(6, 6)], [(6, 2), (6, 3)], []):
+        ctl = DraftLengthController(LINEAR, 12, 0.12)
+        for _ in range(20):
+            for proposed, accepted in pattern:
+                ctl.observe(proposed, accepted)
+        assert ctl.choose() == _brute_force_choice(ctl)
+
+
+def test_a_huge_draft_length_is_clamped_inside_the_engine() -> None:
+    """A request asking for 100,000 drafts per round gets at most MAX_DRAFT_TOKENS: neither
+    the choice (the search over k) nor a round (k draft forwards and a k+1-wide verify) grows
+    with what was asked."""
+    from mlxd.engine.speculation import MAX_DRAFT_TOKENS
+
+    ctl = DraftLengthController(LINEAR, 100_000, 0.0)
+    assert ctl.max_k == MAX_DRAFT_TOKENS
+    assert len(ctl.hits) == len(ctl.tries) == MAX_DRAFT_TOKENS
+    for _ in range(200):
+        ctl.observe(ctl.max_k, ctl.max_k)  # drafts always accepted, and free
+    assert 1 <= ctl.choose() <= MAX_DRAFT_TOKENS

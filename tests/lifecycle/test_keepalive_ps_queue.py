@@ -191,7 +191,10 @@ def test_stats_fields(base: str, tiny_pair: TinyPair) -> None:
     assert body["queue"] == {"waiting": 0, "max": 512}
     assert body["memory"]["used"] == need and body["memory"]["budget"] > need
     assert body["memory"]["free"] == body["memory"]["budget"] - need
-    assert body["limits"] == {"max_loaded_models": 3, "num_parallel": 4, "default_keep_alive": 300}
+    assert body["limits"] == {
+        "max_loaded_models": 3, "num_parallel": 4, "default_keep_alive": 300,
+        "runner_stall_s": 120.0, "runner_stalls": 0,
+    }  # fmt: skip
     assert body["device"] in ("cpu", "gpu")
 
 

@@ -1,0 +1,54 @@
+"""Registry edits the server cannot use are visible through the API, and a half-saved file
+never takes every model away: the real watcher, a real server, real files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.conftest import ServerThread, wait_for
+from tests.fixtures.tiny_models import TinyPair
+
+
+def stats(base: str) -> dict[str, Any]:
+    out: dict[str, Any] = httpx.get(f"{base}/api/mlxd/stats", timeout=30).json()
+    return out
+
+
+def tags(base: str) -> dict[str, Any]:
+    out: dict[str, Any] = httpx.get(f"{base}/api/tags", timeout=30).json()
+    return out
+
+
+def test_a_half_saved_registry_keeps_the_last_good_one(tiny_pair: TinyPair, tmp_path: Path) -> None:
+    registry = tmp_path / "models.yaml"
+    good = f"models:\n  first:\n    target: {tiny_pair.target}\n"
+    registry.write_text(good, encoding="utf-8")
+    with ServerThread(registry) as srv:
+        base = srv.base_url
+        assert stats(base)["registry_errors"] == []
+        assert "warning" not in tags(base)
+
+        registry.write_text("", encoding="utf-8")  # truncated, the rest not written yet
+        assert wait_for(lambda: bool(stats(base)["registry_errors"]))
+        assert "empty" in stats(base)["registry_errors"][0]
+        listed = tags(base)
+        assert [m["name"] for m in listed["models"]] == ["first:latest"]
+        assert "empty" in listed["warning"]
+        r = httpx.post(
+            f"{base}/api/generate",
+            json={"model": "first", "prompt": "hi", "stream": False, "options": {"num_predict": 1}},
+            timeout=60,
+        )
+        assert r.status_code == 200, r.text
+
+        registry.write_text("models:\n  first:\n    target: [unclosed\n", encoding="utf-8")
+        assert wait_for(lambda: "invalid YAML" in "".join(stats(base)["registry_errors"]))
+        assert "models.yaml:" in stats(base)["registry_errors"][0]
+
+        registry.write_text(good.replace("first", "second"), encoding="utf-8")  # saved at last
+        assert wait_for(lambda: stats(base)["registry_errors"] == [])
+        assert [m["name"] for m in tags(base)["models"]] == ["second:latest"]
+        assert "warning" not in tags(base)
