@@ -16,18 +16,21 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mlxd.api.durations import MAX_SECONDS
 from mlxd.api.modelinfo import LocalModel, find_local, rfc3339
-from mlxd.api.ollama import ServerState, state_of
+from mlxd.api.state import ServerState, state_of
 from mlxd.engine.manager import ModelStatus
 from mlxd.engine.memory import processor
 from mlxd.registry.schema import ModelEntry
 
 # Go's largest Duration, as Ollama stores a negative keep_alive: "forever" lands in 2318.
-FOREVER_SECONDS = (2**63 - 1) / 1e9
+FOREVER_SECONDS = MAX_SECONDS
 
 
 def expires_at(status: ModelStatus, now: datetime) -> str:
-    left = FOREVER_SECONDS if status.expires_in is None else status.expires_in
+    """Never past "forever": keep_alive is bounded at the edge, and this bound keeps one bad
+    value from breaking the listing for every client."""
+    left = FOREVER_SECONDS if status.expires_in is None else min(status.expires_in, FOREVER_SECONDS)
     return rfc3339(now + timedelta(seconds=left))
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from mlxd.api.codec import DEFAULT_MAX_BODY
 from mlxd.api.durations import DurationError, env_keep_alive
 
 DEFAULT_HOST = "127.0.0.1"
@@ -95,6 +96,13 @@ def _count(environ: Mapping[str, str], name: str, default: int) -> int:
     return number if number > 0 else default
 
 
+def _max_body(environ: Mapping[str, str]) -> int:
+    size = _size(environ, "MAX_BODY", DEFAULT_MAX_BODY)
+    if size <= 0:
+        raise ConfigError(f"invalid MAX_BODY {env(environ, 'MAX_BODY')!r}: must be positive")
+    return size
+
+
 @dataclass(frozen=True)
 class Settings:
     host: str
@@ -108,6 +116,7 @@ class Settings:
     max_queue: int = 512  # requests waiting for a model before 503
     num_parallel: int = 4  # rows per loaded pairing (KV budget and scheduler)
     memory_budget: int | None = None  # bytes for loaded pairings; None: 75% of total memory
+    max_body: int = DEFAULT_MAX_BODY  # bytes a request body may have (413 above)
 
     @classmethod
     def from_env(
@@ -127,4 +136,5 @@ class Settings:
             max_queue=_count(environ, "MAX_QUEUE", 512),
             num_parallel=_count(environ, "NUM_PARALLEL", 4),
             memory_budget=parse_bytes(budget) if budget else None,
+            max_body=_max_body(environ),
         )

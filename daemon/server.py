@@ -11,7 +11,7 @@ from types import FrameType
 import uvicorn
 
 from mlxd.api.app import build_app
-from mlxd.api.ollama import ServerState
+from mlxd.api.state import ServerState
 from mlxd.daemon.config import Settings
 from mlxd.daemon.lifecycle import Lifecycle
 from mlxd.engine import cpu_blas
@@ -71,6 +71,7 @@ def build_state(settings: Settings) -> ServerState:
         reload=life.reload,
         startup=life.startup,
         shutdown=life.shutdown,
+        max_body=settings.max_body,
     )
 
 
