@@ -15,7 +15,11 @@ from tests.conftest import RunningServer, ServerThread
 
 GOOD: dict[str, dict[str, Any]] = {
     "/api/generate": {"model": "tiny", "prompt": "hi", "stream": False},
-    "/api/chat": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": False},
+    "/api/chat": {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "hi"}],
+        "stream": False,
+    },
     "/v1/chat/completions": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
     "/v1/completions": {"model": "tiny", "prompt": "hi"},
 }
@@ -125,9 +129,7 @@ def test_integers_over_4300_digits_are_400(http: httpx.Client, path: str, option
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 @pytest.mark.parametrize("key", ["seed", "max_tokens", "temperature"])
-def test_openai_integers_over_4300_digits_are_400(
-    http: httpx.Client, path: str, key: str
-) -> None:
+def test_openai_integers_over_4300_digits_are_400(http: httpx.Client, path: str, key: str) -> None:
     assert key in bad_then_good(http, path, raw_body(path, **{key: HUGE_INT}))
 
 
