@@ -43,7 +43,7 @@ async def read_body(request: Request, limit: int) -> bytes:
     before reading, or while a chunked body arrives."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not (declared.isascii() and declared.isdigit()):
             raise InvalidRequest("invalid Content-Length")
         if int(declared) > limit:
             raise BodyTooLarge(_too_large(limit))

@@ -182,3 +182,18 @@ def test_parse_keep_alive_errors(value: object) -> None:
 def test_missing_unit_message_matches_go() -> None:
     with pytest.raises(DurationError, match=r'^time: missing unit in duration "3600"$'):
         parse_go_duration("3600")
+
+
+@pytest.mark.parametrize("value", ["1e18", "nan", "99999999999h"])
+def test_keep_alive_env_past_gos_range_is_a_config_error(value: str) -> None:
+    with pytest.raises(ConfigError):
+        Settings.from_env({"MLXD_KEEP_ALIVE": value})
+
+
+def test_max_body_env() -> None:
+    assert Settings.from_env({}).max_body == 32 * 2**20
+    assert Settings.from_env({"MLXD_MAX_BODY": "1MiB"}).max_body == 2**20
+    assert Settings.from_env({"MLXD_MAX_BODY": "4096"}).max_body == 4096
+    for bad in ("0", "lots"):
+        with pytest.raises(ConfigError):
+            Settings.from_env({"MLXD_MAX_BODY": bad})
