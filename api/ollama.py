@@ -10,7 +10,7 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
 from mlxd.api.codec import NDJSON, json_response, ndjson_line, read_request
 from mlxd.api.errors import ApiError
@@ -35,6 +35,7 @@ from mlxd.api.types import (
     GenerateResponse,
     ModelRequest,
     ResponseMessage,
+    TagsResponse,
     VersionResponse,
 )
 from mlxd.engine.events import Done, GenerationRequest
@@ -66,15 +67,13 @@ async def tags(request: Request) -> Response:
         lambda: [m for m in (find_local(e) for e in state.registry().entries()) if m]
     )
     found.sort(key=lambda m: m.modified_at, reverse=True)
-    return JSONResponse({"models": [_with_status(state, m.entry, tag_json(m)) for m in found]})
+    return json_response(TagsResponse([tag_json(m, _unavailable(state, m.entry)) for m in found]))
 
 
-def _with_status(state: ServerState, entry: ModelEntry, obj: dict[str, Any]) -> dict[str, Any]:
+def _unavailable(state: ServerState, entry: ModelEntry) -> str | None:
     """mlxd's extra: why a pairing that failed its probe is not being served."""
     probed = state.manager.probe_result(entry)
-    if probed is not None and not probed.ok:
-        obj["unavailable"] = probed.reason
-    return obj
+    return probed.reason if probed is not None and not probed.ok else None
 
 
 async def show(request: Request) -> Response:
@@ -87,7 +86,7 @@ async def show(request: Request) -> Response:
     local = await run_in_threadpool(find_local, entry)
     if local is None:
         raise ApiError(404, f"model '{entry.name}' not found")
-    return JSONResponse(_with_status(state, entry, show_json(local)))
+    return json_response(show_json(local, _unavailable(state, entry)))
 
 
 # -- the final object -----------------------------------------------------------------------

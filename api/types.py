@@ -131,6 +131,57 @@ class ChatResponse(msgspec.Struct, omit_defaults=True):
     draft_disabled_reason: str | None = None
 
 
+class ModelSummary(msgspec.Struct, omit_defaults=True):
+    """One model of /api/tags."""
+
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: dict[str, Any]
+    unavailable: str | None = None  # mlxd's: why a pairing that failed its probe is not served
+
+
+class TagsResponse(msgspec.Struct):
+    models: list[ModelSummary]
+
+
+class DraftInfo(msgspec.Struct):
+    model: str
+    path: str
+
+
+class ShowResponse(msgspec.Struct, omit_defaults=True):
+    modelfile: str
+    parameters: str
+    template: str
+    details: dict[str, Any]
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+    system: str | None = None
+    draft: DraftInfo | None = None  # mlxd's: the pairing's draft model
+    unavailable: str | None = None
+
+
+class RunningModel(msgspec.Struct):
+    """One model of /api/ps."""
+
+    name: str
+    model: str
+    size: int
+    size_vram: int
+    digest: str
+    details: dict[str, Any]
+    expires_at: str
+    context_length: int
+
+
+class PsResponse(msgspec.Struct):
+    models: list[RunningModel]
+
+
 class ErrorResponse(msgspec.Struct):
     error: str
 
