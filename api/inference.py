@@ -9,7 +9,6 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from mlxd.api.durations import parse_keep_alive
 from mlxd.api.errors import ApiError
 from mlxd.api.state import ServerState
 from mlxd.api.types import Message
@@ -31,10 +30,6 @@ MAX_CHARS_PER_TOKEN = 64
 def request_options(entry: ModelEntry, options: dict[str, Any] | None) -> SamplingOptions:
     """The registry's defaults under the request's options (OptionsError: 400)."""
     return parse_options(entry.options, options)
-
-
-def keep_alive(value: float | str | None) -> float | None:
-    return parse_keep_alive(value)  # DurationError: 400
 
 
 def check_think(think: bool | str | None, entry: ModelEntry) -> None:

@@ -13,13 +13,13 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
 from mlxd.api.codec import NDJSON, json_response, ndjson_line, read_request
+from mlxd.api.durations import parse_keep_alive
 from mlxd.api.errors import ApiError
 from mlxd.api.inference import (
     acquire,
     chat_renderer,
     check_format,
     check_think,
-    keep_alive,
     native_messages,
     prepare,
     request_options,
@@ -166,7 +166,7 @@ async def generate(request: Request) -> Response:
     check_format(body.format)
     check_think(body.think, entry)
     opts = request_options(entry, body.options)
-    keep = keep_alive(body.keep_alive)
+    keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
 
     if not prompt and not suffix:
         return await _load_or_unload(
@@ -192,8 +192,8 @@ async def generate(request: Request) -> Response:
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
 
     def final(done: Done, text: str = "") -> GenerateResponse:
-        context = None if raw else prompt_tokens + done.output_tokens
-        return GenerateResponse(name, now(), text, True, context=context, **final_fields(done))
+        tokens = None if raw else prompt_tokens + done.output_tokens
+        return GenerateResponse(name, now(), text, True, context=tokens, **final_fields(done))
 
     if body.stream is False:
         answer = await collect(state.manager, slot, gen)
@@ -223,7 +223,7 @@ async def chat(request: Request) -> Response:
     check_format(body.format)
     check_think(body.think, entry)
     opts = request_options(entry, body.options)
-    keep = keep_alive(body.keep_alive)
+    keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
 
     def answer(content: str, done: bool, **extra: Any) -> ChatResponse:
         return ChatResponse(name, now(), ResponseMessage("assistant", content), done, **extra)
