@@ -7,13 +7,13 @@ from contextlib import asynccontextmanager
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response
+from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from mlxd.api import lifecycle, models, ollama, openai
 from mlxd.api.cors import CorsMiddleware, CorsPolicy
-from mlxd.api.errors import ApiError, api_error_handler
-from mlxd.api.ollama import ServerState
+from mlxd.api.errors import STATUS, ApiError, error_handler
+from mlxd.api.state import ServerState
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
@@ -22,10 +22,6 @@ async def _not_found(request: Request, exc: Exception) -> Response:
 
 async def _method_not_allowed(request: Request, exc: Exception) -> Response:
     return PlainTextResponse("405 method not allowed", status_code=405)
-
-
-async def _internal(request: Request, exc: Exception) -> Response:
-    return JSONResponse({"error": str(exc) or type(exc).__name__}, status_code=500)
 
 
 def build_app(state: ServerState, bind_host: str = "127.0.0.1") -> Starlette:
@@ -56,10 +52,11 @@ def build_app(state: ServerState, bind_host: str = "127.0.0.1") -> Starlette:
     app = Starlette(
         routes=routes,
         exception_handlers={
-            ApiError: api_error_handler,
+            # every type of the status table, and anything else as a 500 (Ollama's body)
+            **{kind: error_handler for kind in (ApiError, *STATUS)},
             404: _not_found,
             405: _method_not_allowed,
-            Exception: _internal,
+            Exception: error_handler,
         },
         lifespan=lifespan,
     )

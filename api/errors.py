@@ -1,12 +1,27 @@
-"""Ollama's error bodies: `{"error": "..."}` with the status the reference clients expect."""
+"""Errors on the wire: exception types, the one table that maps them to HTTP statuses, and
+Ollama's `{"error": "..."}` body.
+
+A handler never picks a status by reading an exception's text: it raises a type (or an
+`ApiError` with the status Ollama uses for that case) and `status_of` looks the type up here.
+"""
 
 from __future__ import annotations
 
-import json
-from typing import Any
+import logging
 
+import msgspec
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import Response
+
+from mlxd.api.durations import DurationError
+from mlxd.api.types import ErrorResponse
+from mlxd.engine.manager import QueueFull
+from mlxd.engine.options import OptionsError
+from mlxd.engine.pairing import ModelNotPulled, ModelUnavailable
+from mlxd.engine.prompt import PromptError
+from mlxd.registry.names import InvalidModelName
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -18,51 +33,59 @@ class ApiError(Exception):
         self.message = message
 
 
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": message}, status_code=status)
+class InvalidRequest(ValueError):
+    """The body is not JSON, is not the request's shape, or holds a value out of range."""
 
 
-async def api_error_handler(request: Request, exc: Exception) -> JSONResponse:
-    assert isinstance(exc, ApiError)
-    return error_response(exc.status, exc.message)
+class BodyTooLarge(ValueError):
+    """The body is larger than the server accepts (MLXD_MAX_BODY)."""
 
 
-async def read_json(request: Request) -> dict[str, Any]:
-    """The request body as a JSON object, or a 400 that says what is wrong with it."""
-    raw = await request.body()
-    if not raw.strip():
-        raise ApiError(400, "missing request body")
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ApiError(400, f"invalid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
-    return body
+class GenerationFailed(RuntimeError):
+    """The engine reported a failure before the answer's first byte."""
 
 
-def field(
-    body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None
-) -> Any:
-    """A typed optional field; a wrong type is a 400 naming the field."""
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and kind in (int, float):
-        raise ApiError(400, f"invalid value for field '{name}': expected {_kind_name(kind)}")
-    if not isinstance(value, kind):
-        raise ApiError(400, f"invalid value for field '{name}': expected {_kind_name(kind)}")
-    return value
+# The one table: the most specific class of an exception (along its MRO) decides its status;
+# anything not listed is a 500.
+STATUS: dict[type[BaseException], int] = {
+    InvalidRequest: 400,
+    OptionsError: 400,
+    DurationError: 400,
+    PromptError: 400,
+    InvalidModelName: 400,
+    BodyTooLarge: 413,
+    ModelNotPulled: 404,
+    QueueFull: 503,
+    ModelUnavailable: 500,
+    GenerationFailed: 500,
+}
 
 
-def _kind_name(kind: type | tuple[type, ...]) -> str:
-    names = {
-        str: "string",
-        bool: "boolean",
-        int: "integer",
-        float: "number",
-        list: "array",
-        dict: "object",
-    }
-    kinds = kind if isinstance(kind, tuple) else (kind,)
-    return " or ".join(names.get(k, k.__name__) for k in kinds)
+def status_of(exc: BaseException) -> int:
+    if isinstance(exc, ApiError):
+        return exc.status
+    for kind in type(exc).__mro__:
+        status = STATUS.get(kind)
+        if status is not None:
+            return status
+    return 500
+
+
+def message_of(exc: BaseException) -> str:
+    """The text a client sees; always encodable (no lone surrogates)."""
+    text = exc.message if isinstance(exc, ApiError) else str(exc)
+    text = text or type(exc).__name__
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def error_response(status: int, message: str) -> Response:
+    body = msgspec.json.encode(ErrorResponse(message))
+    return Response(body, status_code=status, media_type="application/json")
+
+
+async def error_handler(request: Request, exc: Exception) -> Response:
+    """Every exception a route raises, as Ollama's error body with the table's status."""
+    status = status_of(exc)
+    if status >= 500 and not isinstance(exc, ApiError | ModelUnavailable | GenerationFailed):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+    return error_response(status, message_of(exc))

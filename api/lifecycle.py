@@ -16,17 +16,22 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from mlxd.api.codec import json_response
+from mlxd.api.durations import MAX_SECONDS
 from mlxd.api.modelinfo import LocalModel, find_local, rfc3339
-from mlxd.api.ollama import ServerState, state_of
+from mlxd.api.state import ServerState, state_of
+from mlxd.api.types import PsResponse, RunningModel
 from mlxd.engine.manager import ModelStatus
 from mlxd.registry.schema import ModelEntry
 
 # Go's largest Duration, as Ollama stores a negative keep_alive: "forever" lands in 2318.
-FOREVER_SECONDS = (2**63 - 1) / 1e9
+FOREVER_SECONDS = MAX_SECONDS
 
 
 def expires_at(status: ModelStatus, now: datetime) -> str:
-    left = FOREVER_SECONDS if status.expires_in is None else status.expires_in
+    """Never past "forever": keep_alive is bounded at the edge, and this bound keeps one bad
+    value from breaking the listing for every client."""
+    left = FOREVER_SECONDS if status.expires_in is None else min(status.expires_in, FOREVER_SECONDS)
     return rfc3339(now + timedelta(seconds=left))
 
 
@@ -50,18 +55,18 @@ def _local(entry: ModelEntry) -> LocalModel | None:
 # -- /api/ps ---------------------------------------------------------------------------------
 
 
-def ps_entry(status: ModelStatus, local: LocalModel | None, now: datetime) -> dict[str, Any]:
+def ps_entry(status: ModelStatus, local: LocalModel | None, now: datetime) -> RunningModel:
     size = status.need.total
-    return {
-        "name": status.entry.name,
-        "model": status.entry.name,
-        "size": size,
-        "size_vram": size,
-        "digest": local.digest if local is not None else "",
-        "details": local.details.ollama_details() if local is not None else {},
-        "expires_at": expires_at(status, now),
-        "context_length": status.need.context,
-    }
+    return RunningModel(
+        name=status.entry.name,
+        model=status.entry.name,
+        size=size,
+        size_vram=size,
+        digest=local.digest if local is not None else "",
+        details=local.details.ollama_details() if local is not None else {},
+        expires_at=expires_at(status, now),
+        context_length=status.need.context,
+    )
 
 
 async def ps(request: Request) -> Response:
@@ -69,7 +74,7 @@ async def ps(request: Request) -> Response:
     locals_ = await run_in_threadpool(lambda: [_local(s.entry) for s in statuses])
     now = datetime.now(timezone.utc)
     models = [ps_entry(s, local, now) for s, local in zip(statuses, locals_, strict=True)]
-    return JSONResponse({"models": models})
+    return json_response(PsResponse(models))
 
 
 # -- /api/mlxd/stats -------------------------------------------------------------------------

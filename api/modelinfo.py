@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.api.errors import ApiError
+from mlxd.api.types import DraftInfo, ModelSummary, ShowResponse
 from mlxd.engine.prompt import detect_fim
 from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import ModelDetails, model_digest, model_size, read_details, resolve_local
 
 log = logging.getLogger(__name__)
-
 
 @dataclass(frozen=True)
 class LocalModel:
@@ -96,18 +96,16 @@ def rfc3339(dt: datetime) -> str:
     return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-def tag_json(m: LocalModel) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "name": m.entry.name,
-        "model": m.entry.name,
-        "modified_at": rfc3339(m.modified_at),
-        "size": m.size,
-        "digest": m.digest,
-        "details": m.details.ollama_details(),
-    }
-    if m.problem is not None:
-        out["unavailable"] = m.problem  # mlxd's extra, as for a pairing that failed its probe
-    return out
+def tag_json(m: LocalModel, unavailable: str | None = None) -> ModelSummary:
+    return ModelSummary(
+        name=m.entry.name,
+        model=m.entry.name,
+        modified_at=rfc3339(m.modified_at),
+        size=m.size,
+        digest=m.digest,
+        details=m.details.ollama_details(),
+        unavailable=m.problem or unavailable,  # mlxd's extra: why it is not being served
+    )
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -149,7 +147,7 @@ def parameters_text(options: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def show_json(m: LocalModel) -> dict[str, Any]:
+def show_json(m: LocalModel, unavailable: str | None = None) -> ShowResponse:
     entry = m.entry
     template = chat_template(m)
     params = parameters_text(dict(entry.options))
@@ -167,17 +165,15 @@ def show_json(m: LocalModel) -> dict[str, Any]:
     if entry.system:
         modelfile.append(f'SYSTEM """{entry.system}"""')
     modelfile += [f"PARAMETER {line}" for line in params.splitlines()]
-    out: dict[str, Any] = {
-        "modelfile": "\n".join(modelfile) + "\n",
-        "parameters": params,
-        "template": template,
-        "details": m.details.ollama_details(),
-        "model_info": m.details.model_info(),
-        "capabilities": capabilities(m),
-        "modified_at": rfc3339(m.modified_at),
-    }
-    if entry.system:
-        out["system"] = entry.system
-    if entry.draft:
-        out["draft"] = {"model": entry.draft, "path": str(m.draft_dir)}
-    return out
+    return ShowResponse(
+        modelfile="\n".join(modelfile) + "\n",
+        parameters=params,
+        template=template,
+        details=m.details.ollama_details(),
+        model_info=m.details.model_info(),
+        capabilities=capabilities(m),
+        modified_at=rfc3339(m.modified_at),
+        system=entry.system or None,
+        draft=DraftInfo(entry.draft, str(m.draft_dir)) if entry.draft else None,
+        unavailable=unavailable,
+    )

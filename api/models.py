@@ -5,19 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxd.api.errors import ApiError, field, read_json
-from mlxd.api.ollama import NDJSON, ServerState, state_of
+from mlxd.api.codec import NDJSON, ndjson_line, read_request
+from mlxd.api.errors import ApiError
+from mlxd.api.state import ServerState, state_of
+from mlxd.api.types import CopyRequest, ErrorResponse, ModelRequest
 from mlxd.registry.names import InvalidModelName, parse_name
 from mlxd.registry.pull import (
     DeleteError,
@@ -34,10 +34,6 @@ from mlxd.registry.schema import RegistryError
 log = logging.getLogger(__name__)
 
 __all__ = ["copy", "delete", "pull", "routes"]
-
-
-def _line(obj: dict[str, Any]) -> bytes:
-    return (json.dumps(obj, ensure_ascii=False) + "\n").encode()
 
 
 def _message(exc: BaseException) -> str:
@@ -102,16 +98,15 @@ async def _bridge(
 
 async def pull(request: Request) -> Response:
     state = state_of(request)
-    body = await read_json(request)
-    name = field(body, "model", str) or field(body, "name", str)
+    body = await read_request(request, ModelRequest, state.max_body)
+    name = body.model or body.name
     if not name:
         raise ApiError(400, "model is required")
     try:
         parse_name(name)
     except InvalidModelName as exc:
         raise ApiError(400, "invalid model name") from exc
-    stream = field(body, "stream", bool, True)
-    field(body, "insecure", bool)  # accepted for compatibility; the hub is always https
+    stream = body.stream is not False
     registry = state.registry()
     cancel = threading.Event()
 
@@ -131,9 +126,9 @@ async def pull(request: Request) -> Response:
     async def lines() -> AsyncIterator[bytes]:
         async for item in _bridge(produce, cancel):
             if isinstance(item, BaseException):
-                yield _line({"error": _message(item)})
+                yield ndjson_line(ErrorResponse(_message(item)))
             else:
-                yield _line(item.as_dict())
+                yield ndjson_line(item.as_dict())
 
     return StreamingResponse(lines(), media_type=NDJSON)
 
@@ -142,8 +137,8 @@ async def delete(request: Request) -> Response:
     """Unload the model, take its entry out of the user registry and delete its downloaded
     files (see :func:`mlxd.registry.pull.delete_model` for entries from other registry files)."""
     state = state_of(request)
-    body = await read_json(request)
-    name = field(body, "model", str) or field(body, "name", str)
+    body = await read_request(request, ModelRequest, state.max_body)
+    name = body.model or body.name
     if not name:
         raise ApiError(400, "model is required")
     registry = state.registry()
@@ -169,9 +164,9 @@ async def delete(request: Request) -> Response:
 async def copy(request: Request) -> Response:
     """Register ``destination`` in the user registry with ``source``'s entry fields."""
     state = state_of(request)
-    body = await read_json(request)
-    source = field(body, "source", str, "")
-    destination = field(body, "destination", str, "")
+    body = await read_request(request, CopyRequest, state.max_body)
+    source = body.source or ""
+    destination = body.destination or ""
     for label, value in (("source", source), ("destination", destination)):
         try:
             parse_name(value)

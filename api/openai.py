@@ -1,42 +1,58 @@
 """OpenAI-compatible routes under /v1, as Ollama's compatibility layer serves them.
 
-Each route translates the OpenAI request into the native building blocks of `api.ollama`
-(lookup, options, prompt rendering, model acquisition) and the engine's event stream into
-OpenAI objects: JSON for non-streaming requests, server-sent events otherwise. Errors keep
-the native status and take OpenAI's shape.
+Each route decodes its OpenAI request struct, translates it into the native building blocks
+(`api.inference`: lookup, options, prompt rendering, model acquisition) and writes the engine's
+events through the shared event pump as OpenAI objects: JSON for non-streaming requests,
+server-sent events otherwise. Errors keep the table's status and take OpenAI's shape.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import random
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from mlxd.api.errors import ApiError, field, read_json
-from mlxd.api.modelinfo import LocalModel, find_local
-from mlxd.api.ollama import (
-    ServerState,
-    Shape,
+from mlxd.api.codec import json_response, read_request, sse_event
+from mlxd.api.errors import ApiError, message_of, status_of
+from mlxd.api.inference import (
     chat_renderer,
     check_format,
-    lookup,
-    parse_messages,
+    native_messages,
     prepare,
     request_options,
-    respond,
-    state_of,
 )
-from mlxd.engine.events import Done, Failed, GenerationRequest, TextChunk
+from mlxd.api.modelinfo import LocalModel, find_local
+from mlxd.api.pump import collect, pump
+from mlxd.api.state import ServerState, lookup, state_of
+from mlxd.api.types import (
+    ZERO_USAGE,
+    ChatChoice,
+    ChatCompletionRequest,
+    ChoiceMessage,
+    ChunkChoice,
+    Completion,
+    CompletionRequest,
+    Delta,
+    Message,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    OpenAIErrorDetail,
+    OpenAIMessage,
+    TextChoice,
+    Usage,
+)
+from mlxd.engine.events import Done, GenerationRequest
 from mlxd.engine.manager import Loaded
 from mlxd.engine.pairing import Pairing
 from mlxd.engine.prompt import render_generate
@@ -58,14 +74,10 @@ Handler = Callable[[Request], Awaitable[Response]]
 # -- errors ---------------------------------------------------------------------------------
 
 
-def error_body(status: int, message: str) -> dict[str, Any]:
-    """OpenAI's error object; the type follows the native status."""
+def error_body(status: int, message: str) -> OpenAIError:
+    """OpenAI's error object; the type follows the status."""
     kind = {400: "invalid_request_error", 404: "not_found_error"}.get(status, "api_error")
-    return {"error": {"message": message, "type": kind, "param": None, "code": None}}
-
-
-def error_response(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status)
+    return OpenAIError(OpenAIErrorDetail(message, kind, None, None))
 
 
 def openai_errors(handler: Handler) -> Handler:
@@ -75,11 +87,11 @@ def openai_errors(handler: Handler) -> Handler:
     async def wrapped(request: Request) -> Response:
         try:
             return await handler(request)
-        except ApiError as exc:
-            return error_response(exc.status, exc.message)
         except Exception as exc:
-            log.exception("%s %s failed", request.method, request.url.path)
-            return error_response(500, str(exc) or type(exc).__name__)
+            status = status_of(exc)
+            if status >= 500:
+                log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+            return json_response(error_body(status, message_of(exc)), status)
 
     return wrapped
 
@@ -87,80 +99,61 @@ def openai_errors(handler: Handler) -> Handler:
 # -- request translation --------------------------------------------------------------------
 
 
-def _number(body: dict[str, Any], name: str) -> float | None:
-    value = body.get(name)
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ApiError(400, f"invalid value for field '{name}': expected number")
-    return float(value)
-
-
-def _stop(body: dict[str, Any]) -> list[str] | None:
-    stop = body.get("stop")
+def _stop(stop: str | list[Any] | None) -> list[str] | None:
     if stop is None:
         return None
     if isinstance(stop, str):
         return [stop]
-    if isinstance(stop, list):
-        for item in stop:
-            if not isinstance(item, str):
-                raise ApiError(400, f"invalid type for 'stop' field: {type(item).__name__}")
-        return stop
-    raise ApiError(400, "invalid value for field 'stop': expected string or array of strings")
+    for item in stop:
+        if not isinstance(item, str):
+            raise ApiError(400, f"invalid type for 'stop' field: {type(item).__name__}")
+    return stop
 
 
-def _sampling(body: dict[str, Any]) -> dict[str, Any]:
+def _sampling(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
     """OpenAI sampling fields as native options; temperature and top_p default to 1.0."""
     options: dict[str, Any] = {}
-    stop = _stop(body)
+    stop = _stop(body.stop)
     if stop is not None:
         options["stop"] = stop
-    max_tokens = field(body, "max_tokens", int)
-    if max_tokens is None:  # newer SDKs send this name instead
-        max_tokens = field(body, "max_completion_tokens", int)
+    max_tokens = body.max_tokens
+    if max_tokens is None and isinstance(body, ChatCompletionRequest):
+        max_tokens = body.max_completion_tokens
     if max_tokens is not None:
         options["num_predict"] = max_tokens
-    seed = field(body, "seed", int)
-    if seed is not None:
-        options["seed"] = seed
-    for name in ("frequency_penalty", "presence_penalty"):
-        value = _number(body, name)
-        if value is not None:
-            options[name] = value
-    temperature = _number(body, "temperature")
-    options["temperature"] = 1.0 if temperature is None else temperature
-    top_p = _number(body, "top_p")
-    options["top_p"] = top_p or 1.0  # 0 counts as unset
+    if body.seed is not None:
+        options["seed"] = body.seed
+    if body.frequency_penalty is not None:
+        options["frequency_penalty"] = body.frequency_penalty
+    if body.presence_penalty is not None:
+        options["presence_penalty"] = body.presence_penalty
+    options["temperature"] = 1.0 if body.temperature is None else body.temperature
+    options["top_p"] = body.top_p or 1.0  # 0 counts as unset
     return options
 
 
-def _include_usage(body: dict[str, Any]) -> bool:
-    stream_options = field(body, "stream_options", dict, {})
-    return bool(field(stream_options, "include_usage", bool, False))
+def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
+    return bool(body.stream_options and body.stream_options.include_usage)
 
 
-def _response_format(body: dict[str, Any]) -> None:
+def _response_format(body: ChatCompletionRequest) -> None:
     """Only plain text is supported; JSON modes get the native route's 400."""
-    fmt = field(body, "response_format", dict)
-    if fmt is None:
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
         return
-    kind = fmt.get("type")
-    if kind == "text":
-        return
-    if kind == "json_object":
-        check_format({"format": "json"})
-    if kind == "json_schema":
-        schema = (fmt.get("json_schema") or {}).get("schema")
-        check_format({"format": schema if isinstance(schema, dict) else {}})
-    raise ApiError(400, f"invalid response_format type: {json.dumps(kind)}")
+    if fmt.type == "json_object":
+        check_format("json")
+    if fmt.type == "json_schema":
+        schema = (fmt.json_schema or {}).get("schema")
+        check_format(schema if isinstance(schema, dict) else {})
+    raise ApiError(400, f"invalid response_format type: {msgspec.json.encode(fmt.type).decode()}")
 
 
-def _reasoning(body: dict[str, Any]) -> None:
+def _reasoning(body: ChatCompletionRequest) -> None:
     """Validated like Ollama; the engine has no thinking mode, so the value is not used."""
-    effort = body.get("reasoning_effort")
-    if effort is None:
-        effort = field(body, "reasoning", dict, {}).get("effort")
+    effort = body.reasoning_effort
+    if effort is None and body.reasoning is not None:
+        effort = body.reasoning.effort
     if effort is not None and effort not in REASONING_EFFORTS:
         raise ApiError(400, "invalid reasoning value")
 
@@ -181,67 +174,73 @@ def _image(part: dict[str, Any]) -> str:
     raise ApiError(400, "invalid image input")
 
 
-def _tool_calls(calls: Any) -> list[dict[str, Any]]:
-    """Assistant tool calls with their JSON-string arguments parsed to objects."""
-    if not isinstance(calls, list):
-        raise ApiError(400, "invalid message format")
+def _arguments(args: Any) -> Any:
+    """A tool call's arguments: OpenAI sends a JSON string, the chat template wants an object."""
+    if not isinstance(args, str):
+        return args or {}
+    if not args.strip():
+        return {}
+    try:
+        return msgspec.json.decode(args)
+    except (msgspec.DecodeError, RecursionError, ValueError) as exc:
+        raise ApiError(400, "invalid tool call arguments") from exc
+
+
+def _tool_calls(calls: list[Any]) -> list[dict[str, Any]]:
+    """Assistant tool calls in the native shape, their arguments parsed."""
     out = []
     for call in calls:
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict):
             raise ApiError(400, "invalid message format")
-        args = fn.get("arguments")
-        if isinstance(args, str):
-            try:
-                args = json.loads(args) if args.strip() else {}
-            except json.JSONDecodeError as exc:
-                raise ApiError(400, "invalid tool call arguments") from exc
-        native: dict[str, Any] = {"function": {"name": fn.get("name"), "arguments": args or {}}}
+        native: dict[str, Any] = {
+            "function": {"name": fn.get("name"), "arguments": _arguments(fn.get("arguments"))}
+        }
         if call.get("id"):
             native["id"] = call["id"]
         out.append(native)
     return out
 
 
-def _native_messages(raw: list[Any]) -> list[dict[str, Any]]:
-    """OpenAI messages as native ones (then validated by the native route's own check)."""
-    out: list[dict[str, Any]] = []
-    for i, msg in enumerate(raw):
-        if not isinstance(msg, dict):
-            raise ApiError(400, f"invalid message at index {i}: expected an object")
-        role = msg.get("role")
-        if role == "developer":
-            role = "system"
-        extra: dict[str, Any] = {}
-        if msg.get("tool_calls"):
-            extra["tool_calls"] = _tool_calls(msg["tool_calls"])
-        if isinstance(role, str) and role.lower() == "tool":
-            tool_name = msg.get("name") or msg.get("tool_call_id")
-            if tool_name:
-                extra["tool_name"] = tool_name
-        if msg.get("reasoning"):
-            extra["thinking"] = msg["reasoning"]
-        content = msg.get("content")
-        if content is None or isinstance(content, str):
-            out.append({"role": role, "content": content or "", **extra})
-            continue
-        if not isinstance(content, list):
-            raise ApiError(400, f"invalid message content type: {type(content).__name__}")
-        parts: list[dict[str, Any]] = []
-        for part in content:
-            kind = part.get("type") if isinstance(part, dict) else None
-            if kind == "text" and isinstance(part.get("text"), str):
-                parts.append({"role": role, "content": part["text"]})
-            elif kind == "image_url":
-                parts.append({"role": role, "content": "", "images": [_image(part)]})
-            elif kind == "input_audio":
-                raise ApiError(400, "audio input is not supported by this model")
-            else:
-                raise ApiError(400, "invalid message format")
-        if parts:
-            parts[-1].update(extra)
-        out.extend(parts)
-    return parse_messages({"messages": out})
+def _content_parts(content: list[Any]) -> list[tuple[str, list[str] | None]]:
+    """(text, images) per content part."""
+    parts: list[tuple[str, list[str] | None]] = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            parts.append((part["text"], None))
+        elif kind == "image_url":
+            parts.append(("", [_image(part)]))
+        elif kind == "input_audio":
+            raise ApiError(400, "audio input is not supported by this model")
+        else:
+            raise ApiError(400, "invalid message format")
+    return parts
+
+
+def _native_messages(raw: list[OpenAIMessage]) -> list[dict[str, Any]]:
+    """OpenAI messages as native ones (then checked as the native route checks them)."""
+    out: list[Message] = []
+    for msg in raw:
+        role = "system" if msg.role == "developer" else msg.role
+        tool_calls = _tool_calls(msg.tool_calls) if msg.tool_calls else None
+        tool_name = (msg.name or msg.tool_call_id) if (role or "").lower() == "tool" else None
+        thinking = msg.reasoning or None
+        content = msg.content
+        parts = _content_parts(content) if isinstance(content, list) else [(content or "", None)]
+        for i, (text, images) in enumerate(parts):
+            last = i == len(parts) - 1
+            out.append(
+                Message(
+                    role=role,
+                    content=text,
+                    images=images,
+                    tool_calls=tool_calls if last else None,
+                    tool_name=tool_name if last else None,
+                    thinking=thinking if last else None,
+                )
+            )
+    return native_messages(out)
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -251,20 +250,12 @@ def _finish_reason(done: Done) -> str:
     return "length" if done.done_reason == "length" else "stop"
 
 
-def _usage(done: Done) -> dict[str, int]:
-    prompt = done.metrics.prompt_eval_count
-    completion = done.metrics.eval_count
-    return {
-        "prompt_tokens": prompt,
-        "completion_tokens": completion,
-        "total_tokens": prompt + completion,
-    }
+def _usage(done: Done) -> Usage:
+    prompt, completion = done.metrics.prompt_eval_count, done.metrics.eval_count
+    return Usage(prompt, completion, prompt + completion)
 
 
-_ZERO_USAGE = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
-
-
-@dataclass
+@dataclass(frozen=True)
 class _Envelope:
     """The fields every object of one response shares."""
 
@@ -273,147 +264,119 @@ class _Envelope:
     model: str
     created: int
 
-    def wrap(self, **kw: Any) -> dict[str, Any]:
-        return {
-            "id": self.id,
-            "object": self.object,
-            "created": self.created,
-            "model": self.model,
-            "system_fingerprint": FINGERPRINT,
-            **kw,
-        }
+    def wrap(self, choices: list[Any], usage: Usage | None = None) -> Completion:
+        return Completion(
+            self.id, self.object, self.created, self.model, FINGERPRINT, choices, usage
+        )
 
 
 def _envelope(prefix: str, kind: str, model: str) -> _Envelope:
     return _Envelope(f"{prefix}-{random.randrange(999)}", kind, model, int(time.time()))
 
 
-@dataclass
-class _Stream:
-    """How one route writes content, the finish and the usage as stream chunks."""
+class _SseWriter:
+    """A /v1 stream: content chunks, the finish, the usage chunk when asked for, `[DONE]`."""
 
-    content: Callable[[str, bool], dict[str, Any]]  # (text, first chunk?)
-    finish: Callable[[Done, bool], list[dict[str, Any]]]  # (done, nothing sent yet?)
-    usage: Callable[[Done], dict[str, Any]]
+    def __init__(
+        self,
+        env: _Envelope,
+        content: Callable[[str, bool], Completion],  # (text, first chunk?)
+        finish: Callable[[Done, bool], list[Completion]],  # (done, nothing sent yet?)
+        usage: bool,
+    ) -> None:
+        self.env = env
+        self.content = content
+        self.finish = finish
+        self.usage = usage
+        self.first = True
+
+    def text(self, text: str) -> bytes:
+        piece = sse_event(self.content(text, self.first))
+        self.first = False
+        return piece
+
+    def done(self, done: Done) -> Iterable[bytes]:
+        out = [sse_event(obj) for obj in self.finish(done, self.first)]
+        if self.usage:
+            out.append(sse_event(self.env.wrap([], _usage(done))))
+        out.append(b"data: [DONE]\n\n")
+        return out
+
+    def failed(self, message: str) -> bytes:
+        return sse_event(error_body(500, message))
 
 
-def _event(obj: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n".encode()
-
-
-def _sse(
-    state: ServerState, slot: Loaded, gen: GenerationRequest, stream: _Stream, usage: bool
-) -> StreamingResponse:
-    manager = state.manager
-
-    async def events() -> AsyncIterator[bytes]:
-        first, finished = True, False
-        try:
-            async for event in manager.generate(slot, gen):
-                if isinstance(event, TextChunk) and event.text:
-                    yield _event(stream.content(event.text, first))
-                    first = False
-                elif isinstance(event, Done):
-                    for obj in stream.finish(event, first):
-                        yield _event(obj)
-                    if usage:
-                        yield _event(stream.usage(event))
-                    yield b"data: [DONE]\n\n"
-                    finished = True
-                elif isinstance(event, Failed):
-                    yield _event(error_body(500, event.message))
-                    finished = True
-            if not finished:
-                yield _event(error_body(500, "generation ended without a result"))
-        except Exception as exc:  # never a broken connection: an error event ends the stream
-            log.exception("stream failed")
-            yield _event(error_body(500, str(exc) or type(exc).__name__))
-        finally:
-            gen.cancel.set()
-            manager.release(slot)
-
-    return StreamingResponse(events(), media_type=SSE, headers={"Cache-Control": "no-cache"})
+def _sse(state: ServerState, slot: Loaded, gen: GenerationRequest, writer: _SseWriter) -> Response:
+    return StreamingResponse(
+        pump(state.manager, slot, gen, writer),
+        media_type=SSE,
+        headers={"Cache-Control": "no-cache"},
+    )
 
 
 # -- routes ---------------------------------------------------------------------------------
 
 
-def _model_name(body: dict[str, Any]) -> str:
-    name = field(body, "model", str, "")
+def _model_name(name: str | None) -> str:
     if not name:
         raise ApiError(400, "model is required")
-    return str(name)
+    return name
 
 
 @openai_errors
 async def chat_completions(request: Request) -> Response:
     started = time.perf_counter()
     state = state_of(request)
-    body = await read_json(request)
-    raw = body.get("messages")
-    if raw is not None and not isinstance(raw, list):
-        raise ApiError(400, "invalid value for field 'messages': expected an array")
-    if not raw:
+    body = await read_request(request, ChatCompletionRequest, state.max_body)
+    if not body.messages:
         raise ApiError(400, "[] is too short - 'messages'")
-    name = _model_name(body)
+    name = _model_name(body.model)
     entry = lookup(state, name)
-    messages = _native_messages(raw)
-    stream = field(body, "stream", bool, False)
-    usage = _include_usage(body)
-    tools = field(body, "tools", list)
+    messages = _native_messages(body.messages)
     _reasoning(body)
     _response_format(body)
-    opts = request_options(entry, {"options": _sampling(body)})
+    opts = request_options(entry, _sampling(body))
 
-    render = chat_renderer(entry, messages, tools)
+    render = chat_renderer(entry, messages, body.tools)
     slot, load_seconds, tokens = await prepare(state, entry, None, render, opts)
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
 
-    if not stream:
+    if not body.stream:
         env = _envelope("chatcmpl", "chat.completion", name)
-
-        def final(done: Done, text: str) -> dict[str, Any]:
-            message = {"role": "assistant", "content": text}
-            choice = {"index": 0, "message": message, "finish_reason": _finish_reason(done)}
-            return env.wrap(choices=[choice], usage=_usage(done))
-
-        return await respond(state, slot, gen, False, Shape(chunk=lambda text: {}, final=final))
+        answer = await collect(state.manager, slot, gen)
+        message = ChoiceMessage("assistant", answer.text)
+        choice = ChatChoice(0, message, _finish_reason(answer.done))
+        return json_response(env.wrap([choice], _usage(answer.done)))
 
     env = _envelope("chatcmpl", "chat.completion.chunk", name)
 
-    def chunk(delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return env.wrap(choices=[{"index": 0, "delta": delta, "finish_reason": finish}])
+    def chunk(delta: Delta, finish: str | None = None) -> Completion:
+        return env.wrap([ChunkChoice(0, delta, finish)])
 
-    def content(text: str, first: bool) -> dict[str, Any]:
-        return chunk({"role": "assistant", "content": text} if first else {"content": text})
+    def content(text: str, first: bool) -> Completion:
+        return chunk(Delta("assistant", text) if first else Delta(content=text))
 
-    def finish(done: Done, nothing_sent: bool) -> list[dict[str, Any]]:
+    def finish(done: Done, nothing_sent: bool) -> list[Completion]:
         opening = [content("", True)] if nothing_sent else []
-        return [*opening, chunk({}, _finish_reason(done))]
+        return [*opening, chunk(Delta(), _finish_reason(done))]
 
-    return _sse(
-        state,
-        slot,
-        gen,
-        _Stream(content, finish, lambda done: env.wrap(choices=[], usage=_usage(done))),
-        usage,
-    )
+    return _sse(state, slot, gen, _SseWriter(env, content, finish, _include_usage(body)))
 
 
 @openai_errors
 async def completions(request: Request) -> Response:
     started = time.perf_counter()
     state = state_of(request)
-    body = await read_json(request)
-    name = _model_name(body)
+    body = await read_request(request, CompletionRequest, state.max_body)
+    name = _model_name(body.model)
     entry = lookup(state, name)
-    prompt = field(body, "prompt", str, "")
-    suffix = field(body, "suffix", str, "")
-    stream = field(body, "stream", bool, False)
+    prompt, suffix = body.prompt or "", body.suffix or ""
     usage = _include_usage(body)
-    opts = request_options(entry, {"options": _sampling(body)})
+    opts = request_options(entry, _sampling(body))
 
     def render(pairing: Pairing) -> str:
+        if suffix and pairing.fim is None:
+            raise ApiError(400, f"{entry.name} does not support insert")
         return render_generate(
             pairing.tokenizer, prompt, entry.system, None, suffix or None, pairing.fim
         )
@@ -422,41 +385,31 @@ async def completions(request: Request) -> Response:
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
     env = _envelope("cmpl", "text_completion", name)
 
-    def choice(text: str, finish: str | None) -> dict[str, Any]:
-        return {"text": text, "index": 0, "finish_reason": finish}
+    if not body.stream:
+        answer = await collect(state.manager, slot, gen)
+        choice = TextChoice(answer.text, 0, _finish_reason(answer.done))
+        return json_response(env.wrap([choice], _usage(answer.done)))
 
-    if not stream:
-
-        def final(done: Done, text: str) -> dict[str, Any]:
-            return env.wrap(choices=[choice(text, _finish_reason(done))], usage=_usage(done))
-
-        return await respond(state, slot, gen, False, Shape(chunk=lambda text: {}, final=final))
-
-    extra: dict[str, Any] = {"usage": dict(_ZERO_USAGE)} if usage else {}
+    each = ZERO_USAGE if usage else None
     return _sse(
         state,
         slot,
         gen,
-        _Stream(
-            content=lambda text, first: env.wrap(choices=[choice(text, None)], **extra),
-            finish=lambda done, _: [env.wrap(choices=[choice("", _finish_reason(done))], **extra)],
-            usage=lambda done: env.wrap(choices=[], usage=_usage(done)),
+        _SseWriter(
+            env,
+            content=lambda text, first: env.wrap([TextChoice(text, 0, None)], each),
+            finish=lambda done, _: [env.wrap([TextChoice("", 0, _finish_reason(done))], each)],
+            usage=usage,
         ),
-        usage,
     )
 
 
-def _model_json(local: LocalModel, model_id: str) -> dict[str, Any]:
+def _model_card(local: LocalModel, model_id: str) -> ModelCard:
     try:
         owner = parse_name(model_id).namespace
     except InvalidModelName:
         owner = parse_name(local.entry.name).namespace
-    return {
-        "id": model_id,
-        "object": "model",
-        "created": int(local.modified_at.timestamp()),
-        "owned_by": owner,
-    }
+    return ModelCard(model_id, "model", int(local.modified_at.timestamp()), owner)
 
 
 @openai_errors
@@ -467,7 +420,7 @@ async def list_models(request: Request) -> Response:
     )
     found = [m for m in found if m.problem is None]  # OpenAI's list has no field to say why
     found.sort(key=lambda m: m.modified_at, reverse=True)
-    return JSONResponse({"object": "list", "data": [_model_json(m, m.entry.name) for m in found]})
+    return json_response(ModelList("list", [_model_card(m, m.entry.name) for m in found]))
 
 
 @openai_errors
@@ -479,7 +432,7 @@ async def retrieve_model(request: Request) -> Response:
     local = await run_in_threadpool(find_local, entry)
     if local is None:
         raise ApiError(404, f"model '{name}' not found")
-    return JSONResponse(_model_json(local.usable(), name))
+    return json_response(_model_card(local.usable(), name))
 
 
 def routes() -> list[Route]:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from mlxd.api.codec import DEFAULT_MAX_BODY
 from mlxd.api.durations import DurationError, env_keep_alive
 
 DEFAULT_HOST = "127.0.0.1"
@@ -106,6 +107,13 @@ def _seconds(environ: Mapping[str, str], name: str, default: float) -> float:
         raise ConfigError(f"invalid {name} {value!r}: expected seconds") from exc
 
 
+def _max_body(environ: Mapping[str, str]) -> int:
+    size = _size(environ, "MAX_BODY", DEFAULT_MAX_BODY)
+    if size <= 0:
+        raise ConfigError(f"invalid MAX_BODY {env(environ, 'MAX_BODY')!r}: must be positive")
+    return size
+
+
 @dataclass(frozen=True)
 class Settings:
     host: str
@@ -120,6 +128,7 @@ class Settings:
     num_parallel: int = 4  # rows per loaded pairing (KV budget and scheduler)
     memory_budget: int | None = None  # bytes for loaded pairings; None: 75% of total memory
     runner_stall_s: float = 120.0  # a runner stuck this long in one step is reloaded (0: never)
+    max_body: int = DEFAULT_MAX_BODY  # bytes a request body may have (413 above)
 
     @classmethod
     def from_env(
@@ -140,4 +149,5 @@ class Settings:
             num_parallel=_count(environ, "NUM_PARALLEL", 4),
             memory_budget=parse_bytes(budget) if budget else None,
             runner_stall_s=_seconds(environ, "MLXD_RUNNER_STALL_S", 120.0),
+            max_body=_max_body(environ),
         )

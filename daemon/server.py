@@ -14,7 +14,7 @@ from types import FrameType
 import uvicorn
 
 from mlxd.api.app import build_app
-from mlxd.api.ollama import ServerState
+from mlxd.api.state import ServerState
 from mlxd.daemon.config import Settings
 from mlxd.daemon.lifecycle import Lifecycle
 from mlxd.engine.backend import Backend
@@ -76,6 +76,7 @@ def build_state(settings: Settings, backend: Backend) -> ServerState:
         registry_errors=live.errors,
         startup=life.startup,
         shutdown=life.shutdown,
+        max_body=settings.max_body,
     )
 
 

@@ -1,15 +1,25 @@
-"""Ollama's request `options`, parsed once into a typed value the engine can trust."""
+"""Ollama's request `options`, parsed once into a typed value the engine can trust.
+
+Every option has a type and a range (`BOUNDS`); a value outside it is clamped where Ollama's
+runner clamps it (a negative seed is a random one, `num_ctx` below 4 is 4, a negative
+temperature is greedy) and is an `OptionsError` (a 400) otherwise, so no request can carry a
+NaN, an overflowing integer or a penalty that divides by zero into the sampler.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 DRAFT_METHODS = ("auto", "model", "lookup", "off")
+MAX_DRAFT_TOKENS = 64  # options.draft_num_predict: drafts per round (verify cost grows with it)
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 # Options Ollama accepts that do not change how mlxd samples (runner and legacy keys).
 _IGNORED = frozenset(
@@ -66,30 +76,59 @@ class SamplingOptions:
         )
 
 
-_INT = {
-    "top_k", "seed", "num_predict", "repeat_last_n", "num_ctx", "draft_num_predict",
-    "kv_bits", "kv_group_size", "quantized_kv_start",
-}  # fmt: skip
-_FLOAT = {
-    "temperature",
-    "top_p",
-    "min_p",
-    "repeat_penalty",
-    "presence_penalty",
-    "frequency_penalty",
+@dataclass(frozen=True)
+class Bound:
+    """The accepted range of one numeric option; `clamp_below` replaces values under `low`
+    (Ollama's meaning of such values) instead of refusing them."""
+
+    kind: type  # int or float
+    low: float
+    high: float
+    low_open: bool = False  # low itself is excluded
+    clamp_below: float | None = None
+    says: str = ""  # the range in words, for the error message
+
+    def apply(self, key: str, value: Any) -> int | float:
+        number = _as_number(key, value, self.kind)
+        if self.clamp_below is not None and number < self.low:
+            return self.kind(self.clamp_below)
+        too_low = number <= self.low if self.low_open else number < self.low
+        if too_low or number > self.high:
+            raise OptionsError(f'option "{key}" must be {self.says}')
+        return number
+
+
+BOUNDS: dict[str, Bound] = {
+    "temperature": Bound(float, 0.0, 100.0, clamp_below=0.0, says="between 0 and 100"),
+    "top_k": Bound(int, 0, INT32_MAX, clamp_below=0, says="a 32-bit integer"),
+    "top_p": Bound(float, 0.0, 1.0, low_open=True, says="greater than 0 and at most 1"),
+    "min_p": Bound(float, 0.0, 1.0, says="between 0 and 1"),
+    "seed": Bound(int, INT64_MIN, INT64_MAX, says="a 64-bit signed integer"),
+    "num_predict": Bound(int, -2, INT32_MAX, says="-1, -2 or a count up to 2147483647"),
+    "repeat_penalty": Bound(float, 0.0, 100.0, low_open=True, says="greater than 0, at most 100"),
+    "repeat_last_n": Bound(int, -1, INT32_MAX, says="-1, 0 or a count up to 2147483647"),
+    "presence_penalty": Bound(float, -100.0, 100.0, says="between -100 and 100"),
+    "frequency_penalty": Bound(float, -100.0, 100.0, says="between -100 and 100"),
+    "num_ctx": Bound(int, 4, INT32_MAX, clamp_below=4, says="at most 2147483647"),
+    "draft_num_predict": Bound(int, 0, MAX_DRAFT_TOKENS, says=f"between 0 and {MAX_DRAFT_TOKENS}"),
+    "kv_bits": Bound(int, 4, 8, says="4 or 8"),
+    "kv_group_size": Bound(int, 32, 128, says="32, 64 or 128"),
+    "quantized_kv_start": Bound(int, 0, INT32_MAX, says="between 0 and 2147483647"),
 }
+_CHOICES: dict[str, tuple[int, ...]] = {"kv_bits": (4, 8), "kv_group_size": (32, 64, 128)}
 
 
-def _as_int(key: str, value: Any) -> int:
+def _as_number(key: str, value: Any, kind: type) -> int | float:
+    """An int or float option's value; a float given for an integer is truncated, as Ollama's
+    options map does; NaN and infinities are refused."""
+    name = "integer" if kind is int else "float"
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise OptionsError(f'option "{key}" must be of type integer')
+        raise OptionsError(f'option "{key}" must be of type {name}')
+    if isinstance(value, float) and not math.isfinite(value):
+        raise OptionsError(f'option "{key}" must be a finite number')
+    if kind is float:
+        return float(value)
     return int(value)
-
-
-def _as_float(key: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise OptionsError(f'option "{key}" must be of type float')
-    return float(value)
 
 
 def _as_stop(value: Any) -> tuple[str, ...]:
@@ -100,10 +139,29 @@ def _as_stop(value: Any) -> tuple[str, ...]:
     raise OptionsError('option "stop" must be of type array of strings')
 
 
+def _parse_one(key: str, value: Any) -> Any:
+    bound = BOUNDS.get(key)
+    if bound is not None:
+        number = bound.apply(key, value)
+        if key in _CHOICES and number not in _CHOICES[key]:
+            raise OptionsError(f'option "{key}" must be {bound.says}')
+        if key == "seed" and number < 0:
+            return None  # Ollama: -1 (any negative) means a random seed
+        return number
+    if key == "stop":
+        return _as_stop(value)
+    if key == "draft_method":
+        if value not in DRAFT_METHODS:
+            raise OptionsError(f'option "draft_method" must be one of {", ".join(DRAFT_METHODS)}')
+        return value
+    raise AssertionError(f"option {key} has no parser")  # every field has one (tested)
+
+
 def parse_options(*layers: Mapping[str, Any] | None) -> SamplingOptions:
     """Merge option layers (registry defaults first, request last) into one value.
 
-    Unknown keys are ignored with a log line, as Ollama does; wrong types are errors.
+    Unknown keys are ignored with a log line, as Ollama does; wrong types and values out of
+    range are errors.
     """
     merged: dict[str, Any] = {}
     for layer in layers:
@@ -117,32 +175,9 @@ def parse_options(*layers: Mapping[str, Any] | None) -> SamplingOptions:
     for key, value in merged.items():
         if key not in known:
             if key not in _IGNORED:
-                log.warning("invalid option provided: %s", key)
+                log.warning("invalid option provided: %.100s", key)
             continue
         if value is None:
             continue
-        if key in _INT:
-            values[key] = _as_int(key, value)
-        elif key in _FLOAT:
-            values[key] = _as_float(key, value)
-        elif key == "stop":
-            values[key] = _as_stop(value)
-        elif key == "draft_method":
-            if value not in DRAFT_METHODS:
-                raise OptionsError(
-                    f'option "draft_method" must be one of {", ".join(DRAFT_METHODS)}'
-                )
-            values[key] = value
-    seed = values.get("seed")
-    if seed is not None and seed < 0:
-        values["seed"] = None  # Ollama: -1 means a random seed
-    if values.get("kv_bits") not in (None, 4, 8):
-        raise OptionsError('option "kv_bits" must be 4 or 8')
-    if values.get("kv_group_size", 64) not in (32, 64, 128):
-        raise OptionsError('option "kv_group_size" must be 32, 64 or 128')
-    opts = SamplingOptions(**values)
-    if opts.top_p <= 0.0 or opts.top_p > 1.0:
-        opts = replace(opts, top_p=1.0)
-    if opts.num_ctx is not None and opts.num_ctx < 4:
-        opts = replace(opts, num_ctx=4)
-    return opts
+        values[key] = _parse_one(key, value)
+    return SamplingOptions(**values)

@@ -35,6 +35,10 @@ class ModelUnavailable(RuntimeError):
     """The pairing's files are missing or broken; the message says which and why."""
 
 
+class ModelNotPulled(ModelUnavailable):
+    """A model the pairing names has no files here yet (the API answers 404: pull it)."""
+
+
 @dataclass
 class Pairing:
     """A loaded target (and optional draft); owned by one runner thread."""
@@ -80,7 +84,7 @@ class Pairing:
 def locate(ref: str, what: str) -> Path:
     path = resolve_local(ref)
     if path is None:
-        raise ModelUnavailable(f"{what} '{ref}' is not available locally; pull it first")
+        raise ModelNotPulled(f"{what} '{ref}' is not available locally; pull it first")
     return path
 
 

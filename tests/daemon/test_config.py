@@ -190,3 +190,18 @@ def test_runner_stall_limit() -> None:
     assert Settings.from_env({"MLXD_RUNNER_STALL_S": "0"}).runner_stall_s == 0.0  # off
     with pytest.raises(ConfigError):
         Settings.from_env({"MLXD_RUNNER_STALL_S": "soon"})
+
+
+@pytest.mark.parametrize("value", ["1e18", "nan", "99999999999h"])
+def test_keep_alive_env_past_gos_range_is_a_config_error(value: str) -> None:
+    with pytest.raises(ConfigError):
+        Settings.from_env({"MLXD_KEEP_ALIVE": value})
+
+
+def test_max_body_env() -> None:
+    assert Settings.from_env({}).max_body == 32 * 2**20
+    assert Settings.from_env({"MLXD_MAX_BODY": "1MiB"}).max_body == 2**20
+    assert Settings.from_env({"MLXD_MAX_BODY": "4096"}).max_body == 4096
+    for bad in ("0", "lots"):
+        with pytest.raises(ConfigError):
+            Settings.from_env({"MLXD_MAX_BODY": bad})

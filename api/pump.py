@@ -1,0 +1,83 @@
+"""The event pump: one engine generation turned into a stream of wire chunks, for /api (NDJSON)
+and /v1 (server-sent events) alike.
+
+A route says how its text, final and error objects look (a `Writer`); the pump owns the rest:
+the order of events, the error object that ends a stream which fails (a stream never dies with
+a broken connection or a 500 once its headers are out), cancelling the engine's row when the
+client goes away, and releasing the model in every case.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from typing import Protocol
+
+from mlxd.api.errors import GenerationFailed, message_of
+from mlxd.engine.events import Done, Failed, GenerationRequest, TextChunk
+from mlxd.engine.manager import Loaded, ModelManager
+
+log = logging.getLogger(__name__)
+
+NO_RESULT = "generation ended without a result"
+
+
+class Writer(Protocol):
+    """How one route writes a stream's pieces as bytes."""
+
+    def text(self, text: str) -> bytes: ...
+
+    def done(self, done: Done) -> Iterable[bytes]: ...
+
+    def failed(self, message: str) -> bytes: ...
+
+
+async def pump(
+    manager: ModelManager, slot: Loaded, gen: GenerationRequest, writer: Writer
+) -> AsyncIterator[bytes]:
+    finished = False
+    try:
+        async for event in manager.generate(slot, gen):
+            if isinstance(event, TextChunk):
+                if event.text:
+                    yield writer.text(event.text)
+            elif isinstance(event, Done):
+                for piece in writer.done(event):
+                    yield piece
+                finished = True
+            elif isinstance(event, Failed):
+                yield writer.failed(event.message)
+                finished = True
+        if not finished:
+            yield writer.failed(NO_RESULT)
+    except Exception as exc:  # never a broken connection: an error object ends the stream
+        log.exception("stream failed")
+        yield writer.failed(message_of(exc))
+    finally:
+        gen.cancel.set()
+        manager.release(slot)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A whole (non-streamed) generation."""
+
+    text: str
+    done: Done
+
+
+async def collect(manager: ModelManager, slot: Loaded, gen: GenerationRequest) -> Answer:
+    """Run the generation to its end; an engine failure is a GenerationFailed (500)."""
+    parts: list[str] = []
+    try:
+        async for event in manager.generate(slot, gen):
+            if isinstance(event, TextChunk):
+                parts.append(event.text)
+            elif isinstance(event, Failed):
+                raise GenerationFailed(event.message)
+            elif isinstance(event, Done):
+                return Answer("".join(parts), event)
+    finally:
+        manager.release(slot)
+    raise GenerationFailed(NO_RESULT)

@@ -1,0 +1,329 @@
+"""The wire: Ollama's and OpenAI's request and response shapes as typed structs.
+
+As Ollama's `api/types.go`, this module is the one place that says what goes over HTTP. Requests
+are decoded straight into these structs by msgspec (`api.codec`), so a field of the wrong type
+is a 400 naming the field before any handler runs. Every request field may be `null`, which
+means "absent", as it does for Go's JSON decoder. Responses are encoded from them: structs
+marked `omit_defaults` leave out their `None` fields, where Ollama leaves out empty ones, so a
+streamed chunk carries no metrics and a load answer carries no `context`. A field without a
+default is always written, `null` included (OpenAI's `finish_reason`).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+# -- Ollama: requests ---------------------------------------------------------------------------
+
+
+class GenerateRequest(msgspec.Struct):
+    model: str | None = None
+    prompt: str | None = None
+    suffix: str | None = None
+    system: str | None = None
+    template: str | None = None
+    context: list[int] | None = None
+    raw: bool | None = None
+    stream: bool | None = None
+    format: Any = None  # "json" or a JSON schema object
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None  # seconds, or a Go duration string
+    think: bool | str | None = None
+    images: list[str] | None = None
+
+
+class Message(msgspec.Struct):
+    role: str | None = None
+    content: str | None = None
+    images: list[str] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_name: str | None = None
+    tool_call_id: str | None = None
+    thinking: str | None = None
+
+
+class ChatRequest(msgspec.Struct):
+    model: str | None = None
+    messages: list[Message] | None = None
+    stream: bool | None = None
+    format: Any = None
+    options: dict[str, Any] | None = None
+    keep_alive: float | str | None = None
+    think: bool | str | None = None
+    tools: list[Any] | None = None
+
+
+class ModelRequest(msgspec.Struct):
+    """show, pull and delete: a model by `model` (or Ollama's older `name`)."""
+
+    model: str | None = None
+    name: str | None = None
+    verbose: bool | None = None  # show
+    stream: bool | None = None  # pull
+    insecure: bool | None = None  # pull: accepted for compatibility; the hub is always https
+
+
+class CopyRequest(msgspec.Struct):
+    source: str | None = None
+    destination: str | None = None
+
+
+# -- Ollama: responses --------------------------------------------------------------------------
+
+
+class GenerateResponse(msgspec.Struct, omit_defaults=True):
+    """One object of /api/generate: a chunk (`done` false) or the final one."""
+
+    model: str
+    created_at: datetime
+    response: str
+    done: bool
+    done_reason: str | None = None
+    context: list[int] | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    # mlxd's extras: the prefix cache and speculation (clients ignore unknown keys)
+    prompt_cache_tokens: int | None = None
+    draft_method: str | None = None
+    draft_count: int | None = None
+    draft_accepted: int | None = None
+    draft_acceptance_rate: float | None = None
+    draft_tokens_per_round: float | None = None
+    draft_acceptance_by_position: list[float] | None = None
+    draft_fallback_reason: str | None = None
+    draft_disabled_reason: str | None = None
+
+
+class ResponseMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatResponse(msgspec.Struct, omit_defaults=True):
+    """One object of /api/chat."""
+
+    model: str
+    created_at: datetime
+    message: ResponseMessage
+    done: bool
+    done_reason: str | None = None
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+    prompt_eval_duration: int | None = None
+    eval_count: int | None = None
+    eval_duration: int | None = None
+    prompt_cache_tokens: int | None = None
+    draft_method: str | None = None
+    draft_count: int | None = None
+    draft_accepted: int | None = None
+    draft_acceptance_rate: float | None = None
+    draft_tokens_per_round: float | None = None
+    draft_acceptance_by_position: list[float] | None = None
+    draft_fallback_reason: str | None = None
+    draft_disabled_reason: str | None = None
+
+
+class ModelSummary(msgspec.Struct, omit_defaults=True):
+    """One model of /api/tags."""
+
+    name: str
+    model: str
+    modified_at: str
+    size: int
+    digest: str
+    details: dict[str, Any]
+    unavailable: str | None = None  # mlxd's: why a pairing that failed its probe is not served
+
+
+class TagsResponse(msgspec.Struct, omit_defaults=True):
+    models: list[ModelSummary]
+    warning: str | None = None  # mlxd's extra: a registry edit that was not applied
+
+
+class DraftInfo(msgspec.Struct):
+    model: str
+    path: str
+
+
+class ShowResponse(msgspec.Struct, omit_defaults=True):
+    modelfile: str
+    parameters: str
+    template: str
+    details: dict[str, Any]
+    model_info: dict[str, Any]
+    capabilities: list[str]
+    modified_at: str
+    system: str | None = None
+    draft: DraftInfo | None = None  # mlxd's: the pairing's draft model
+    unavailable: str | None = None
+
+
+class RunningModel(msgspec.Struct):
+    """One model of /api/ps."""
+
+    name: str
+    model: str
+    size: int
+    size_vram: int
+    digest: str
+    details: dict[str, Any]
+    expires_at: str
+    context_length: int
+
+
+class PsResponse(msgspec.Struct):
+    models: list[RunningModel]
+
+
+class ErrorResponse(msgspec.Struct):
+    error: str
+
+
+class VersionResponse(msgspec.Struct):
+    version: str
+
+
+# -- OpenAI: requests ---------------------------------------------------------------------------
+
+
+class OpenAIMessage(msgspec.Struct):
+    role: str | None = None
+    content: str | list[Any] | None = None  # a string or content parts
+    name: str | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[Any] | None = None
+    reasoning: str | None = None
+
+
+class StreamOptions(msgspec.Struct):
+    include_usage: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct):
+    type: str | None = None
+    json_schema: dict[str, Any] | None = None
+
+
+class Reasoning(msgspec.Struct):
+    effort: str | None = None
+
+
+class ChatCompletionRequest(msgspec.Struct):
+    model: str | None = None
+    messages: list[OpenAIMessage] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None  # newer SDKs send this name instead
+    seed: int | None = None
+    stop: str | list[Any] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Any] | None = None
+    reasoning_effort: str | None = None
+    reasoning: Reasoning | None = None
+
+
+class CompletionRequest(msgspec.Struct):
+    model: str | None = None
+    prompt: str | None = None
+    suffix: str | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[Any] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+
+
+# -- OpenAI: responses --------------------------------------------------------------------------
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+ZERO_USAGE = Usage(0, 0, 0)
+
+
+class ChoiceMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class Delta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChoiceMessage
+    finish_reason: str | None
+
+
+class ChunkChoice(msgspec.Struct):
+    index: int
+    delta: Delta
+    finish_reason: str | None
+
+
+class TextChoice(msgspec.Struct):
+    text: str
+    index: int
+    finish_reason: str | None
+
+
+class Completion(msgspec.Struct, omit_defaults=True):
+    """Every /v1 completion object: whole answers, stream chunks and the usage chunk.
+
+    `object` tells them apart; `choices` holds the route's choice type; `usage` is omitted
+    where OpenAI omits it (stream chunks without `include_usage`).
+    """
+
+    id: str
+    object: str
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice] | list[ChunkChoice] | list[TextChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    object: str
+    created: int
+    owned_by: str
+
+
+class ModelList(msgspec.Struct):
+    object: str
+    data: list[ModelCard]
+
+
+class OpenAIErrorDetail(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(msgspec.Struct):
+    error: OpenAIErrorDetail
