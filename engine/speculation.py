@@ -17,7 +17,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 
-MAX_DRAFT_TOKENS = 64  # drafts per round, at most: far past where acceptance stops paying
+from mlxd.engine.options import MAX_DRAFT_TOKENS
 
 
 @dataclass(frozen=True)
