@@ -7,6 +7,7 @@ kernel or a pathological request would. The watchdog's limit is set short for th
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import signal
@@ -64,6 +65,31 @@ def test_a_stuck_runner_fails_its_requests_and_the_pairing_reloads(
     finally:
         stall.release.set()  # the abandoned thread's step returns; it exits on its own
     assert not server.thread.is_alive(), "the server did not shut down"
+
+
+def test_every_request_the_stuck_runner_holds_ends_with_an_error_line(
+    tiny_pair: TinyPair, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Running and queued requests alike: none waits forever, none gets a broken stream."""
+    registry = tmp_path / "models.yaml"
+    registry.write_text(f"models:\n  tiny:\n    target: {tiny_pair.target}\n", encoding="utf-8")
+    stall = runner_module.TestStall()
+    monkeypatch.setattr(runner_module, "TEST_STALL", stall)
+    monkeypatch.setenv(runner_module.STALL_ENV, "300")
+    body = {"model": "tiny", "prompt": "hello", "options": {"temperature": 0, "num_predict": 32}}
+    try:
+        with ServerThread(registry, runner_stall_s=STALL_LIMIT) as srv:
+            with concurrent.futures.ThreadPoolExecutor(3) as pool:
+                results = list(pool.map(lambda _: stream_lines(srv.base_url, body), range(3)))
+            failed = 0
+            for status, lines in results:
+                assert status == 200
+                last = lines[-1]
+                assert last.get("done") is True or "stopped" in last.get("error", ""), last
+                failed += "error" in last
+            assert failed >= 2  # the one running and at least one queued behind it
+    finally:
+        stall.release.set()
 
 
 def test_the_stuck_thread_exits_once_its_step_returns(
