@@ -33,8 +33,8 @@ from tests.conftest import ServerThread
 from tests.fixtures.tiny_models import TinyPair
 
 FULL = os.environ.get("MLXD_FAULT_FULL") == "1"
-# 11 tests: 25 each by default (about 300 requests, plus one follow-up each); 1,000 each in full.
-EXAMPLES = 1000 if FULL else 25
+# 10 fuzzed routes (or route groups): 25 examples each by default, 1,100 each in full mode.
+EXAMPLES = 1100 if FULL else 25
 SERVED = ("tiny", "pair")
 CONTEXT = 96
 
@@ -318,16 +318,23 @@ def strict_json(data: bytes) -> Any:
 
 
 def check_success_body(content_type: str, data: bytes) -> None:
+    """Valid JSON; a stream is whole: it ends with its final object, `[DONE]`, or an error."""
     if content_type.startswith("application/json"):
         strict_json(data)
     elif content_type.startswith("application/x-ndjson"):
-        for line in data.splitlines():
-            if line.strip():
-                assert isinstance(strict_json(line), dict)
+        objs = [strict_json(line) for line in data.splitlines() if line.strip()]
+        assert objs and all(isinstance(o, dict) for o in objs), "an empty or non-object line"
+        last = objs[-1]
+        ended = last.get("done") is True or last.get("status") == "success" or "error" in last
+        assert ended, f"the stream stopped before its final object: {last}"
     elif content_type.startswith("text/event-stream"):
-        for line in data.splitlines():
-            if line.startswith(b"data: ") and line != b"data: [DONE]":
-                assert isinstance(strict_json(line[6:]), dict)
+        events = [line[6:] for line in data.splitlines() if line.startswith(b"data: ")]
+        assert events, "an empty event stream"
+        for event in events[:-1]:
+            assert isinstance(strict_json(event), dict)
+        assert events[-1] == b"[DONE]" or "error" in strict_json(events[-1]), (
+            f"the stream stopped before [DONE]: {events[-1]!r}"
+        )
 
 
 def client_port(response: httpx.Response) -> int:
