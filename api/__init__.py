@@ -1,4 +1,4 @@
-"""HTTP: the Starlette app, Ollama routes, streaming and error bodies.
+"""HTTP: the Starlette app, Ollama routes, streaming, error bodies and Prometheus metrics.
 
 May import `engine` and `registry` (never MLX arrays directly).
 """

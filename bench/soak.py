@@ -84,6 +84,7 @@ class Report:
     leftover_queue: float = -1.0
     rss_warm: int = 0
     rss_end: int = 0
+    counted: float = -1.0  # generation-route requests /metrics counted (lone runs included)
 
     @property
     def statuses(self) -> Counter[str]:
@@ -122,6 +123,10 @@ class Report:
         return [o for o in self.greedy_checked() if o.text != self.lone[o.job.kind, o.job.prompt]]
 
     @property
+    def sent(self) -> int:
+        return len(self.outcomes) + len(self.lone)
+
+    @property
     def rss_growth(self) -> float:
         return (self.rss_end - self.rss_warm) / self.rss_warm if self.rss_warm else 0.0
 
@@ -134,6 +139,7 @@ class Report:
             f"{len(self.transport_errors)}   error lines in streams {len(self.stream_errors)}",
             f"temperature 0 identical to lone run: {len(checked) - len(mismatched)}/{len(checked)}",
             f"left after: rows running {self.leftover_rows:g}, queued {self.leftover_queue:g}",
+            f"/metrics counted {self.counted:g} of {self.sent} generation requests sent",
         ]
         if self.rss_warm:
             out.append(
@@ -242,8 +248,11 @@ def run_one(client: httpx.Client, job: Job, model: str, tokens: int, hang: float
     return out
 
 
+GENERATION_ROUTES = ("/api/generate", "/api/chat", "/v1/chat/completions", "/v1/completions")
+
+
 def scrape(base: str) -> dict[str, float]:
-    """`/metrics` summed per metric name."""
+    """`/metrics` summed per metric name; requests to the generation routes as `generation`."""
     from prometheus_client.parser import text_string_to_metric_families
 
     sums: dict[str, float] = {}
@@ -251,6 +260,8 @@ def scrape(base: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             sums[s.name] = sums.get(s.name, 0.0) + s.value
+            if s.name == "mlxd_http_requests_total" and s.labels["route"] in GENERATION_ROUTES:
+                sums["generation"] = sums.get("generation", 0.0) + s.value
     return sums
 
 
@@ -305,8 +316,10 @@ def run_soak(
         sums = scrape(base)
         report.leftover_rows = sums.get("mlxd_rows_running", -1.0)
         report.leftover_queue = sums.get("mlxd_queue_depth", -1.0)
-        if (report.leftover_rows, report.leftover_queue) == (0, 0) or time.monotonic() > deadline:
-            break
+        report.counted = sums.get("generation", 0.0)
+        settled = (report.leftover_rows, report.leftover_queue) == (0, 0)
+        if (settled and report.counted >= report.sent) or time.monotonic() > deadline:
+            break  # (a dropped stream's request is counted once its handler has returned)
         time.sleep(0.2)
     if rss is not None:
         report.rss_end = rss()

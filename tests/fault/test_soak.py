@@ -25,3 +25,4 @@ def test_soak(tmp_path: Path) -> None:
     assert len(report.greedy_checked()) >= 10, summary
     assert not report.greedy_mismatches(), summary
     assert (report.leftover_rows, report.leftover_queue) == (0, 0), summary
+    assert report.counted == report.sent, summary
