@@ -75,8 +75,11 @@ def test_generation_counters(served: ServerThread) -> None:
             http.post("/api/generate", json={"model": "nosuch", "prompt": "x"}).status_code == 404
         )
 
-    after = scrape(base)
     requests = "mlxd_http_requests_total"
+    # a request is counted once its handler returns, which may be just after the client has
+    # read the last line of its stream
+    assert wait_for(lambda: value(scrape(base), requests, route="/api/chat", status="200") == 1)
+    after = scrape(base)
     assert (
         value(after, requests, route="/api/generate", status="200")
         - value(before, requests, route="/api/generate", status="200")
