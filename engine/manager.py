@@ -373,7 +373,8 @@ class ModelManager:
     def _load_failed(self, lease: Loaded, exc: BaseException) -> None:
         if isinstance(exc, Exception):  # the load itself failed: forget the pairing
             model = lease.model
-            self.counts.note(LOAD_FAILURE, model.entry.name)
+            if not model.retired:  # once per load, however many requests waited for it
+                self.counts.note(LOAD_FAILURE, model.entry.name)
             if self._loaded.get(model.entry.name) is model:
                 del self._loaded[model.entry.name]
             model.retired = True

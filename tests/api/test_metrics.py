@@ -170,3 +170,23 @@ def test_prefix_cache_tiers(tiny_pair: TinyPair, tmp_path: Path) -> None:
             value(after, "mlxd_prefix_cache_hit_tokens_total")
             == (second.json()["prompt_cache_tokens"])
         )
+
+
+def test_evictions(tiny_pair: TinyPair, tmp_path: Path) -> None:
+    """With room for one model, loading a second evicts the first."""
+    registry = write_registry(tmp_path / "models.yaml", tiny_pair)
+    with ServerThread(registry, max_loaded=1, cache_ssd_bytes=0) as info:
+        base = info.base_url
+        for model in ("tiny", "pair"):
+            r = httpx.post(
+                f"{base}/api/generate",
+                json={"model": model, "prompt": "", "stream": False},
+                timeout=120,
+            )
+            assert r.status_code == 200, r.text
+        after = scrape(base)
+        assert value(after, "mlxd_model_evictions_total", model=TINY) == 1
+        assert value(after, "mlxd_model_evictions_total", model=PAIR) == 0
+        assert value(after, "mlxd_model_loads_total", model=TINY) == 1
+        assert value(after, "mlxd_model_loads_total", model=PAIR) == 1
+        assert value(after, "mlxd_models_loaded") == 1
