@@ -33,8 +33,8 @@ from tests.conftest import ServerThread
 from tests.fixtures.tiny_models import TinyPair
 
 FULL = os.environ.get("MLXD_FAULT_FULL") == "1"
-# 10 fuzzed routes (or route groups): 25 examples each by default, 1,100 each in full mode.
-EXAMPLES = 1100 if FULL else 25
+# 10 fuzzed routes (or route groups): 40 examples each by default, 1,100 each in full mode.
+EXAMPLES = 1100 if FULL else 40
 SERVED = ("tiny", "pair")
 CONTEXT = 96
 
