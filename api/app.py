@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from mlxd.api import lifecycle, models, ollama, openai
+from mlxd.api import lifecycle, metrics, models, ollama, openai
 from mlxd.api.cors import CorsMiddleware, CorsPolicy
 from mlxd.api.errors import STATUS, ApiError, error_handler
 from mlxd.api.state import ServerState
@@ -48,6 +48,7 @@ def build_app(state: ServerState, bind_host: str = "127.0.0.1") -> Starlette:
         *lifecycle.routes(),
         *models.routes(),
         *openai.routes(),
+        *metrics.routes(),
     ]
     app = Starlette(
         routes=routes,
@@ -61,6 +62,8 @@ def build_app(state: ServerState, bind_host: str = "127.0.0.1") -> Starlette:
         lifespan=lifespan,
     )
     app.state.mlxd = state
+    app.state.metrics = served = metrics.ServerMetrics(state)
     # CORS origins come from MLXD_ORIGINS / OLLAMA_ORIGINS when the app is built
     app.add_middleware(CorsMiddleware, policy=CorsPolicy.from_env(bind_host))
+    app.add_middleware(metrics.RequestCounter, metrics=served)  # outermost: counts every answer
     return app

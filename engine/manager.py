@@ -13,14 +13,15 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 
 from mlxd.engine.backend import Backend
-from mlxd.engine.events import Event, GenerationRequest
+from mlxd.engine.counts import EVICTION, LOAD, LOAD_FAILURE, RUNNER_RESTART, LifecycleCounts
+from mlxd.engine.events import Done, Event, Failed, GenerationRequest
 from mlxd.engine.memory import Budget, MemoryNeed, estimate, human_bytes, resolve_budget
 from mlxd.engine.pairing import ModelUnavailable, Pairing, load_pairing, locate
 from mlxd.engine.prefix_cache import PrefixCache
@@ -31,6 +32,9 @@ from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import resolve_local
 
 log = logging.getLogger(__name__)
+
+# Told how each request ended: the model's name and its final event (on the event loop).
+FinishObserver = Callable[[str, Done | Failed], None]
 
 FOREVER = float("inf")
 DEFAULT_MAX_QUEUE = 512
@@ -261,6 +265,8 @@ class ModelManager:
         self.stall_limit = stall_limit
         self.stalls = 0  # runners abandoned by the watchdog
         self._watchdog: asyncio.Task[None] | None = None
+        self.counts = LifecycleCounts()  # loads, evictions, runner restarts (for /metrics)
+        self.finish_observers: list[FinishObserver] = []
 
     # -- probe-open ----------------------------------------------------------------------------
 
@@ -336,9 +342,22 @@ class ModelManager:
         try:
             async for event in slot.runner.generate(request):
                 slot.ticket.start()  # (idempotent) no longer waiting once the runner answers
+                if isinstance(event, Done | Failed):
+                    self._finished(slot.model.entry.name, event)
                 yield event
         finally:
             slot.ticket.start()
+
+    def _finished(self, name: str, event: Done | Failed) -> None:
+        for observe in self.finish_observers:
+            try:
+                observe(name, event)
+            except Exception:  # an observer never breaks a stream
+                log.exception("finish observer failed")
+
+    def runner_restarted(self, name: str) -> None:
+        """Count a restart of `name`'s runner (the watchdog abandoned it)."""
+        self.counts.note(RUNNER_RESTART, name)
 
     def pairing(self, slot: Loaded) -> Pairing:
         pairing = slot.runner.pairing
@@ -363,6 +382,8 @@ class ModelManager:
     def _load_failed(self, lease: Loaded, exc: BaseException) -> None:
         if isinstance(exc, Exception):  # the load itself failed: forget the pairing
             model = lease.model
+            if not model.retired:  # once per load, however many requests waited for it
+                self.counts.note(LOAD_FAILURE, model.entry.name)
             if self._loaded.get(model.entry.name) is model:
                 del self._loaded[model.entry.name]
             model.retired = True
@@ -390,6 +411,7 @@ class ModelManager:
         runner = PairingRunner(entry, self.backend, costs, self.prefix, self.num_parallel)
         model = Resident(entry, runner, need, self.default_keep_alive)
         self._loaded[entry.name] = model
+        self.counts.note(LOAD, entry.name)
         log.info("loading %s (%s)", entry.name, human_bytes(need.total))
         self._start_watchdog()
         return model
@@ -426,6 +448,7 @@ class ModelManager:
             name, stalled, answered, "not reloading (it was unloading)" if leaving else "reloading",
         )  # fmt: skip
         self.stalls += 1
+        self.runner_restarted(name)
         model.abandoned = model.retired = model.stopped = True
         model.cancel_timer()
         if self._loaded.get(name) is model:
@@ -476,9 +499,11 @@ class ModelManager:
         idle = [m for m in order if m.users == 0]
         if idle:
             log.info("unloading %s to make room", idle[0].entry.name)
+            self.counts.note(EVICTION, idle[0].entry.name)
             self._retire(idle[0])
         elif order and not self._retiring:  # nothing on its way out: let a busy one finish
             log.info("waiting for %s to finish to make room", order[0].entry.name)
+            self.counts.note(EVICTION, order[0].entry.name)
             self._retire(order[0])
 
     async def _changed(self) -> None:

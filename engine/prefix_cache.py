@@ -330,6 +330,11 @@ class SsdTier:
         except Exception:
             return 0
 
+    def backlog(self) -> tuple[int, int]:
+        """(blocks, bytes) queued for the disk and not written yet."""
+        with self._lock:
+            return len(self._pending), self._pending_bytes
+
 
 @dataclass
 class CacheStats:
@@ -338,6 +343,8 @@ class CacheStats:
     hit_tokens: int = 0
     ram_hit_blocks: int = 0
     ssd_hit_blocks: int = 0
+    ram_hit_bytes: int = 0  # restored from RAM (a partial block counts here)
+    ssd_hit_bytes: int = 0  # read back from SSD
     restored_bytes: int = 0
     inserted_blocks: int = 0
 
@@ -381,8 +388,10 @@ class PrefixCache:
                 block = self.ram.get(key)
                 if block is not None:
                     self.stats.ram_hit_blocks += 1
+                    self.stats.ram_hit_bytes += block.nbytes
                 elif self.ssd is not None and (block := self.ssd.get(key)) is not None:
                     self.stats.ssd_hit_blocks += 1
+                    self.stats.ssd_hit_bytes += block.nbytes
                     self._spill(self.ram.put(key, block))
                 else:
                     break
@@ -390,6 +399,7 @@ class PrefixCache:
             parent = keys[len(found) - 1] if found else ns.seed.hex()
             tail = self._longest_tail(parent, tokens[len(found) * self.block :])
             if tail is not None:
+                self.stats.ram_hit_bytes += tail.nbytes
                 found.append(tail)
             self.stats.hit_tokens += sum(b.tokens for b in found)
             self.stats.restored_bytes += sum(b.nbytes for b in found)
