@@ -99,6 +99,9 @@ class BucketedBatchKVCache(BatchKVCache):
         return (cols <= rows) & (cols >= left)
 
 
+PLAIN_KV = (KVCache, BucketedKVCache)  # layers a batch cache can hold
+
+
 def make_cache(model: nn.Module) -> list[Any]:
     """mlx-lm's cache for `model`, with plain KV layers bucketed where that pays."""
     return [new_kv_cache() if type(c) is KVCache else c for c in make_prompt_cache(model)]
