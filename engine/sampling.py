@@ -23,7 +23,6 @@ import mlx.core as mx
 
 from mlxd.engine.options import SamplingOptions
 
-
 _MASK = (1 << 64) - 1
 
 

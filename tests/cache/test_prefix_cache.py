@@ -406,7 +406,7 @@ def _prompt_keys(target: Path, prompt: str) -> list[str]:
     from mlxd.registry.store import model_digest
 
     tokens = list(load_tokenizer(target).encode(prompt))  # what raw mode sends to the engine
-    ns = Namespace(model=model_digest(target), draft="off")
+    ns = Namespace(model=model_digest(target))
     return block_keys(tokens[:-1], ns, BLOCK)
 
 

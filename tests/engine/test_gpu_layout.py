@@ -93,7 +93,8 @@ def test_warming_the_batch_leaves_a_working_scheduler(tiny_pair: TinyPair) -> No
 
 def test_a_paused_draft_still_stores_its_state_beside_the_target(tiny_pair: TinyPair) -> None:
     """The draft skips its prefill while speculation is paused, and is caught up before the
-    prefix cache stores the pair: the next request with the prompt restores both."""
+    prefix cache stores the row: the next request with the prompt restores the target's
+    blocks and the draft's state attached to the full ones (the draft reads the rest)."""
     pairing = load_pairing(
         ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft)), costs=COSTS
     )
@@ -110,6 +111,6 @@ def test_a_paused_draft_still_stores_its_state_beside_the_target(tiny_pair: Tiny
     assert isinstance(final, Done) and final.speculation.rounds == 0
     source, _ = make_draft_source(pairing, opts, Rng(0))
     assert isinstance(source, ModelDraftSource)
-    target, tokens = restore(prefix, namespace_for(pairing, opts, source), pairing, prompt, source)
-    assert target is not None and tokens >= 128
-    assert source.cached == prompt[:tokens]
+    target, tokens = restore(prefix, namespace_for(pairing, opts), pairing, prompt, source)
+    assert target is not None and tokens == len(prompt) - 1
+    assert len(source.cached) >= 128 and source.cached == prompt[: len(source.cached)]
