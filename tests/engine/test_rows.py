@@ -9,13 +9,15 @@ from collections.abc import Callable
 import pytest
 
 from mlxd.engine.batch import RowBatch
+from mlxd.engine.cache_use import namespace_for, restore
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Done, Event, GenerationRequest
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import Pairing, load_pairing
+from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.sampling import Rng
-from mlxd.engine.scheduler import Job, Scheduler
+from mlxd.engine.scheduler import Job, Scheduler, make_draft_source
 from mlxd.engine.speculation import Costs, DraftLengthController
 from mlxd.registry.schema import ModelEntry
 from tests.engine.test_speculative import (
@@ -52,6 +54,7 @@ def serve(
     specs: list[Spec],
     start_after: dict[int, tuple[int, int]] | None = None,
     num_parallel: int = 8,
+    prefix: PrefixCache | None = None,
 ) -> list[Done]:
     """Run requests through one scheduler. `start_after[i] = (j, n)` queues request i once
     request j has streamed n events (a row joining mid-stream); others are queued at once."""
@@ -84,7 +87,7 @@ def serve(
     for i in range(len(specs)):
         if i not in start_after:
             jobs.put(job(i))
-    Scheduler(pairing, jobs, num_parallel=num_parallel).run()
+    Scheduler(pairing, jobs, prefix=prefix, num_parallel=num_parallel).run()
     return [done[i] for i in range(len(specs))]
 
 
@@ -205,3 +208,35 @@ def test_batched_speculative_rows_sample_the_targets_distribution(method: str) -
             stat += (counts[cell] - e) ** 2 / e
             df += 1
     assert chi2_pvalue(stat, df - 1) > 1e-3, (stat, df)
+
+
+def test_solo_and_batched_rows_hit_each_others_blocks(tiny_pair: TinyPair) -> None:
+    """One namespace per target: a block stored by a batched row (with the draft model's
+    state attached) is hit by a later solo request without a draft, and a solo request's
+    blocks are hit by a batched row that speculates with the draft model."""
+    pairing = pairing_of(tiny_pair)
+    prefix = PrefixCache(64 * 2**20)
+    first = [5 + (j * 7) % 90 for j in range(150)]
+    second = [7 + (j * 5) % 80 for j in range(140)]
+    greedy = {"temperature": 0, "num_predict": 8}
+    fillers = [(PROMPTS[i], opts_of(**greedy, draft_method="lookup")) for i in (1, 3)]
+
+    batched = serve(pairing, [(first, opts_of(**greedy, draft_method="model")), *fillers],
+                    prefix=prefix)  # fmt: skip
+    assert batched[0].cached_tokens == 0
+    solo = serve(pairing, [(first, opts_of(**greedy, draft_method="off"))], prefix=prefix)
+    assert solo[0].cached_tokens == len(first) - 1
+    assert solo[0].output_tokens == batched[0].output_tokens
+    model = opts_of(**greedy, draft_method="model")
+    source, _ = make_draft_source(pairing, model, Rng(0))
+    assert isinstance(source, ModelDraftSource)
+    restored, tokens = restore(prefix, namespace_for(pairing, model), pairing, first, source)
+    assert restored is not None and tokens == len(first) - 1
+    assert len(source.cached) >= 128 and source.cached == first[: len(source.cached)]
+
+    alone = serve(pairing, [(second, opts_of(**greedy, draft_method="off"))], prefix=prefix)
+    assert alone[0].cached_tokens == 0
+    later = serve(pairing, [(second, model), *fillers], prefix=prefix)
+    assert later[0].cached_tokens == len(second) - 1
+    assert later[0].output_tokens == alone[0].output_tokens
+    assert later[0].speculation.rounds > 0
