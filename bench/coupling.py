@@ -63,12 +63,14 @@ def main() -> None:
                 agree = agree + (
                     mx.argmax(mx.log(p) + g, axis=-1) == mx.argmax(mx.log(q) + g, axis=-1)
                 )
+                mx.eval(agree)
             shared += float(mx.sum(agree)) / args.noise
             count += p.shape[0]
         best, shared, independent = best / count, shared / count, independent / count
         print(
             f"{temperature:>5} | {best:>10.3f} {shared:>12.3f} {independent:>11.3f} | "
-            f"{shared / best:>6.3f}"
+            f"{shared / best:>6.3f}",
+            flush=True,
         )
 
 

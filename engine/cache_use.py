@@ -107,7 +107,7 @@ def offer_caches(
         cache.insert(key, block)
         stored.add(index)
         inserted += 1
-    tail = cache.tail(ns, held)
+    tail = cache.tail_of(ns, held)
     start = covered // cache.block * cache.block
     if tail is not None and not cache.has(tail[1]):
         block = slice_layers(target, start, covered)

@@ -120,8 +120,11 @@ class Generation:
 
     @property
     def batchable(self) -> bool:
-        """Whether the target cache can sit in a batch cache (plain K/V layers, unquantized)."""
-        return bool(self.cache) and all(type(c) in PLAIN_KV for c in self.cache)
+        """Whether the target cache can sit in a batch cache: plain K/V layers that stay
+        unquantized (a row asking for KV quantization decodes in its own forward)."""
+        if self.opts.kv_bits is not None or not self.cache:
+            return False
+        return all(type(c) in PLAIN_KV for c in self.cache)
 
     def _maybe_quantize(self) -> None:
         opts = self.opts

@@ -452,6 +452,12 @@ class PrefixCache:
 
     def tail(self, ns: Namespace, tokens: Sequence[int]) -> tuple[str, str] | None:
         """(parent, key) of the partial block that ends `tokens`, unless they end on a block
+        boundary or it is cached already."""
+        found = self.tail_of(ns, tokens)
+        return None if found is None or self.has(found[1]) else found
+
+    def tail_of(self, ns: Namespace, tokens: Sequence[int]) -> tuple[str, str] | None:
+        """(parent, key) of the partial block that ends `tokens`, unless they end on a block
         boundary."""
         full = len(tokens) // self.block
         if full * self.block == len(tokens):
