@@ -1,6 +1,12 @@
 """Concurrent streaming clients: mlxd vs `mlx_lm.server`, same model, same run.
 
     python bench/concurrency.py [--model DIR | --shape 8b] [--clients 1,2,4,8,16] [--tokens 128]
+    python bench/concurrency.py --pairing [DIR] [--clients 1,2,4,8] [--tokens 64]
+
+`--pairing` (default: the code pair) serves a target/draft pairing and compares, in one mlxd
+run, batched speculation (`draft_method` auto) with batched plain decoding (`off`) at each
+client count, greedy and at temperature 0.7, through Ollama's `/api/generate`: aggregate
+tokens/s of each, their ratio, and the drafts the final responses report accepted.
 
 Both servers are started by the bench on loopback ports and driven through the same OpenAI
 `/v1/completions` streaming endpoint (temperature 0, fixed token count, no stop). For each
@@ -164,6 +170,117 @@ def burst(base: str, model: str, prompts: list[str], clients: int, tokens: int) 
     }
 
 
+def generate_once(
+    client: httpx.Client, base: str, model: str, prompt: str, options: dict[str, object]
+) -> tuple[float, int, int, int]:
+    """(seconds, tokens, drafted, accepted) of one streamed `/api/generate`."""
+    body = {"model": model, "prompt": prompt, "raw": True, "stream": True, "options": options}
+    t0 = time.perf_counter()
+    final: dict[str, int] = {}
+    with client.stream("POST", f"{base}/api/generate", json=body) as r:
+        for line in r.iter_lines():
+            if line:
+                chunk = json.loads(line)
+                if chunk.get("done"):
+                    final = chunk
+    took = time.perf_counter() - t0
+    counts = [int(final.get(key, 0)) for key in ("eval_count", "draft_count", "draft_accepted")]
+    return took, counts[0], counts[1], counts[2]
+
+
+def pairing_burst(
+    base: str, prompts: list[str], clients: int, options: dict[str, object]
+) -> dict[str, float]:
+    results: list[tuple[float, int, int, int]] = []
+    lock = threading.Lock()
+    start = threading.Barrier(clients + 1)
+    pools = [httpx.Client(timeout=900) for _ in range(clients)]
+
+    def one(i: int) -> None:
+        start.wait()
+        r = generate_once(pools[i], base, "bench", prompts[i % len(prompts)], options)
+        with lock:
+            results.append(r)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        start.wait()
+        t0 = time.perf_counter()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+    finally:
+        for pool in pools:
+            pool.close()
+    return {
+        "aggregate": sum(r[1] for r in results) / wall,
+        "drafted": sum(r[2] for r in results),
+        "accepted": sum(r[3] for r in results),
+    }
+
+
+def pairing_main(pair: Path, counts: list[int], tokens: int, parallel: int, rounds: int) -> None:
+    """Batched speculation vs batched plain decoding on one pairing, side by side."""
+    held = (
+        json.loads((pair / "heldout_prompts.json").read_text())
+        if (pair / "heldout_prompts.json").exists()
+        else {}
+    )
+    prompts = [p["prompt"] for p in held.get("code", [])][:16] or [
+        f"def function_{i}(values, threshold={i}):\n" for i in range(16)
+    ]
+    home = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
+    registry = home / "models.yaml"
+    registry.write_text(
+        f"models:\n  bench:\n    target: {(pair / 'target').resolve()}\n"
+        f"    draft: {(pair / 'draft').resolve()}\n",
+        encoding="utf-8",
+    )
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLXD_HOME": str(home),
+           "MLXD_HOST": f"127.0.0.1:{port}", "MLXD_NUM_PARALLEL": str(parallel)}  # fmt: skip
+    cmd = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(registry)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    rows = []
+    try:
+        wait_up(f"{base}/api/tags", proc)
+        for method in ("auto", "off"):  # warm-up
+            pairing_burst(base, prompts, 2, {"num_predict": 8, "draft_method": method})
+        for temperature in (0.0, 0.7):
+            for n in counts:
+                spec = {"aggregate": 0.0, "drafted": 0.0, "accepted": 0.0}
+                plain = dict(spec)
+                for _ in range(rounds):  # alternate, so a slow spell hits both sides
+                    for method, into in (("auto", spec), ("off", plain)):
+                        opts = {"temperature": temperature, "num_predict": tokens,
+                                "draft_method": method, "seed": 7}  # fmt: skip
+                        r = pairing_burst(base, prompts, n, opts)
+                        for key in into:
+                            into[key] += r[key] / rounds
+                rows.append((temperature, n, spec, plain))
+                print(f"T={temperature} {n} clients: spec {spec} plain {plain}", flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    print(f"pairing {pair}  tokens per stream {tokens}  rounds {rounds}")
+    print(f"{'temp':>5} {'clients':>8} | {'spec agg':>9} {'plain agg':>9} | {'spec/plain':>10} | "
+          f"{'drafted':>8} {'accepted':>8} {'rate':>6}")  # fmt: skip
+    for temperature, n, spec, plain in rows:
+        rate = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
+        print(
+            f"{temperature:>5} {n:>8} | {spec['aggregate']:>9.1f} {plain['aggregate']:>9.1f} | "
+            f"{ratio(spec['aggregate'], plain['aggregate']):>10} | "
+            f"{spec['drafted']:>8.0f} {spec['accepted']:>8.0f} {rate:>6.2f}"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -175,7 +292,20 @@ def main() -> None:
     ap.add_argument("--clients", default="1,2,4,8,16")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--parallel", type=int, default=16, help="MLXD_NUM_PARALLEL for mlxd")
+    ap.add_argument(
+        "--pairing",
+        type=Path,
+        nargs="?",
+        const=pair,
+        default=None,
+        help="speculation vs plain decoding on a target/draft pairing",
+    )
+    ap.add_argument("--rounds", type=int, default=2, help="bursts per cell (--pairing)")
     args = ap.parse_args()
+    if args.pairing is not None:
+        counts = [int(c) for c in args.clients.split(",")]
+        pairing_main(args.pairing, counts, args.tokens, args.parallel, args.rounds)
+        return
 
     model = args.model
     if args.shape:

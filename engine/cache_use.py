@@ -1,4 +1,9 @@
-"""How a generation uses the prefix cache: which namespace, what to restore, what to offer."""
+"""How a row uses the prefix cache: which namespace, what to restore, what to offer.
+
+Target blocks are keyed by the target's namespace only, so every row on a target shares them,
+solo or batched, whatever its draft method. A row with a draft model restores the draft's
+attachments where the blocks have them and offers its own beside the blocks it stores.
+"""
 
 from __future__ import annotations
 
@@ -11,8 +16,7 @@ from mlxd.engine.generation import Generation
 from mlxd.engine.kvcache import bucket_of
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.pairing import Pairing
-from mlxd.engine.prefix_cache import Block, Namespace, PrefixCache, build_caches, slice_layers
-from mlxd.engine.sampling import Rng
+from mlxd.engine.prefix_cache import Namespace, PrefixCache, build_caches, slice_layers
 
 log = logging.getLogger(__name__)
 
@@ -21,14 +25,13 @@ def has_companion(source: DraftSource | None) -> bool:
     return isinstance(source, ModelDraftSource | HybridDraftSource)
 
 
-def namespace_for(pairing: Pairing, opts: SamplingOptions, source: DraftSource | None) -> Namespace:
-    """A draft method that stores a draft model's state beside the target's is its own
-    namespace; without one (off, lookup, batch rows) the blocks are the same target K/V."""
+def namespace_for(
+    pairing: Pairing, opts: SamplingOptions, source: DraftSource | None = None
+) -> Namespace:
+    """What decides the target's K/V: its revision (files and compute dtype) and the KV
+    quantization. The draft method is not part of it (the draft's state is an attachment)."""
     kv = f"{opts.kv_bits}/{opts.kv_group_size}/{opts.quantized_kv_start}" if opts.kv_bits else ""
-    draft = "off"
-    if source is not None and has_companion(source):
-        draft = f"{source.name}:{pairing.draft_revision}"
-    return Namespace(model=pairing.revision, kv=kv, draft=draft)
+    return Namespace(model=pairing.revision, kv=kv)
 
 
 def restore(
@@ -39,72 +42,67 @@ def restore(
     source: DraftSource | None,
 ) -> tuple[list[Any] | None, int]:
     """Target caches holding the longest cached prefix of the prompt (all but its last token),
-    with the draft's companion state restored into `source`; (None, 0) on a miss."""
-    blocks = cache.lookup(ns, prompt[:-1])
-    if not blocks:
+    with the draft's state restored into `source` as far as the blocks carry it; (None, 0) on
+    a miss."""
+    found = cache.lookup_keyed(ns, prompt[:-1])
+    if not found:
         return None, 0
     layers = len(pairing.target.layers)
-    tokens = sum(b.tokens for b in blocks)
+    tokens = sum(b.tokens for _, b in found)
     try:
-        target = build_caches(blocks, 0, layers, bucket_of(pairing.target))
-        if has_companion(source) and pairing.draft is not None:
-            assert source is not None
-            end = layers + len(pairing.draft.layers)
-            draft = build_caches(blocks, layers, end, bucket_of(pairing.draft))
-            source.restore((draft, list(prompt[:tokens])))
+        target = build_caches([b for _, b in found], 0, layers, bucket_of(pairing.target))
     except (ValueError, IndexError) as exc:
         log.warning("prefix cache: unusable entry treated as a miss: %s", exc)
         return None, 0
+    if has_companion(source) and pairing.draft is not None:
+        assert source is not None
+        extras = cache.attachments([k for k, _ in found], pairing.draft_revision)
+        if extras:
+            try:
+                draft = build_caches(extras, 0, len(pairing.draft.layers), bucket_of(pairing.draft))
+                covered = sum(b.tokens for b in extras)
+                source.restore((draft, list(prompt[:covered])))
+            except (ValueError, IndexError) as exc:  # the draft reads the prompt itself
+                log.warning("prefix cache: unusable draft state ignored: %s", exc)
     return target, tokens
 
 
-def offer(cache: PrefixCache, ns: Namespace, gen: Generation, companion: bool) -> int:
-    """Insert the full blocks of what a generation's caches really hold."""
-    draft: tuple[list[Any], list[int]] | None = None
-    if companion:
-        state = gen.source.checkpoint() if gen.source is not None else None
-        if not state or not state[0]:
-            return 0  # the draft's state is gone (speculation stopped): keep the pair whole
-        draft = state
-    return offer_caches(cache, ns, gen.cache, gen.tokens, draft)
+def offer(cache: PrefixCache, ns: Namespace, gen: Generation, draft_revision: str = "") -> int:
+    """Insert the full blocks of what a row's caches really hold, with its draft model's
+    state (when it has one and `draft_revision` names it) attached."""
+    draft = _draft_state(gen, draft_revision)
+    return offer_caches(cache, ns, gen.cache, gen.tokens, draft, draft_revision)
 
 
 def offer_final(
-    cache: PrefixCache,
-    ns: Namespace,
-    gen: Generation,
-    pairing: Pairing,
-    prompt_len: int,
-    companion: bool,
+    cache: PrefixCache, ns: Namespace, gen: Generation, prompt_len: int, draft_revision: str = ""
 ) -> int:
-    """Offer a finished solo generation: its prompt (all but the last token) and everything
-    it holds. In a namespace with the draft's state beside the target's, the draft must
-    cover what is offered, yet speculation that was paused may never have read the prompt
-    (its prefill is deferred) or may have dropped the draft model (stepped down to prompt
-    lookup, or fell back): the draft reads the tokens now, after the response, so the next
-    identical prompt still hits."""
-    if not companion:
-        offered = offer_caches(cache, ns, gen.cache, gen.tokens[: prompt_len - 1])
-        return offered + offer_caches(cache, ns, gen.cache, gen.tokens)
-    fresh: ModelDraftSource | None = None
+    """Offer a finished row, after its response: its prompt (all but the last token, so the
+    same prompt again restores its partial last block) and everything it holds. Speculation
+    that was paused may never have let the draft read the prompt (its prefill is deferred):
+    the draft reads the tokens now, so the next identical prompt restores its state too. A
+    row whose draft model is gone (stepped down, failed) offers the target's blocks alone;
+    a later row's draft reads what has no attachment. Any failure here is a cache miss,
+    logged, never an error after the response."""
     try:
-        if has_companion(gen.source):
+        if draft_revision and has_companion(gen.source):
             gen.ready_source()  # a paused draft reads the tokens now (may drop a failing one)
-        source = gen.source if has_companion(gen.source) else None
-        if source is None and pairing.draft is not None:
-            source = fresh = ModelDraftSource(pairing.draft, gen.opts, Rng(0))
-            fresh.prefill(gen.tokens)
-        state = source.checkpoint() if source is not None else None
-        if not state or not state[0]:
-            return 0  # no draft state to store beside the target's: keep the pair whole
-        offered = offer_caches(cache, ns, gen.cache, gen.tokens[: prompt_len - 1], state)
-        return offered + offer_caches(cache, ns, gen.cache, gen.tokens, state)
-    except Exception:  # the response is out already: the cache misses this one, no more
+        draft = _draft_state(gen, draft_revision)
+        prompt = gen.tokens[: prompt_len - 1]
+        offered = offer_caches(cache, ns, gen.cache, prompt, draft, draft_revision)
+        return offered + offer_caches(cache, ns, gen.cache, gen.tokens, draft, draft_revision)
+    except Exception:
         log.exception("prefix cache: offering a finished request failed")
         return 0
-    finally:
-        if fresh is not None:
-            fresh.dispose()
+
+
+def _draft_state(gen: Generation, draft_revision: str) -> tuple[list[Any], list[int]] | None:
+    """The draft model's (caches, tokens) to attach, when the row has one that holds any."""
+    if not draft_revision or not has_companion(gen.source):
+        return None
+    assert gen.source is not None
+    state = gen.source.checkpoint()
+    return state if state and state[0] else None
 
 
 def offer_caches(
@@ -113,39 +111,54 @@ def offer_caches(
     target: list[Any],
     tokens: Sequence[int],
     draft: tuple[list[Any], list[int]] | None = None,
+    draft_revision: str = "",
 ) -> int:
-    """Insert the full blocks covered by `target` (and the draft's state, when given); the
-    key is derived from what the caches hold (their offset), never from what was streamed."""
+    """Insert the blocks covered by `target` (and attach the draft's state where it covers
+    them); keys derive from what the caches hold (their offset), never from what was
+    streamed."""
     if not target:
         return 0
     covered = min(int(target[0].offset), len(tokens))
     draft_cache: list[Any] = []
+    draft_covered = 0
     if draft is not None:
         draft_cache, draft_tokens = draft
-        covered = min(covered, len(draft_tokens))
-
-    def sliced(start: int, end: int) -> Block | None:
-        block = slice_layers(target, start, end)
-        if block is None or draft is None:
-            return block
-        extra = slice_layers(draft_cache, start, end)
-        return (
-            None if extra is None else Block(block.kinds + extra.kinds, block.arrays + extra.arrays)
-        )
-
-    inserted = 0
+        draft_covered = min(covered, len(draft_tokens), _offset(draft_cache))
     held = list(tokens[:covered])
+    inserted = 0
+    stored = set()
     for index, key in cache.missing(ns, held):
-        block = sliced(index * cache.block, (index + 1) * cache.block)
+        block = slice_layers(target, index * cache.block, (index + 1) * cache.block)
         if block is None:
             return inserted  # a cache kind the prefix cache cannot slice
         cache.insert(key, block)
+        stored.add(index)
         inserted += 1
-    tail = cache.tail(ns, held)
-    if tail is not None:
-        start = covered // cache.block * cache.block
-        block = sliced(start, covered)
+    tail = cache.tail_of(ns, held)
+    start = covered // cache.block * cache.block
+    if tail is not None and not cache.has(tail[1]):
+        block = slice_layers(target, start, covered)
         if block is not None:
             cache.insert_tail(tail[0], held[start:], tail[1], block)
             inserted += 1
+    if draft is None or not draft_revision:
+        return inserted
+    keys = cache.block_keys(ns, held[:draft_covered])
+    for index, key in enumerate(keys):
+        if cache.has_attachment(key, draft_revision):
+            continue
+        extra = slice_layers(draft_cache, index * cache.block, (index + 1) * cache.block)
+        if extra is None:
+            return inserted
+        cache.attach(key, draft_revision, extra)
+        inserted += 1
+    if tail is not None and draft_covered == covered and covered > start:
+        extra = slice_layers(draft_cache, start, covered)
+        if extra is not None and not cache.has_attachment(tail[1], draft_revision):
+            cache.attach(tail[1], draft_revision, extra)
+            inserted += 1
     return inserted
+
+
+def _offset(caches: list[Any]) -> int:
+    return int(caches[0].offset) if caches else 0

@@ -28,12 +28,11 @@ class Draft:
 
     tokens: mx.array
     count: int
-    probs: mx.array | None = None
     source: str = ""
 
     @staticmethod
     def empty(source: str = "") -> Draft:
-        return Draft(mx.array([], dtype=mx.uint32), 0, None, source)
+        return Draft(mx.array([], dtype=mx.uint32), 0, source)
 
 
 class DraftSource(ABC):
@@ -106,12 +105,10 @@ class ModelDraftSource(DraftSource):
         eager = self.opts.has_penalties  # penalties need each draft on the host
         drafted: list[mx.array] = []
         host: list[int] = []
-        probs: list[mx.array] = []
         for i in range(n):
-            tok, p = next_tokens(logits, tokens, host, self.opts, self.rng)
+            # the same position noise as the target's: where q is near p, the choices agree
+            tok = next_tokens(logits, tokens, host, self.opts, self.rng, len(tokens) + i)
             drafted.append(tok)
-            if p is not None:
-                probs.append(p)
             if eager:
                 host.append(to_int(tok))
             else:  # the device runs this draft step while the host builds the next one
@@ -120,8 +117,7 @@ class ModelDraftSource(DraftSource):
                 logits = self.model(tok[None], cache=self.cache)[0, -1:, :]
                 self._fed += 1
         self._drafts = mx.concatenate(drafted).astype(mx.uint32)
-        q = mx.concatenate(probs) if probs else None
-        return Draft(self._drafts, n, q, self.name)
+        return Draft(self._drafts, n, self.name)
 
     def accept(self, tokens: Sequence[int]) -> None:
         fed = to_ints(self._drafts[: self._fed]) if self._drafts is not None and self._fed else []
@@ -194,7 +190,7 @@ class LookupDraftSource(DraftSource):
         if pos is None:
             return Draft.empty(self.name)
         cont = list(tokens[pos : pos + n])
-        return Draft(mx.array(cont, dtype=mx.uint32), len(cont), None, self.name)
+        return Draft(mx.array(cont, dtype=mx.uint32), len(cont), self.name)
 
     def accept(self, tokens: Sequence[int]) -> None:
         self._extend(tokens)

@@ -1,9 +1,13 @@
-"""One request's decode state: the target cache, the committed tokens and the draft source.
+"""One request's decode state: the target cache, the committed tokens, its randomness and its
+speculation; and how it steps alone.
 
 Every round runs one target forward over [pending] + drafts (0 drafts is plain decoding). The
-pending token is the last committed token, not yet in the target cache. When a draft source
-fails or a cache cannot be trimmed, the generation carries on with plain decoding from the
-committed tokens; the client sees an ordinary stream.
+pending token is the last committed token, not yet in the target cache. Alone, plain decoding
+is pipelined: the next forward is queued before the host reads the current token, so between
+steps one token may be in flight (`settle` commits it: its value is already fixed by the
+position-keyed sampling). In a batch (`engine.batch`) the same state is stepped with other
+rows through `draft` and `absorb`. When a draft source fails or a cache cannot be trimmed, the
+generation carries on with plain decoding; the client sees an ordinary stream.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -20,19 +24,20 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from mlxd.engine.drafting import Draft, DraftSource
-from mlxd.engine.kvcache import make_cache
+from mlxd.engine.kvcache import make_cache, plain_kv
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.prefill import feed
 from mlxd.engine.sampling import Rng, next_tokens, to_int
+from mlxd.engine.specstate import Mode, Speculation
 from mlxd.engine.speculation import DraftLengthController, SpecStats
-from mlxd.engine.verify import verify
+from mlxd.engine.verify import Verdict, verify
 
 log = logging.getLogger(__name__)
 TRACE = os.environ.get("MLXD_TRACE_SPEC", "") not in ("", "0", "false")
 
 
 class Generation:
-    """Yields committed tokens round by round; stops after EOS or `limit` tokens."""
+    """Yields committed tokens step by step; stops after EOS or `limit` tokens."""
 
     def __init__(
         self,
@@ -58,19 +63,26 @@ class Generation:
         self.rng = rng
         self.tokens: list[int] = list(prompt)
         self.cache: list[Any] = cache if cache is not None else make_cache(target)
-        self.source = source
-        self.controller = controller
         self.stats = stats or SpecStats()
+        self.spec = Speculation(source, controller, self.stats)
         self.produced = 0
         self._source_behind = False  # the source has not yet read the committed tokens
+        self._inflight: mx.array | None = None  # the next token, queued; its input is cached
         self.finish: str | None = None  # "stop" after EOS, "length" at the limit
-        # after stepping down to a cheaper arm: the full source's controller and the token count
-        # then; what the arm decodes counts toward that source's pause clock
-        self._stepped_from: tuple[DraftLengthController, int] | None = None
-        if source is not None:
-            self.stats.method = source.name
-            if not can_trim_prompt_cache(self.cache):
-                self._fallback("the target cache cannot be trimmed", failed=False)
+        if source is not None and not can_trim_prompt_cache(self.cache):
+            self.spec.stop("the target cache cannot be trimmed", failed=False)
+
+    @property
+    def source(self) -> DraftSource | None:
+        return self.spec.source
+
+    @property
+    def controller(self) -> DraftLengthController | None:
+        return self.spec.controller
+
+    @property
+    def done(self) -> bool:
+        return self.finish is not None or self.produced >= self.limit
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -94,24 +106,25 @@ class Generation:
         try:
             self.source.prefill(self.tokens)
         except Exception as exc:  # a broken draft must not fail the request
-            self._fallback(f"draft prefill failed: {exc}")
+            self.spec.stop(f"draft prefill failed: {exc}")
 
     def close(self) -> None:
-        if self._stepped_from is not None:
-            full, start = self._stepped_from
-            full.paused_for(self.produced - start)
-            self._stepped_from = None
-        if self.controller is not None:
-            self.controller.conclude()
-        if self.source is not None:
-            self.source.dispose()
-            self.source = None
+        self.spec.close(self.produced)
+        self._inflight = None
         self.cache = []
 
     @property
     def cached_tokens(self) -> int:
         """Tokens whose K/V are really in the target cache (may lead the stream by one)."""
         return int(self.cache[0].offset) if self.cache else 0
+
+    @property
+    def batchable(self) -> bool:
+        """Whether the target cache can sit in a batch cache: plain K/V layers that stay
+        unquantized (a row asking for KV quantization decodes in its own forward)."""
+        if self.opts.kv_bits is not None or not self.cache:
+            return False
+        return all(plain_kv(c) for c in self.cache)
 
     def _maybe_quantize(self) -> None:
         opts = self.opts
@@ -120,34 +133,50 @@ class Generation:
                 self.cache, opts.quantized_kv_start, opts.kv_group_size, opts.kv_bits
             )
 
-    # -- decoding ------------------------------------------------------------------------------
+    # -- stepping alone ------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[list[int]]:
-        while self.finish is None and self.produced < self.limit:
-            if self.source is None or self.controller is None:
-                yield from self._plain()
-                return
-            k = min(self.controller.choose(), self.limit - self.produced - 1)
-            if self.controller.off:
-                pause = self._step_down()
-                if pause:  # plain decoding for a while, then speculation gets another chance
-                    yield from self._paused(pause)
-                continue
-            self.ready_source()
-            if self.source is None:  # its prefill failed: plain decoding from here
-                continue
-            if k > 0 and not self._has_draft():  # e.g. prompt lookup found no match
-                yield from self._plain(resume=self._has_draft)
-                continue
-            t0 = time.perf_counter()
-            new = self._speculative_round(k)
-            self._maybe_quantize()
-            if self.controller is not None:
-                self.controller.observe_time(time.perf_counter() - t0, len(new))
+        while not self.done:
+            new = self.step()
             if new:
                 yield new
         if self.finish is None:
             self.finish = "length"
+
+    def step(self) -> list[int]:
+        """One solo step: a speculative round, or one plainly decoded token."""
+        if self.done:
+            return []
+        k = self.draft_length()
+        if self.spec.on and (k == 0 or self._inflight is not None):
+            # no draft this time (e.g. prompt lookup found no match): decode plainly, queueing
+            # the next token only while the source still has nothing to propose
+            return self._plain_step(lambda: not self._has_draft())
+        if not self.spec.on:
+            return self._plain_step(self._plain_ahead)
+        t0 = time.perf_counter()
+        new = self._speculative_round(k)
+        self._maybe_quantize()
+        if self.controller is not None and self.spec.on:
+            self.controller.observe_time(time.perf_counter() - t0, len(new))
+        return new
+
+    def draft_length(self) -> int:
+        """Drafts this row wants next round: 0 when speculation is not on, when the source
+        has nothing to propose, or near the limit."""
+        k = min(self.spec.draft_length(self.produced), self.limit - self.produced - 1)
+        if k <= 0 or not self.spec.on:
+            return 0
+        self.ready_source()
+        if not self.spec.on or not self._has_draft():
+            return 0
+        return k
+
+    def _plain_ahead(self) -> bool:
+        """Whether the token after the next is decoded plainly too (so it can be queued)."""
+        if self.spec.mode is Mode.PAUSED:
+            return self.spec.pause_left > 1
+        return self.spec.mode is Mode.OFF
 
     def _has_draft(self) -> bool:
         return self.source is not None and self.source.has_draft(self.tokens)
@@ -168,13 +197,39 @@ class Generation:
             self.finish = "length"
         return out
 
-    def _speculative_round(self, k: int) -> list[int]:
-        assert self.source is not None and self.controller is not None
-        try:
-            draft = self.source.propose(self.tokens, k) if k > 0 else Draft.empty()
-        except Exception as exc:
-            self._fallback(f"draft source failed: {exc}")
+    def _forward_one(self, tok: mx.array, position: int) -> mx.array:
+        """Feed `tok`; the token chosen after it, which sits at `position`."""
+        logits = self.target(tok.reshape(1, 1), cache=self.cache)[0, -1:, :]
+        return next_tokens(logits, self.tokens, [], self.opts, self.rng, position)[0]
+
+    def _plain_step(self, ahead: Any) -> list[int]:
+        """Commit one token decoded plainly. Pipelined (the next forward queued before the
+        host reads this token) while `ahead()` says the next step is plain as well and no
+        penalty needs this token on the host first."""
+        y = self._inflight
+        self._inflight = None
+        if y is None:
+            y = self._forward_one(mx.array([self.tokens[-1]], dtype=mx.uint32), len(self.tokens))
+            mx.async_eval(y)
+        if not self.opts.has_penalties and self.produced + 1 < self.limit and ahead():
+            self._inflight = self._forward_one(y, len(self.tokens) + 1)
+            mx.async_eval(self._inflight)
+        new = self._commit([to_int(y)])
+        if self.done:
+            self._inflight = None  # queued past the end: never committed
+        self.spec.committed_plainly(len(new))
+        self._maybe_quantize()
+        return new
+
+    def settle(self) -> list[int]:
+        """Commit the token in flight, if any: afterwards the cache holds every committed
+        token but the last (what a round, a batch or the prefix cache expects)."""
+        if self._inflight is None:
             return []
+        return self._plain_step(lambda: False)
+
+    def _speculative_round(self, k: int) -> list[int]:
+        draft = self.propose(k)
         pending = mx.array([self.tokens[-1]], dtype=mx.uint32)
         inputs = mx.concatenate([pending, draft.tokens]) if draft.count else pending
         logits = self.target(inputs[None], cache=self.cache)[0]
@@ -182,102 +237,40 @@ class Generation:
         rejected = draft.count - verdict.accepted
         if rejected and trim_prompt_cache(self.cache, rejected) != rejected:
             self._rebuild_cache(len(self.tokens) - 1 + verdict.accepted)
-            self._fallback("the target cache could not be trimmed")
-        if draft.count:
+            self.spec.stop("the target cache could not be trimmed")
+        return self.absorb(draft, verdict)
+
+    # -- what a batch calls --------------------------------------------------------------------
+
+    def propose(self, k: int) -> Draft:
+        """The source's draft of up to k tokens (empty when it fails: speculation stops)."""
+        if k <= 0 or self.source is None:
+            return Draft.empty()
+        try:
+            return self.source.propose(self.tokens, k)
+        except Exception as exc:
+            self.spec.stop(f"draft source failed: {exc}")
+            return Draft.empty()
+
+    def absorb(self, draft: Draft, verdict: Verdict) -> list[int]:
+        """Commit a verified round (the caller trimmed the target cache to match)."""
+        if draft.count and self.controller is not None:
             self.stats.observe(draft.count, verdict.accepted)
             self.controller.observe(draft.count, verdict.accepted)
         if TRACE:
             log.info(
-                "spec round: source=%s k=%d drafted=%d accepted=%d",
-                draft.source, k, draft.count, verdict.accepted,
+                "spec round: source=%s drafted=%d accepted=%d",
+                draft.source, draft.count, verdict.accepted,
             )  # fmt: skip
         new = self._commit(verdict.tokens)
-        if self.source is not None and self.finish is None:
+        if not draft.count:
+            self.spec.committed_plainly(len(new))
+        if self.source is not None and self.finish is None and draft.count:
             try:
                 self.source.accept(self.tokens)
             except Exception as exc:
-                self._fallback(f"draft source failed: {exc}")
+                self.spec.stop(f"draft source failed: {exc}")
         return new
-
-    def _plain(
-        self, until: int | None = None, resume: Callable[[], bool] | None = None
-    ) -> Iterator[list[int]]:
-        """Single-token decoding up to `until` produced tokens, or until `resume()` turns true
-        after a committed token (then the token in flight is the last); pipelined (next forward
-        queued before the host reads the current token) unless penalties need every token on
-        the host first. It never queues past its end, so the cache ends holding all but the
-        last committed token, as a speculative round expects."""
-        bound = self.limit if until is None else min(until, self.limit)
-
-        def step(tok: mx.array, extra: list[int]) -> mx.array:
-            logits = self.target(tok.reshape(1, 1), cache=self.cache)[0, -1:, :]
-            return next_tokens(logits, self.tokens, extra, self.opts, self.rng)[0]
-
-        y = step(mx.array([self.tokens[-1]], dtype=mx.uint32), [])
-        mx.async_eval(y)
-        pipelined = not self.opts.has_penalties
-        while self.finish is None and self.produced < bound:
-            nxt = None
-            if pipelined and self.produced + 1 < bound:
-                nxt = step(y, [])
-                mx.async_eval(nxt)
-            new = self._commit([to_int(y)])
-            self._maybe_quantize()
-            yield new
-            if self.finish is not None or self.produced >= bound:
-                break
-            if resume is not None and resume():
-                if nxt is None:
-                    break
-                bound = self.produced + 1  # commit the token in flight; queue nothing more
-            y = nxt if nxt is not None else step(mx.array(new, dtype=mx.uint32), [])
-
-    def _paused(self, pause: int) -> Iterator[list[int]]:
-        start = self.produced
-        try:
-            yield from self._plain(until=start + pause)
-        finally:  # also when the request ends inside the pause
-            if self.controller is not None:
-                self.controller.paused_for(self.produced - start)
-        if self.controller is not None:
-            self.controller.resume()
-
-    def _step_down(self) -> int:
-        """Speculation stopped paying: continue with the source's cheaper arm, or pause it for
-        the returned number of tokens (backing off each time), or end it for this request."""
-        assert self.source is not None and self.controller is not None
-        cheaper = self.source.cheaper()
-        if cheaper is not None:
-            self.stats.disabled_reason = f"{self.source.name}: continued with {cheaper.name} only"
-            self._stepped_from = (self.controller, self.produced)
-            self.source = cheaper
-            self.controller = self.controller.restart(draft_cost=0.0, source=cheaper.name)
-            return 0
-        pause = self.controller.pause_tokens
-        if pause <= 0:
-            self.stats.disabled_reason = "speculation no longer pays"
-            self._drop_source()
-            return 0
-        self.stats.paused += 1
-        self.stats.disabled_reason = f"speculation paused {self.stats.paused} time(s): not paying"
-        return pause
-
-    # -- failure handling ----------------------------------------------------------------------
-
-    def _fallback(self, reason: str, failed: bool = True) -> None:
-        if failed:
-            log.warning("speculation stopped, continuing with plain decoding: %s", reason)
-            self.stats.fallback_reason = reason
-        else:
-            self.stats.disabled_reason = reason
-        self._drop_source()
-
-    def _drop_source(self) -> None:
-        if self.source is not None:
-            try:
-                self.source.dispose()
-            finally:
-                self.source = None
 
     def _rebuild_cache(self, keep: int) -> None:
         """Recompute the target cache for the first `keep` committed tokens."""

@@ -124,6 +124,17 @@ def bucketed_type(step: int) -> type[BucketedKVCache]:
     return type(f"BucketedKVCache{step}", (BucketedKVCache,), {"step": step, "batch": batch})
 
 
+def plain_kv(layer: Any) -> bool:
+    """Whether a layer is a plain K/V cache (exact or bucketed): what a batch cache can hold."""
+    return type(layer) is KVCache or isinstance(layer, BucketedKVCache)
+
+
+def batch_type(model: nn.Module) -> type[BatchKVCache]:
+    """The batch cache class for rows of `model`, laid out as its own caches are."""
+    step = bucket_of(model)
+    return bucketed_type(step).batch if step else BatchKVCache
+
+
 def make_cache(model: nn.Module) -> list[Any]:
     """mlx-lm's cache for `model`, with plain KV layers bucketed where its mark says so."""
     step = bucket_of(model)

@@ -1,10 +1,12 @@
 """Prefix cache: committed K/V in fixed-size token blocks, in RAM and on SSD.
 
-A block's key chains its parent's key, its tokens and the namespace (everything that changes
-K/V: model revision, adapter, KV quantization, draft method and draft revision), so a lookup
-walks the prompt block by block and stops at the first miss. A block holds every layer of the
-target and, with a draft model, the draft's layers for the same tokens: a hit restores both or
-neither. A prompt's last, partial block is kept too, in RAM only, filed under its parent block,
+A block's key chains its parent's key, its tokens and the target's namespace (everything that
+changes the target's K/V: model revision and compute dtype, adapter, KV quantization), so a
+lookup walks the prompt block by block and stops at the first miss. A block holds every layer of
+the target; a draft model's layers for the same tokens are an attachment filed under the
+block's key and the draft's revision. Every request on the target shares the blocks whatever
+its draft method; one with a draft model restores the attachments of the leading blocks that
+have them, and its draft reads the rest of the prompt itself. A prompt's last, partial block is kept too, in RAM only, filed under its parent block,
 so a repeated or extended prompt restores up to the token where it diverges from an earlier one.
 RAM is an LRU bounded by bytes; what it evicts spills to SSD. SSD writes happen on a
 writer thread (decoding never waits on disk); every SSD entry is versioned and checksummed, and
@@ -51,12 +53,11 @@ class Namespace:
     model: str
     adapter: str = ""
     kv: str = ""  # "bits/group_size/start" when the KV cache is quantized
-    draft: str = ""  # draft method and, with a draft model, its revision
 
     @property
     def seed(self) -> bytes:
         return hashlib.sha256(
-            json.dumps([FORMAT_VERSION, self.model, self.adapter, self.kv, self.draft]).encode()
+            json.dumps([FORMAT_VERSION, self.model, self.adapter, self.kv]).encode()
         ).digest()
 
 
@@ -68,6 +69,13 @@ def tail_key(parent: str, tail: Sequence[int]) -> str:
     prefixed "t" so it can never be taken for a full block."""
     chunk = np.asarray(tail, dtype=np.int64).tobytes()
     return "t" + hashlib.sha256(bytes.fromhex(parent) + b"tail" + chunk).hexdigest()
+
+
+def attachment_key(key: str, draft: str) -> str:
+    """The key of the draft state (revision `draft`) stored beside the block `key`; a partial
+    block's attachment starts with "t" as the block does (RAM only, like it)."""
+    digest = hashlib.sha256(f"{key}/{draft}".encode()).hexdigest()
+    return ("ta" if key.startswith("t") else "a") + digest
 
 
 def block_keys(tokens: Sequence[int], ns: Namespace, block: int) -> list[str]:
@@ -379,7 +387,11 @@ class PrefixCache:
     def lookup(self, ns: Namespace, tokens: Sequence[int]) -> list[Block]:
         """The longest run of cached blocks that prefixes `tokens`, ending with the longest
         cached partial block that continues it."""
-        found: list[Block] = []
+        return [block for _, block in self.lookup_keyed(ns, tokens)]
+
+    def lookup_keyed(self, ns: Namespace, tokens: Sequence[int]) -> list[tuple[str, Block]]:
+        """`lookup`, with each block's key (for its attachments)."""
+        found: list[tuple[str, Block]] = []
         keys = block_keys(tokens, ns, self.block)
         with self._lock:
             self.stats.lookups += 1
@@ -395,40 +407,70 @@ class PrefixCache:
                     self._spill(self.ram.put(key, block))
                 else:
                     break
-                found.append(block)
+                found.append((key, block))
             parent = keys[len(found) - 1] if found else ns.seed.hex()
             tail = self._longest_tail(parent, tokens[len(found) * self.block :])
             if tail is not None:
-                self.stats.ram_hit_bytes += tail.nbytes
+                self.stats.ram_hit_bytes += tail[1].nbytes
                 found.append(tail)
-            self.stats.hit_tokens += sum(b.tokens for b in found)
-            self.stats.restored_bytes += sum(b.nbytes for b in found)
+            self.stats.hit_tokens += sum(b.tokens for _, b in found)
+            self.stats.restored_bytes += sum(b.nbytes for _, b in found)
         return found
 
-    def _longest_tail(self, parent: str, rest: Sequence[int]) -> Block | None:
-        best: Block | None = None
+    def attachments(self, keys: Sequence[str], draft: str) -> list[Block]:
+        """The draft's state for the leading blocks `keys` that have it (stops at the first
+        block without)."""
+        found: list[Block] = []
+        with self._lock:
+            for key in map(attachment_key, keys, [draft] * len(keys)):
+                block = self.ram.get(key)
+                if block is None and self.ssd is not None and not key.startswith("t"):
+                    block = self.ssd.get(key)
+                    if block is not None:
+                        self._spill(self.ram.put(key, block))
+                if block is None:
+                    break
+                found.append(block)
+        return found
+
+    def has(self, key: str) -> bool:
+        with self._lock:
+            return key in self.ram.entries
+
+    def has_attachment(self, key: str, draft: str) -> bool:
+        return self.has(attachment_key(key, draft))
+
+    def _longest_tail(self, parent: str, rest: Sequence[int]) -> tuple[str, Block] | None:
+        best: tuple[str, Block] | None = None
         for tail, key in list(self._tails.get(parent, {}).items()):
-            if len(tail) > len(rest) or (best is not None and len(tail) <= best.tokens):
+            if len(tail) > len(rest) or (best is not None and len(tail) <= best[1].tokens):
                 continue
             if tuple(rest[: len(tail)]) == tail:
                 block = self.ram.get(key)
                 if block is None:
                     self._forget_tail(key)
                 else:
-                    best = block
+                    best = (key, block)
         return best
 
     def tail(self, ns: Namespace, tokens: Sequence[int]) -> tuple[str, str] | None:
         """(parent, key) of the partial block that ends `tokens`, unless they end on a block
         boundary or it is cached already."""
+        found = self.tail_of(ns, tokens)
+        return None if found is None or self.has(found[1]) else found
+
+    def tail_of(self, ns: Namespace, tokens: Sequence[int]) -> tuple[str, str] | None:
+        """(parent, key) of the partial block that ends `tokens`, unless they end on a block
+        boundary."""
         full = len(tokens) // self.block
         if full * self.block == len(tokens):
             return None
         keys = block_keys(tokens[: full * self.block], ns, self.block)
         parent = keys[-1] if keys else ns.seed.hex()
-        key = tail_key(parent, tokens[full * self.block :])
-        with self._lock:
-            return None if key in self.ram.entries else (parent, key)
+        return parent, tail_key(parent, tokens[full * self.block :])
+
+    def block_keys(self, ns: Namespace, tokens: Sequence[int]) -> list[str]:
+        return block_keys(tokens, ns, self.block)
 
     def insert_tail(self, parent: str, tail: Sequence[int], key: str, block: Block) -> None:
         """Keep a partial block in RAM (it is superseded too often to be worth the disk)."""
@@ -453,6 +495,17 @@ class PrefixCache:
             tails.pop(tail, None)
             if not tails:
                 del self._tails[parent]
+
+    def attach(self, key: str, draft: str, block: Block) -> None:
+        """Store the draft's state beside the block `key` (a partial block's: in RAM only)."""
+        akey = attachment_key(key, draft)
+        if not akey.startswith("t"):
+            self.insert(akey, block)
+            return
+        mx.eval([a for layer in block.arrays for a in layer])
+        with self._lock:
+            self.stats.inserted_blocks += 1
+            self._spill(self.ram.put(akey, block))
 
     def missing(self, ns: Namespace, tokens: Sequence[int]) -> list[tuple[int, str]]:
         """(block index, key) of the full blocks of `tokens` not yet in RAM."""

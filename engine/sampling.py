@@ -2,6 +2,15 @@
 
 One shaping path for every consumer is what makes speculation lossless: the draft's q and the
 target's p go through exactly the same penalties, top-k, temperature, top-p and min-p.
+
+Randomness is keyed by (seed, token position), never drawn from a stream: the token at
+position t is argmax(log p_t + g_t) with Gumbel noise g_t that depends only on the seed and t
+(Gumbel-max: an exact sample from p_t). The draft samples position t with the same g_t, and
+verification accepts a draft exactly when it equals the target's own sample there. So every
+emitted token is the target's sample for its position whatever was drafted, and a seeded
+request gives the same tokens alone or batched, with speculation or without, whatever draft
+lengths the controller picked. Shared noise also couples draft and target: where q is close to
+p, their Gumbel argmaxes agree (bench/coupling.py compares the rate with min(1, p/q)).
 """
 
 from __future__ import annotations
@@ -14,18 +23,34 @@ import mlx.core as mx
 
 from mlxd.engine.options import SamplingOptions
 
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: nearby (seed, position) pairs get unrelated keys."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK
+    return x ^ (x >> 31)
+
 
 class Rng:
-    """A per-request PRNG key chain: seeded requests replay exactly, others draw fresh entropy."""
+    """A request's randomness as a function of token position: seeded requests replay
+    exactly (alone, batched, speculating or not); unseeded ones draw a fresh seed."""
 
     def __init__(self, seed: int | None) -> None:
         if seed is None:
             seed = random.SystemRandom().getrandbits(63)
-        self._key = mx.random.key(seed)
+        self.seed = seed & _MASK
 
-    def next(self) -> mx.array:
-        self._key, sub = mx.random.split(self._key)
-        return sub
+    def key(self, position: int) -> mx.array:
+        """The PRNG key of the token at `position` of the sequence (prompt included)."""
+        return mx.random.key(_mix(self.seed ^ _mix(position)))
+
+    def noise(self, position: int, count: int, vocab: int) -> mx.array:
+        """Gumbel noise (count, vocab) for positions position .. position + count - 1."""
+        rows = [mx.random.gumbel(shape=(vocab,), key=self.key(position + i)) for i in range(count)]
+        return mx.stack(rows)
 
 
 def to_ints(a: mx.array) -> list[int]:
@@ -84,9 +109,18 @@ def probabilities(logits: mx.array, opts: SamplingOptions) -> mx.array:
     return probs / mx.sum(probs, axis=-1, keepdims=True)
 
 
-def sample(probs: mx.array, key: mx.array) -> mx.array:
-    """One token per row of `probs` (L, V) -> (L,) uint32."""
-    return mx.random.categorical(mx.log(probs), axis=-1, key=key)
+def sample(probs: mx.array, noise: mx.array) -> mx.array:
+    """One token per row of `probs` (L, V) given its Gumbel `noise` (L, V) -> (L,) uint32."""
+    return mx.argmax(mx.log(probs) + noise, axis=-1).astype(mx.uint32)
+
+
+def choose(logits: mx.array, opts: SamplingOptions, rng: Rng, position: int) -> mx.array:
+    """The token for each row of already penalized `logits` (L, V), row i sitting at
+    `position` + i: the argmax when greedy, else the position-keyed sample. Lazy."""
+    if opts.greedy:
+        return mx.argmax(logits, axis=-1).astype(mx.uint32)
+    probs = probabilities(logits, opts)
+    return sample(probs, rng.noise(position, int(logits.shape[0]), int(logits.shape[-1])))
 
 
 def next_tokens(
@@ -95,10 +129,8 @@ def next_tokens(
     extra: Sequence[int],
     opts: SamplingOptions,
     rng: Rng,
-) -> tuple[mx.array, mx.array | None]:
-    """Choose one token per row; returns (tokens, probs) with probs None when greedy."""
-    logits = penalize(logits, history, extra, opts)
-    if opts.greedy:
-        return mx.argmax(logits, axis=-1), None
-    probs = probabilities(logits, opts)
-    return sample(probs, rng.next()), probs
+    position: int,
+) -> mx.array:
+    """Choose one token per row of `logits` (the first at `position`); penalties see
+    `history + extra`."""
+    return choose(penalize(logits, history, extra, opts), opts, rng, position)

@@ -1,10 +1,13 @@
 """Lossless verification of a draft against the target's logits over [pending] + drafts.
 
-Greedy: accept while the target's argmax equals the draft; the first mismatch (or the bonus
-position) contributes the target's own token, so the output is the target's greedy output.
-Sampled: speculative sampling (accept with min(1, p/q), resample from norm(max(0, p - q))), so
-the emitted distribution is exactly the target's. A deterministic proposal (prompt lookup) is a
-point mass q, which makes the residual "p without the rejected token".
+The target chooses a token at every verified position exactly as plain decoding would: the
+argmax when greedy, else the sample keyed by (seed, position) (`sampling`). A draft is accepted
+while it equals the target's choice; the first mismatch (or the bonus position after the last
+draft) contributes the target's own choice. Every emitted token is therefore the target's own,
+so the output equals plain decoding's token for token, whatever the drafts were: byte-identical
+when greedy, the target's distribution (and the same seeded tokens) when sampling. Drafts
+sampled with the same position noise agree with the target whenever the two Gumbel argmaxes
+coincide, which is where the acceptance comes from.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import mlx.core as mx
 
 from mlxd.engine.drafting import Draft
 from mlxd.engine.options import SamplingOptions
-from mlxd.engine.sampling import Rng, penalize, probabilities, sample, to_int, to_ints
+from mlxd.engine.sampling import Rng, choose, penalize, to_ints
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,27 @@ class Verdict:
     tokens: list[int]
 
 
+def choices(
+    logits: mx.array,
+    drafts: Sequence[int],
+    history: Sequence[int],
+    opts: SamplingOptions,
+    rng: Rng,
+) -> mx.array:
+    """The target's token at each of the (n + 1) positions of `logits`, lazily; `history`
+    ends with the pending token, `drafts` are the n drafted tokens on the host."""
+    logits = penalize(logits, history, drafts, opts)
+    return choose(logits, opts, rng, len(history))
+
+
+def decide(drafts: Sequence[int], chosen: Sequence[int]) -> Verdict:
+    """Accept the drafts up to the first that differs from the target's choice."""
+    a = 0
+    while a < len(drafts) and drafts[a] == chosen[a]:
+        a += 1
+    return Verdict(a, [*drafts[:a], chosen[a]])
+
+
 def verify(
     logits: mx.array,
     draft: Draft,
@@ -34,43 +58,14 @@ def verify(
     opts: SamplingOptions,
     rng: Rng,
 ) -> Verdict:
-    """`logits` is (n + 1, V) for [pending] + n drafts; `history` ends with the pending token."""
-    n = draft.count
-    if opts.has_penalties:  # penalties need the drafts on the host before the target's rows
-        logits = penalize(logits, history, to_ints(draft.tokens) if n else [], opts)
-    # Everything below stays lazy until one eval: the draft chain, the verify forward and the
-    # acceptance test run as one graph, with one host sync per round.
-    if opts.greedy:
-        choice_arr = mx.argmax(logits, axis=-1)
-        mx.eval(draft.tokens, choice_arr)
-        drafts, choice = to_ints(draft.tokens) if n else [], to_ints(choice_arr)
-        a = 0
-        while a < n and drafts[a] == choice[a]:
-            a += 1
-        return Verdict(a, [*drafts[:a], choice[a]])
-
-    p = probabilities(logits, opts)
-    if n == 0:
-        return Verdict(0, [to_int(sample(p, rng.next()))])
-    idx = draft.tokens.astype(mx.uint32)
-    if draft.probs is not None:
-        q = draft.probs
-    else:
-        q = (mx.arange(p.shape[-1])[None, :] == idx[:, None]).astype(p.dtype)
-    rows = mx.arange(n)
-    p_d = p[rows, idx]
-    q_d = q[rows, idx]
-    u = mx.random.uniform(shape=(n,), key=rng.next())
-    accept = u * q_d < p_d  # u < min(1, p/q) without dividing by zero
-    residual = mx.maximum(p[:n] - q, 0.0)
-    mass = mx.sum(residual, axis=-1, keepdims=True)
-    residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:n])
-    resampled = sample(residual, rng.next())
-    bonus = sample(p[n : n + 1], rng.next())
-    mx.eval(idx, accept, resampled, bonus)
-    drafts, ok = to_ints(idx), to_ints(accept)
-    a = 0
-    while a < n and ok[a]:
-        a += 1
-    last = to_int(bonus) if a == n else to_int(resampled[a])
-    return Verdict(a, [*drafts[:a], last])
+    """`logits` is (n + 1, V) for [pending] + n drafts; `history` ends with the pending token.
+    The draft chain, the verify forward and the choices run as one graph with one host sync:
+    the draft's tokens and the target's choices are evaluated together."""
+    tokens = draft.tokens if draft.count else mx.array([], dtype=mx.uint32)
+    if opts.has_penalties and draft.count:  # penalties need the drafts on the host first
+        host = to_ints(tokens)
+        chosen = choices(logits, host, history, opts, rng)
+        return decide(host, to_ints(chosen))
+    chosen = choices(logits, [], history, opts, rng)
+    mx.eval(tokens, chosen)
+    return decide(to_ints(tokens) if draft.count else [], to_ints(chosen))

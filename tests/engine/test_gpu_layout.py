@@ -101,7 +101,9 @@ def test_a_paused_draft_still_stores_its_state_beside_the_target(
     tiny_pair: TinyPair, backend: Backend
 ) -> None:
     """The draft skips its prefill while speculation is paused, and is caught up before the
-    prefix cache stores the pair: the next request with the prompt restores both."""
+    prefix cache stores the row (after its response): the next request with the prompt
+    restores the target's blocks and the draft's state attached to each, the prompt's partial
+    last block included."""
     pairing = load_pairing(
         ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft)), backend, costs=COSTS
     )
@@ -118,6 +120,6 @@ def test_a_paused_draft_still_stores_its_state_beside_the_target(
     assert isinstance(final, Done) and final.speculation.rounds == 0
     source, _ = make_draft_source(pairing, opts, Rng(0))
     assert isinstance(source, ModelDraftSource)
-    target, tokens = restore(prefix, namespace_for(pairing, opts, source), pairing, prompt, source)
-    assert target is not None and tokens >= 128
-    assert source.cached == prompt[:tokens]
+    target, tokens = restore(prefix, namespace_for(pairing, opts), pairing, prompt, source)
+    assert target is not None and tokens == len(prompt) - 1
+    assert source.cached == prompt[:-1]

@@ -158,7 +158,7 @@ class ProposesEos(DraftSource):
             return d
         toks = d.tokens.tolist()
         toks[1] = self.eos
-        return Draft(mx.array(toks, dtype=mx.uint32), d.count, None, self.name)
+        return Draft(mx.array(toks, dtype=mx.uint32), d.count, self.name)
 
     def accept(self, tokens: Sequence[int]) -> None:
         self.inner.accept(tokens)

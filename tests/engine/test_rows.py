@@ -1,0 +1,244 @@
+"""Rows keep their state across solo and batched decoding: outputs, seeds, speculation."""
+
+from __future__ import annotations
+
+import queue
+from collections import Counter
+from collections.abc import Callable
+
+import pytest
+
+from mlxd.engine.backend import configure_backend
+from mlxd.engine.batch import RowBatch
+from mlxd.engine.cache_use import namespace_for, restore
+from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
+from mlxd.engine.events import Done, Event, GenerationRequest
+from mlxd.engine.generation import Generation
+from mlxd.engine.options import SamplingOptions, parse_options
+from mlxd.engine.pairing import Pairing, load_pairing
+from mlxd.engine.prefix_cache import PrefixCache
+from mlxd.engine.sampling import Rng
+from mlxd.engine.scheduler import Job, Scheduler, make_draft_source
+from mlxd.engine.speculation import Costs, DraftLengthController
+from mlxd.registry.schema import ModelEntry
+from tests.engine.test_speculative import (
+    CHEAP,
+    chi2_pvalue,
+    exact_pair_distribution,
+    tiny_vocab_model,
+)
+from tests.fixtures.tiny_models import TinyPair
+
+# Flat verify costs: speculation always looks worthwhile, in a batch too (up to width 9).
+FLAT = Costs(verify={w: 1.0 for w in range(1, 40)}, draft_step=0.01)
+
+
+def pairing_of(tiny_pair: TinyPair, draft: str = "draft") -> Pairing:
+    path = tiny_pair.target if draft == "self" else tiny_pair.draft
+    entry = ModelEntry("p", str(tiny_pair.target), draft=str(path))
+    return load_pairing(entry, configure_backend(), costs=FLAT)
+
+
+def solo_plain(pairing: Pairing, prompt: list[int], opts: SamplingOptions, limit: int) -> list[int]:
+    gen = Generation(pairing.target, prompt, opts, pairing.eos_ids, limit, Rng(opts.seed))
+    try:
+        gen.prefill()
+        return [t for new in gen for t in new if t not in pairing.eos_ids]
+    finally:
+        gen.close()
+
+
+Spec = tuple[list[int], SamplingOptions]
+
+
+def serve(
+    pairing: Pairing,
+    specs: list[Spec],
+    start_after: dict[int, tuple[int, int]] | None = None,
+    num_parallel: int = 8,
+    prefix: PrefixCache | None = None,
+) -> list[Done]:
+    """Run requests through one scheduler. `start_after[i] = (j, n)` queues request i once
+    request j has streamed n events (a row joining mid-stream); others are queued at once."""
+    start_after = start_after or {}
+    jobs: queue.Queue[Job | None] = queue.Queue()
+    done: dict[int, Done] = {}
+    seen: Counter[int] = Counter()
+    pending = dict(start_after)
+
+    def job(i: int) -> Job:
+        prompt, opts = specs[i]
+        return Job(GenerationRequest(prompt, opts), emitter(i), lambda i=i: finished(i))
+
+    def emitter(i: int) -> Callable[[Event], None]:
+        def emit(event: Event) -> None:
+            seen[i] += 1
+            if isinstance(event, Done):
+                done[i] = event
+            for k, (j, n) in list(pending.items()):
+                if j == i and seen[i] >= n:
+                    del pending[k]
+                    jobs.put(job(k))
+
+        return emit
+
+    def finished(i: int) -> None:
+        if len(done) == len(specs) and not pending:
+            jobs.put(None)
+
+    for i in range(len(specs)):
+        if i not in start_after:
+            jobs.put(job(i))
+    Scheduler(pairing, jobs, prefix=prefix, num_parallel=num_parallel).run()
+    return [done[i] for i in range(len(specs))]
+
+
+def opts_of(**kw: object) -> SamplingOptions:
+    return parse_options(kw)
+
+
+PROMPTS = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [20 + i % 7 for i in range(40)],
+    [9, 10, 11],
+    [30 + (i * 3) % 11 for i in range(25)],
+    [44, 45, 46, 47, 48, 44, 45, 46],
+    [60 + i % 5 for i in range(70)],
+]
+
+
+def test_greedy_rows_match_solo_plain_decoding_while_joining_and_leaving(
+    tiny_pair: TinyPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rounds: list[tuple[int, int, int]] = []  # (rows, width, distinct kept lengths)
+    keep = RowBatch.keep
+
+    def recorded(self: RowBatch, kept: list[int], width: int) -> None:
+        rounds.append((len(kept), width, len(set(kept))))
+        keep(self, kept, width)
+
+    monkeypatch.setattr(RowBatch, "keep", recorded)
+    pairing = pairing_of(tiny_pair)
+    methods = ["model", "lookup", "off", "model", "auto", "lookup"]
+    lengths = [30, 12, 20, 40, 8, 25]
+    specs = [
+        (p, opts_of(temperature=0, num_predict=n, draft_method=m))
+        for p, m, n in zip(PROMPTS, methods, lengths, strict=True)
+    ]
+    # three start together; the others join while they stream, and rows leave as they end
+    done = serve(pairing, specs, start_after={3: (0, 4), 4: (1, 6), 5: (3, 3)})
+    for (prompt, opts), final in zip(specs, done, strict=True):
+        assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
+    assert sum(d.speculation.rounds for d in done) > 0
+    # batched rounds verified drafts, and rows in one round kept different lengths
+    assert any(rows >= 3 and width > 1 and distinct > 1 for rows, width, distinct in rounds)
+
+
+@pytest.mark.parametrize("method", ["model", "off"])
+def test_seeded_request_gives_the_same_tokens_alone_and_batched(
+    tiny_pair: TinyPair, method: str
+) -> None:
+    pairing = pairing_of(tiny_pair, "self")
+    mine = (PROMPTS[1], opts_of(temperature=0.9, seed=42, num_predict=24, draft_method=method))
+    others = [
+        (PROMPTS[i], opts_of(temperature=0.7, num_predict=10 + 5 * i, draft_method=m))
+        for i, m in ((0, "model"), (3, "lookup"), (5, "off"))
+    ]
+    alone = serve(pairing, [mine])[0]
+    together = serve(pairing, [mine, *others])[0]
+    assert together.output_tokens == alone.output_tokens
+    assert together.output_tokens == solo_plain(pairing, *mine, 24)
+    if method == "model":
+        assert together.speculation.accepted > 0
+
+
+def test_four_client_burst_reports_accepted_drafts(tiny_pair: TinyPair) -> None:
+    pairing = pairing_of(tiny_pair, "self")
+    specs = [
+        (PROMPTS[i], opts_of(temperature=t, num_predict=20, draft_method="model"))
+        for i, t in ((0, 0), (1, 0.7), (2, 0), (3, 0.7))
+    ]
+    for final in serve(pairing, specs):
+        assert final.speculation.rounds > 0
+        assert final.speculation.accepted > 0
+
+
+@pytest.mark.parametrize("method", ["model", "lookup"])
+def test_batched_speculative_rows_sample_the_targets_distribution(method: str) -> None:
+    """Two rows of each batch sample the tested prompt; two fillers of other lengths keep the
+    batch ragged (different widths, different accepted lengths)."""
+    vocab = 5
+    target = tiny_vocab_model(11, vocab)
+    draft = tiny_vocab_model(12, vocab)
+    prompt = [1, 3, 2, 1, 3]
+    base = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
+    expected = exact_pair_distribution(target, prompt, parse_options(base), vocab)
+    counts: Counter[tuple[int, int]] = Counter()
+    batches, drafted = 400, 0
+    for b in range(batches):
+        gens = []
+        for r, rows_prompt in enumerate((prompt, [2, 2, 4, 1, 0, 3, 1], prompt, [4, 4, 4])):
+            seed = 4 * b + r
+            opts = parse_options({**base, "seed": seed})
+            rng = Rng(seed)
+            source: DraftSource = (
+                ModelDraftSource(draft, opts, rng) if method == "model" else LookupDraftSource(2, 1)
+            )
+            controller = DraftLengthController(CHEAP, 2 + r % 2, 0.01)
+            gens.append(Generation(target, rows_prompt, opts, set(), 3, rng, source, controller))
+        for g in gens:
+            g.prefill()
+        batch = RowBatch(target, FLAT)
+        batch.join(gens)
+        out: list[list[int]] = [[] for _ in gens]
+        while any(not g.done for g in gens):
+            for c in batch.round():
+                out[next(i for i, g in enumerate(gens) if g is c.gen)] += c.tokens
+            for g in [g for g in gens if g.done and g in batch]:
+                batch.leave(g)
+        for g in gens:
+            drafted += g.stats.drafted
+            g.close()
+        counts[(out[0][0], out[0][1])] += 1
+        counts[(out[2][0], out[2][1])] += 1
+    trials = 2 * batches
+    assert drafted >= trials
+    stat, df = 0.0, 0
+    for cell, p in expected.items():
+        e = p * trials
+        if e >= 5:
+            stat += (counts[cell] - e) ** 2 / e
+            df += 1
+    assert chi2_pvalue(stat, df - 1) > 1e-3, (stat, df)
+
+
+def test_solo_and_batched_rows_hit_each_others_blocks(tiny_pair: TinyPair) -> None:
+    """One namespace per target: a block stored by a batched row (with the draft model's
+    state attached) is hit by a later solo request without a draft, and a solo request's
+    blocks are hit by a batched row that speculates with the draft model."""
+    pairing = pairing_of(tiny_pair)
+    prefix = PrefixCache(64 * 2**20)
+    first = [5 + (j * 7) % 90 for j in range(150)]
+    second = [7 + (j * 5) % 80 for j in range(140)]
+    greedy = {"temperature": 0, "num_predict": 8}
+    fillers = [(PROMPTS[i], opts_of(**greedy, draft_method="lookup")) for i in (1, 3)]
+
+    batched = serve(pairing, [(first, opts_of(**greedy, draft_method="model")), *fillers],
+                    prefix=prefix)  # fmt: skip
+    assert batched[0].cached_tokens == 0
+    solo = serve(pairing, [(first, opts_of(**greedy, draft_method="off"))], prefix=prefix)
+    assert solo[0].cached_tokens == len(first) - 1
+    assert solo[0].output_tokens == batched[0].output_tokens
+    model = opts_of(**greedy, draft_method="model")
+    source, _ = make_draft_source(pairing, model, Rng(0))
+    assert isinstance(source, ModelDraftSource)
+    restored, tokens = restore(prefix, namespace_for(pairing, model), pairing, first, source)
+    assert restored is not None and tokens == len(first) - 1
+    assert len(source.cached) >= 128 and source.cached == first[: len(source.cached)]
+
+    alone = serve(pairing, [(second, opts_of(**greedy, draft_method="off"))], prefix=prefix)
+    assert alone[0].cached_tokens == 0
+    later = serve(pairing, [(second, model), *fillers], prefix=prefix)
+    assert later[0].cached_tokens == len(second) - 1
+    assert later[0].output_tokens == alone[0].output_tokens
+    assert later[0].speculation.rounds > 0
