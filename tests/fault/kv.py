@@ -19,7 +19,7 @@ from mlx_lm.utils import load
 from mlxd.engine.cache_use import offer_caches
 from mlxd.engine.prefix_cache import DEFAULT_BLOCK, Namespace, PrefixCache
 
-NS = Namespace(model="fault-kill", draft="off")
+NS = Namespace(model="fault-kill")
 PROMPT_BLOCKS = 3
 PROMPTS = 400
 
