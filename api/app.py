@@ -11,12 +11,19 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from mlxd.api import lifecycle, metrics, models, ollama, openai
+from mlxd.api.codec import json_response
 from mlxd.api.cors import CorsMiddleware, CorsPolicy
 from mlxd.api.errors import STATUS, ApiError, error_handler
 from mlxd.api.state import ServerState
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
+    """Ollama's plain 404 for unknown paths; a model name no route pattern takes (a newline,
+    say) under /v1/models/ is still a model that is not found, in OpenAI's JSON."""
+    prefix = "/v1/models/"
+    if request.url.path.startswith(prefix):
+        name = request.url.path[len(prefix) :]
+        return json_response(openai.error_body(404, f"model '{name}' not found"), 404)
     return PlainTextResponse("404 page not found", status_code=404)
 
 

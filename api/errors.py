@@ -20,6 +20,7 @@ from mlxd.engine.options import OptionsError
 from mlxd.engine.pairing import ModelNotPulled, ModelUnavailable
 from mlxd.engine.prompt import PromptError
 from mlxd.registry.names import InvalidModelName
+from mlxd.registry.pull import PullNotFound, PullRefused
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,8 @@ STATUS: dict[type[BaseException], int] = {
     InvalidModelName: 400,
     BodyTooLarge: 413,
     ModelNotPulled: 404,
+    PullNotFound: 404,
+    PullRefused: 409,
     QueueFull: 503,
     ModelUnavailable: 500,
     GenerationFailed: 500,

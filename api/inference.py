@@ -140,6 +140,7 @@ async def prepare(
     try:
         pairing = state.manager.pairing(slot)
         text = render(pairing)
+        pairing.check_options(opts)
         check_length(pairing, opts, len(before or ()), text)
         tokens = await run_in_threadpool(tokenize, pairing, opts, before or [], text, templated)
     except BaseException:

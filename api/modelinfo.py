@@ -18,6 +18,7 @@ from mlxd.registry.store import ModelDetails, model_digest, model_size, read_det
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class LocalModel:
     """A registered model whose files are present (readable as a model, or `problem` says

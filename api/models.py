@@ -15,7 +15,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from mlxd.api.codec import NDJSON, ndjson_line, read_request
-from mlxd.api.errors import ApiError
+from mlxd.api.errors import ApiError, status_of
 from mlxd.api.state import ServerState, state_of
 from mlxd.api.types import CopyRequest, ErrorResponse, ModelRequest
 from mlxd.registry.names import InvalidModelName, parse_name
@@ -117,7 +117,7 @@ async def pull(request: Request) -> Response:
         last: Progress | None = None
         async for item in _bridge(produce, cancel):
             if isinstance(item, BaseException):
-                raise ApiError(500, _message(item))
+                raise ApiError(status_of(item), _message(item))
             last = item
         if last is None:
             raise ApiError(500, "pull ended without a result")

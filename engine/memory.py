@@ -115,16 +115,21 @@ def kv_element_bytes(config: Mapping[str, Any], options: Mapping[str, Any]) -> f
     return bits / 8 + 2 * dtype / group
 
 
+def head_dim(config: Mapping[str, Any]) -> int:
+    heads = _first_int(config, "num_attention_heads", "n_head", "num_heads") or 1
+    explicit = _first_int(config, "head_dim")
+    if explicit is not None:
+        return explicit
+    return (_first_int(config, "hidden_size", "n_embd", "d_model") or 0) // heads
+
+
 def kv_bytes_per_token(config: Mapping[str, Any], options: Mapping[str, Any] | None = None) -> int:
     """2 (keys and values) × layers × KV heads × head dim × bytes per element."""
     layers = _first_int(config, "num_hidden_layers", "n_layer", "num_layers") or 0
     heads = _first_int(config, "num_attention_heads", "n_head", "num_heads") or 1
     kv_heads = _first_int(config, "num_key_value_heads", "n_head_kv", "num_kv_heads") or heads
-    head_dim = _first_int(config, "head_dim")
-    if head_dim is None:
-        hidden = _first_int(config, "hidden_size", "n_embd", "d_model") or 0
-        head_dim = hidden // heads
-    return int(2 * layers * kv_heads * head_dim * kv_element_bytes(config, options or {}))
+    element = kv_element_bytes(config, options or {})
+    return int(2 * layers * kv_heads * head_dim(config) * element)
 
 
 def estimate(dirs: list[Path], entry: ModelEntry, rows: int, widen: bool) -> MemoryNeed:

@@ -17,8 +17,8 @@ from mlxd.engine.context import row_context
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.kvcache import make_cache, set_bucket
-from mlxd.engine.memory import computes_in_float32
-from mlxd.engine.options import SamplingOptions, parse_options
+from mlxd.engine.memory import computes_in_float32, head_dim
+from mlxd.engine.options import OptionsError, SamplingOptions, parse_options
 from mlxd.engine.prefill import feed, warm_shapes
 from mlxd.engine.prompt import FimFormat, detect_fim
 from mlxd.engine.sampling import Rng
@@ -69,6 +69,16 @@ class Pairing:
     def row_context(self, opts: SamplingOptions) -> int:
         """Tokens a request's row may hold (`context.row_context`)."""
         return row_context(self.entry, self.config, opts)
+
+    def check_options(self, opts: SamplingOptions) -> None:
+        """Refuse options this model cannot take: KV quantization groups must divide its head
+        size (MLX quantizes along it)."""
+        size = head_dim(self.config)
+        if opts.kv_bits and size % opts.kv_group_size:
+            raise OptionsError(
+                f"kv_group_size {opts.kv_group_size} does not divide this model's head size"
+                f" ({size}); use a group size that does, or no kv_bits"
+            )
 
     @property
     def capabilities(self) -> list[str]:

@@ -138,6 +138,14 @@ class PullError(Exception):
     """A pull that cannot finish; the message is what the client sees."""
 
 
+class PullNotFound(PullError):
+    """Nothing by that name: not on the hub, not on disk."""
+
+
+class PullRefused(PullError):
+    """This server's configuration could not serve what the pull would bring."""
+
+
 class PullCancelled(PullError):
     def __init__(self) -> None:
         super().__init__("pull cancelled")
@@ -298,7 +306,7 @@ def plan_pull(
             return _entry_plan(entry, env)
     hub = hub_name(name)
     if hub is None:
-        raise PullError("pull model manifest: file does not exist")
+        raise PullNotFound("pull model manifest: file does not exist")
     if registry is not None:
         entry = registry.get(hub.display)
         if entry is not None:  # pulled before (or configured) under its hub name
@@ -532,7 +540,7 @@ def _explain(exc: BaseException, what: str, endpoint: str) -> PullError:
             " and set HF_TOKEN"
         )
     if isinstance(exc, (RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError)):
-        return PullError(f"{what}: file does not exist")
+        return PullNotFound(f"{what}: file does not exist")
     if isinstance(exc, OfflineModeIsEnabled):
         return PullError(f"{what}: offline mode is enabled (HF_HUB_OFFLINE is set)")
     if isinstance(exc, HfHubHTTPError):  # an answer, even if an earlier attempt broke off
@@ -766,14 +774,14 @@ def pull(
         plan = plan_pull(ref, registry, env)
         if plan.register and registry is not None and not user_file_in_use(registry, env):
             paths = ", ".join(str(p) for p in registry.paths)
-            raise PullError(
+            raise PullRefused(
                 f"pull model manifest: the server reads its models from {paths} only, so a"
                 f" pulled {plan.name} could not be served; restart it without --registry"
                 f" (or add {user_registry_path(env)} to MLXD_REGISTRY)"
             )
         for path in plan.local:
             if resolve_local(str(path), env=env) is None:
-                raise PullError(f"pull model manifest: {path} does not exist")
+                raise PullNotFound(f"pull model manifest: {path} does not exist")
     except Exception as exc:
         raise _explain(exc, "pull model manifest", endpoint) from exc
 

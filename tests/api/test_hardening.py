@@ -327,3 +327,11 @@ def test_body_at_the_limit_is_read(small: RunningServer) -> None:
         assert len(padded.encode()) == LIMIT
         r = http.post("/api/generate", content=padded.encode())
         assert r.status_code == 200, r.text
+
+
+def test_kv_groups_that_do_not_divide_the_head_size_are_400(http: httpx.Client) -> None:
+    """The tiny model's heads are 16 wide: 4-bit KV in groups of 64 cannot quantize them."""
+    for path in ("/api/generate", "/api/chat"):
+        options = {**FEW, "kv_bits": 4, "kv_group_size": 64}
+        content = json.dumps({**good_body(path), "options": options}).encode()
+        assert "head size" in bad_then_good(http, path, content)

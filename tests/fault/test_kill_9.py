@@ -90,7 +90,7 @@ def check_after_kill(model: Any, directory: Path, flushed: int, tried: int) -> d
         tokens = prompt(flushed - 1)
         blocks = cache.lookup(NS, tokens[:-1])
         held = sum(b.tokens for b in blocks)
-        warm = greedy(model, build_caches(blocks, 0, len(model.layers)), tokens[held:])
+        warm = greedy(model, build_caches(blocks, 0, len(model.layers), None), tokens[held:])
         cold = greedy(model, prefill(model, tokens[:1]), tokens[1:])
         assert warm == cold
         return {"restored": restored, "orphans": snap["ssd_orphans_reclaimed"]}

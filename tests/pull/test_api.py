@@ -87,7 +87,7 @@ def test_pull_errors(mlxd: RunningServer, hub_env: HubEnv) -> None:
         list(client(mlxd).pull("org/nope", stream=True))
 
     r = raw_pull(mlxd, {"model": "org/nope", "stream": False})
-    assert (r.status_code, r.json()) == (500, {"error": "pull model manifest: file does not exist"})
+    assert (r.status_code, r.json()) == (404, {"error": "pull model manifest: file does not exist"})
     r = raw_pull(mlxd, {"model": "a/b/c/d"})
     assert (r.status_code, r.json()) == (400, {"error": "invalid model name"})
     r = raw_pull(mlxd, {})
