@@ -419,18 +419,22 @@ class PrefixCache:
 
     def attachments(self, keys: Sequence[str], draft: str) -> list[Block]:
         """The draft's state for the leading blocks `keys` that have it (stops at the first
-        block without)."""
+        block without). Its bytes count as restored, per tier, as the blocks' do."""
         found: list[Block] = []
         with self._lock:
             for key in map(attachment_key, keys, [draft] * len(keys)):
                 block = self.ram.get(key)
-                if block is None and self.ssd is not None and not key.startswith("t"):
+                if block is not None:
+                    self.stats.ram_hit_bytes += block.nbytes
+                elif self.ssd is not None and not key.startswith("t"):
                     block = self.ssd.get(key)
                     if block is not None:
+                        self.stats.ssd_hit_bytes += block.nbytes
                         self._spill(self.ram.put(key, block))
                 if block is None:
                     break
                 found.append(block)
+            self.stats.restored_bytes += sum(b.nbytes for b in found)
         return found
 
     def has(self, key: str) -> bool:

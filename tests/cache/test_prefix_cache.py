@@ -643,6 +643,38 @@ def test_small_ram_spills_to_ssd_and_lookup_finds_it(tmp_path: Path) -> None:
         cache.close()
 
 
+def test_draft_attachments_count_as_restored_bytes_per_tier(tmp_path: Path) -> None:
+    """A draft's state restored beside the target's blocks counts in the tier it came from,
+    as the blocks do: from RAM while it is there, from SSD after a restart."""
+    ns = Namespace(model="attached")
+    tokens = chain(2)
+    keys = block_keys(tokens, ns, BLOCK)
+    blocks = [make_block(10 + i) for i in range(len(keys))]
+    extras = [make_block(20 + i) for i in range(len(keys))]
+    target = sum(b.nbytes for b in blocks)
+    draft = sum(b.nbytes for b in extras)
+    cache = PrefixCache(64 * MiB, tmp_path / "ssd", 64 * MiB)
+    try:
+        for key, block, extra in zip(keys, blocks, extras, strict=True):
+            cache.insert(key, block)
+            cache.attach(key, "draft-rev", extra)
+        found = cache.lookup_keyed(ns, tokens)
+        assert len(cache.attachments([k for k, _ in found], "draft-rev")) == len(keys)
+        snap = cache.snapshot()
+        assert (cache.stats.ram_hit_bytes, cache.stats.ssd_hit_bytes) == (target + draft, 0)
+        assert snap["restored_bytes"] == target + draft
+    finally:
+        cache.close()
+    reopened = PrefixCache(64 * MiB, tmp_path / "ssd", 64 * MiB)
+    try:
+        found = reopened.lookup_keyed(ns, tokens)
+        assert len(reopened.attachments([k for k, _ in found], "draft-rev")) == len(keys)
+        assert reopened.stats.ssd_hit_bytes == target + draft
+        assert reopened.stats.ram_hit_bytes == 0
+    finally:
+        reopened.close()
+
+
 def _offer_tail(cache: PrefixCache, ns: Namespace, tokens: list[int], seed: int) -> Block:
     """Cache the full blocks of `tokens` and the partial block after them."""
     full = len(tokens) // BLOCK
