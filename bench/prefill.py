@@ -70,9 +70,8 @@ def mlxd_side(
     results = [SizeResult(size) for size in sizes]
     with tempfile.TemporaryDirectory(prefix="mlxd-prefill-") as tmp:
         registry = Path(tmp) / "models.yaml"
-        registry.write_text(
-            json.dumps({"version": 1, "models": {"bench": {"target": str(model_dir)}}})
-        )
+        entry = {"target": str(model_dir), "options": {"num_ctx": max(sizes) + 64}}
+        registry.write_text(json.dumps({"version": 1, "models": {"bench": entry}}))
         with Daemon(registry, Path(tmp) / "kvcache", 8 * 2**30, 16 * 2**30) as daemon:
             generate(daemon, "bench", prompts.exact(64, "warm-up"), GREEDY)
             for result in results:
@@ -115,16 +114,17 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layers", type=int, default=8, help="layers of the default built model")
     ap.add_argument("--work", type=Path, help="where built models go (default: a temp dir)")
+    ap.add_argument("--tokenizer", type=Path, default=CODE_PAIR, help="the code pair's target")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     work = args.work or Path(tempfile.mkdtemp(prefix="mlxd-prefill-models-"))
     if args.model is not None:
         model_dir = args.model.resolve()
     elif args.shape is not None:
-        model_dir = random_model(work / args.shape, CODE_PAIR, SHAPES[args.shape])
+        model_dir = random_model(work / args.shape, args.tokenizer, SHAPES[args.shape])
     else:
-        model_dir = build_long_model(work / "long", CODE_PAIR, args.layers)
-    prompts = Prompts(CODE_PAIR, seed=0)
+        model_dir = build_long_model(work / "long", args.tokenizer, args.layers)
+    prompts = Prompts(args.tokenizer, seed=0)
     print(f"model {model_dir}, sizes {sizes}, {args.repeats} cold repeats", flush=True)
     results = mlxd_side(model_dir, sizes, args.repeats, prompts)
     mlx_lm_side(model_dir, results, args.repeats, prompts)

@@ -75,17 +75,23 @@ def offer(cache: PrefixCache, ns: Namespace, gen: Generation, draft_revision: st
 
 
 def offer_final(
-    cache: PrefixCache, ns: Namespace, gen: Generation, prompt_len: int, draft_revision: str = ""
+    cache: PrefixCache,
+    ns: Namespace,
+    gen: Generation,
+    prompt_len: int,
+    draft_revision: str = "",
+    catch_up: bool = True,
 ) -> int:
     """Offer a finished row, after its response: its prompt (all but the last token, so the
     same prompt again restores its partial last block) and everything it holds. Speculation
     that was paused may never have let the draft read the prompt (its prefill is deferred):
     the draft reads the tokens now, so the next identical prompt restores its state too. A
     row whose draft model is gone (stepped down, failed) offers the target's blocks alone;
-    a later row's draft reads what has no attachment. Any failure here is a cache miss,
-    logged, never an error after the response."""
+    a later row's draft reads what has no attachment. Without `catch_up` (other rows are
+    waiting on this thread) the draft reads nothing now and only what it holds is attached.
+    Any failure here is a cache miss, logged, never an error after the response."""
     try:
-        if draft_revision and has_companion(gen.source):
+        if catch_up and draft_revision and has_companion(gen.source):
             gen.ready_source()  # a paused draft reads the tokens now (may drop a failing one)
         draft = _draft_state(gen, draft_revision)
         prompt = gen.tokens[: prompt_len - 1]

@@ -379,7 +379,8 @@ class Scheduler:
                 self.flush()  # the response goes out before the cache work (a draft may catch up)
                 prompt_len = len(row.request.prompt_tokens)
                 draft = self.pairing.draft_revision
-                offer_final(self.prefix, row.ns, row.gen, prompt_len, draft)
+                idle = not (self.rows or self.waiting or self.prefilling) and self.jobs.empty()
+                offer_final(self.prefix, row.ns, row.gen, prompt_len, draft, catch_up=idle)
         except Exception:
             log.exception("finishing a row failed")
         finally:
