@@ -128,12 +128,13 @@ def test_only_empty_plain_kv_caches_read_together(loaded: Loaded) -> None:
 def test_a_long_prompt_beats_as_it_is_read(loaded: Loaded) -> None:
     """A solo request reads its whole prompt in one scheduler step: each evaluated chunk is a
     heartbeat, so the runner's watchdog never takes a long prompt for a stuck step."""
+    from mlxd.engine.prefill import CHUNK
     from mlxd.engine.progress import beat_with
 
     beats: list[int] = []
     beat_with(lambda: beats.append(1))
     try:
-        feed(loaded.target, make_cache(loaded.target), [5] * 1600)
+        feed(loaded.target, make_cache(loaded.target), [5] * (3 * CHUNK + 64))
     finally:
         beat_with(None)
-    assert len(beats) == 3  # after 512, 1024 and 1536 tokens
+    assert len(beats) == 3  # after 1, 2 and 3 chunks
