@@ -29,10 +29,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = {
     "8b": {"hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -136,18 +139,21 @@ def stream_once(
     return stamps[0] - t0, rate, len(stamps)
 
 
-def burst(base: str, model: str, prompts: list[str], clients: int, tokens: int) -> dict[str, float]:
-    """One streaming request per client, all released at once. Each client's connection pool
-    is built before the clock starts: building one costs the bench's own GIL milliseconds per
-    thread, which would otherwise stagger the burst and count against the server."""
-    results: list[tuple[float, float, int]] = []
+def released_at_once(
+    clients: int, request: Callable[[httpx.Client, int], T]
+) -> tuple[list[T], float]:
+    """`request(pool, i)` for every client, all released at once; (results, wall seconds).
+    Each client's connection pool is built before the clock starts: building one costs the
+    bench's own GIL milliseconds per thread, which would otherwise stagger the burst and count
+    against the server."""
+    results: list[T] = []
     lock = threading.Lock()
     start = threading.Barrier(clients + 1)
     pools = [httpx.Client(timeout=900) for _ in range(clients)]
 
     def one(i: int) -> None:
         start.wait()
-        r = stream_once(pools[i], base, model, prompts[i % len(prompts)], tokens)
+        r = request(pools[i], i)
         with lock:
             results.append(r)
 
@@ -163,6 +169,14 @@ def burst(base: str, model: str, prompts: list[str], clients: int, tokens: int) 
     finally:
         for pool in pools:
             pool.close()
+    return results, wall
+
+
+def burst(base: str, model: str, prompts: list[str], clients: int, tokens: int) -> dict[str, float]:
+    """One streaming completion per client, all released at once."""
+    results, wall = released_at_once(
+        clients, lambda pool, i: stream_once(pool, base, model, prompts[i % len(prompts)], tokens)
+    )
     return {
         "aggregate": sum(r[2] for r in results) / wall,
         "per_stream": statistics.median(r[1] for r in results),
@@ -191,29 +205,10 @@ def generate_once(
 def pairing_burst(
     base: str, prompts: list[str], clients: int, options: dict[str, object]
 ) -> dict[str, float]:
-    results: list[tuple[float, int, int, int]] = []
-    lock = threading.Lock()
-    start = threading.Barrier(clients + 1)
-    pools = [httpx.Client(timeout=900) for _ in range(clients)]
-
-    def one(i: int) -> None:
-        start.wait()
-        r = generate_once(pools[i], base, "bench", prompts[i % len(prompts)], options)
-        with lock:
-            results.append(r)
-
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(clients)]
-    for t in threads:
-        t.start()
-    try:
-        start.wait()
-        t0 = time.perf_counter()
-        for t in threads:
-            t.join()
-        wall = time.perf_counter() - t0
-    finally:
-        for pool in pools:
-            pool.close()
+    results, wall = released_at_once(
+        clients,
+        lambda pool, i: generate_once(pool, base, "bench", prompts[i % len(prompts)], options),
+    )
     return {
         "aggregate": sum(r[1] for r in results) / wall,
         "drafted": sum(r[2] for r in results),
