@@ -102,16 +102,6 @@ def offer_final(
         return 0
 
 
-def offer_prompt(cache: PrefixCache, ns: Namespace, gen: Generation, prompt_len: int) -> int:
-    """Offer the target's blocks of a row's prompt alone (all but its last token): positions
-    that are never rolled back, whatever state the row stopped in. A failure is a miss."""
-    try:
-        return offer_caches(cache, ns, gen.cache, gen.tokens[: prompt_len - 1])
-    except Exception:
-        log.exception("prefix cache: offering a cancelled request's prompt failed")
-        return 0
-
-
 def _draft_state(gen: Generation, draft_revision: str) -> tuple[list[Any], list[int]] | None:
     """The draft model's (caches, tokens) to attach, when the row has one that holds any."""
     if not draft_revision or not has_companion(gen.source):

@@ -21,7 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxd.engine.batch import RowBatch, warm_rounds
-from mlxd.engine.cache_use import namespace_for, offer, offer_final, offer_prompt, restore
+from mlxd.engine.cache_use import namespace_for, offer, offer_final, restore
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Failed
 from mlxd.engine.generation import Generation
@@ -379,13 +379,9 @@ class Scheduler:
         try:
             self._unbatch(row)
             row.finish(reason)
-            prompt_len = len(row.request.prompt_tokens)
-            if self.prefix is not None and row.stream.reason == "cancel":
-                # Its prompt may never have been offered (a lone row offers at its end), and
-                # an editor that cancels sends the same prefix again.
-                offer_prompt(self.prefix, row.ns, row.gen, prompt_len)
-            elif self.prefix is not None:
+            if self.prefix is not None and row.stream.reason != "cancel":
                 self.flush()  # the response goes out before the cache work (a draft may catch up)
+                prompt_len = len(row.request.prompt_tokens)
                 draft = self.pairing.draft_revision
                 idle = not (self.rows or self.waiting or self.prefilling) and self.jobs.empty()
                 offer_final(self.prefix, row.ns, row.gen, prompt_len, draft, catch_up=idle)
