@@ -217,14 +217,10 @@ class Scheduler:
         together."""
         with mx.stream(self.stream):
             joining = self._read_prompts()
-            # A lone row's prompt reaches the prefix cache with the row's end (`_retire`):
-            # offering it now would hold back its first token (on an H200, 60 ms at 2k tokens,
-            # 156 ms at 7k). With others around, a prompt they may share is offered at once.
-            early = bool(self.rows or self.waiting or self.prefilling or len(joining) > 1)
             for row in list(joining):  # after every feed is queued: offering syncs
                 try:
                     row.gen.prefill()  # the draft reads the prompt; nothing left for the target
-                    if self.prefix is not None and early:
+                    if self.prefix is not None:
                         offer(self.prefix, row.ns, row.gen, self.pairing.draft_revision)
                 except Exception as exc:
                     joining.remove(row)
