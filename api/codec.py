@@ -17,10 +17,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mlxd.api.errors import BodyTooLarge, InvalidRequest
+from mlxd.api.limits import DEFAULT_MAX_BODY
 
 T = TypeVar("T")
 
-DEFAULT_MAX_BODY = 32 * 2**20  # bytes: a long context's prompt, with room to spare
 JSON = "application/json"
 NDJSON = "application/x-ndjson"
 

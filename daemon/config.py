@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from mlxd.api.codec import DEFAULT_MAX_BODY
+from mlxd.api.limits import DEFAULT_MAX_BODY
 from mlxd.api.durations import DurationError, env_keep_alive
 
 DEFAULT_HOST = "127.0.0.1"
