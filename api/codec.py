@@ -17,7 +17,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mlxd.api.errors import BodyTooLarge, InvalidRequest
-from mlxd.api.limits import DEFAULT_MAX_BODY
 
 T = TypeVar("T")
 
