@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,10 +23,11 @@ from mlxd.engine.embedding.pooling import normalize, pool, truncate_dimensions
 from mlxd.engine.embedding.spec import EmbeddingSpec, embedding_spec
 from mlxd.engine.memory import computes_in_float32
 from mlxd.engine.pairing import ModelUnavailable, locate, revision_of
+from mlxd.engine.progress import beat
 from mlxd.registry.schema import ModelEntry
 
 MAX_BATCH = 64  # inputs per forward
-MAX_BATCH_TOKENS = 16384  # padded tokens per forward: bounds the attention scores' memory
+MAX_BATCH_TOKENS = 8192  # padded tokens per forward: bounds its memory and its time
 
 
 class InputTooLong(ValueError):
@@ -206,11 +207,10 @@ class Embedder:
         mx.eval(pooled)
         return np.array(pooled)
 
-    def vectors(
-        self, inputs: Sequence[Sequence[int]], beat: Callable[[], None] | None = None
-    ) -> np.ndarray:
+    def vectors(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
         """Unit vectors of every input in order: sorted by length so each padded batch holds
-        inputs of about one length, `MAX_BATCH` inputs or `MAX_BATCH_TOKENS` at most."""
+        inputs of about one length, `MAX_BATCH` inputs or `MAX_BATCH_TOKENS` at most; each
+        forward done is progress for the runner's watchdog."""
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]), reverse=True)
         out: np.ndarray | None = None
         start = 0
@@ -223,8 +223,7 @@ class Embedder:
                 out = np.zeros((len(inputs), pooled.shape[-1]), dtype=np.float32)
             out[chunk] = pooled
             start += len(chunk)
-            if beat is not None:
-                beat()
+            beat()
         return normalize(out) if out is not None else np.zeros((0, 0), dtype=np.float32)
 
     def embed(self, request: EmbedRequest) -> Embedded:

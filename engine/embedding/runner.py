@@ -22,6 +22,7 @@ from mlxd.engine.backend import Backend
 from mlxd.engine.embedding.model import Embedded, Embedder, EmbedRequest, load_embedder
 from mlxd.engine.embedding.pooling import truncate_dimensions
 from mlxd.engine.embedding.spec import EmbeddingSpec
+from mlxd.engine.progress import beat_with
 from mlxd.engine.threads import start_mlx_thread
 from mlxd.registry.schema import ModelEntry
 
@@ -73,6 +74,7 @@ class EmbeddingRunner:
             self.loaded.set_exception(exc)
             return
         self.load_seconds = time.perf_counter() - t0
+        beat_with(self._beat)  # every forward of a long request is progress
         self.loaded.set_result(self.embedder)
         try:
             while self._serve(self.embedder):
@@ -114,7 +116,7 @@ class EmbeddingRunner:
             return
         inputs = [ids for _, batch in tokenized for ids in batch]
         try:
-            vectors = embedder.vectors(inputs, self._beat)
+            vectors = embedder.vectors(inputs)
         except Exception as exc:
             log.exception("embedding forward of %s failed", self.entry.name)
             for job, _ in tokenized:
