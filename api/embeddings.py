@@ -18,7 +18,7 @@ from mlxd.api.codec import json_response, read_request
 from mlxd.api.durations import parse_keep_alive
 from mlxd.api.errors import ApiError
 from mlxd.api.inference import acquire, request_options
-from mlxd.api.openai import _model_name, openai_errors
+from mlxd.api.openai import openai_errors
 from mlxd.api.state import ServerState, lookup, state_of
 from mlxd.api.types import (
     EmbeddingItem,
@@ -182,7 +182,9 @@ def _encoded(vector: np.ndarray, fmt: str) -> list[float] | str:
 async def openai_embeddings(request: Request) -> Response:
     state = state_of(request)
     body = await read_request(request, OpenAIEmbeddingRequest, state.max_body)
-    name = _model_name(body.model)
+    name = body.model or ""
+    if not name:
+        raise ApiError(400, "model is required")
     entry = lookup(state, name)
     texts, token_ids = _openai_inputs(body.input)
     fmt = body.encoding_format or "float"

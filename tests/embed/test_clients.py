@@ -258,3 +258,25 @@ def test_continue_request_shape(embed_server: RunningServer, refs: dict[str, Ref
         got += r.json()["embeddings"]
     assert len(got) == 70
     np.testing.assert_allclose(got[65], refs["minilm"].embed(chunks[65]), atol=5e-5)
+
+
+def test_concurrent_requests_share_forwards(embed_server: RunningServer) -> None:
+    """Requests that arrive together are embedded in shared forwards; each still gets its own
+    vectors, in its own order, and its own token count."""
+    import concurrent.futures
+
+    url = f"{embed_server.base_url}/api/embed"
+    bodies = [{"model": "bge", "input": DOCS[i:] + DOCS[:i], "dimensions": 8 + i} for i in range(3)]
+    bodies += [{"model": "bge", "input": "sky " * 100, "truncate": False}]  # fails alone
+    alone = [httpx.post(url, json=b, timeout=120) for b in bodies]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies) * 2) as pool:
+        together = list(pool.map(lambda b: httpx.post(url, json=b, timeout=120), bodies * 2))
+    for got, want in zip(together, alone * 2, strict=True):
+        assert got.status_code == want.status_code
+        if want.status_code == 200:
+            np.testing.assert_allclose(
+                got.json()["embeddings"], want.json()["embeddings"], atol=1e-5
+            )
+            assert got.json()["prompt_eval_count"] == want.json()["prompt_eval_count"]
+        else:
+            assert got.json() == want.json()
