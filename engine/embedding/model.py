@@ -28,6 +28,27 @@ from mlxd.registry.schema import ModelEntry
 
 MAX_BATCH = 64  # inputs per forward
 MAX_BATCH_TOKENS = 8192  # padded tokens per forward: bounds its memory and its time
+MAX_PADDING = 0.25  # pads per real token a batch may carry before the next one starts
+
+
+def _batches(lengths: Sequence[int]) -> list[range]:
+    """Consecutive batches of `lengths` (sorted longest first) for padded forwards."""
+    out: list[range] = []
+    start = 0
+    while start < len(lengths):
+        width = max(1, lengths[start])
+        end, real = start + 1, lengths[start]
+        while end < len(lengths) and end - start < MAX_BATCH:
+            count = end - start + 1
+            if count * width > MAX_BATCH_TOKENS:
+                break
+            if count * width > (1 + MAX_PADDING) * (real + lengths[end]):
+                break
+            real += lengths[end]
+            end += 1
+        out.append(range(start, end))
+        start = end
+    return out
 
 
 class InputTooLong(ValueError):
@@ -208,21 +229,18 @@ class Embedder:
         return np.array(pooled)
 
     def vectors(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
-        """Unit vectors of every input in order: sorted by length so each padded batch holds
-        inputs of about one length, `MAX_BATCH` inputs or `MAX_BATCH_TOKENS` at most; each
-        forward done is progress for the runner's watchdog."""
+        """Unit vectors of every input in order. Inputs are sorted by length and cut into
+        padded batches of `MAX_BATCH` inputs or `MAX_BATCH_TOKENS` at most, a batch ending
+        where padding would pass `MAX_PADDING` of its tokens (on the CPU a pad costs what a
+        token does); each forward done is progress for the runner's watchdog."""
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]), reverse=True)
         out: np.ndarray | None = None
-        start = 0
-        while start < len(order):
-            width = len(inputs[order[start]])
-            size = max(1, min(MAX_BATCH, MAX_BATCH_TOKENS // max(1, width)))
-            chunk = order[start : start + size]
-            pooled = self.forward([inputs[i] for i in chunk])
+        for chunk in _batches([len(inputs[i]) for i in order]):
+            rows = [order[i] for i in chunk]
+            pooled = self.forward([inputs[i] for i in rows])
             if out is None:
                 out = np.zeros((len(inputs), pooled.shape[-1]), dtype=np.float32)
-            out[chunk] = pooled
-            start += len(chunk)
+            out[rows] = pooled
             beat()
         return normalize(out) if out is not None else np.zeros((0, 0), dtype=np.float32)
 

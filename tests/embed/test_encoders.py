@@ -130,3 +130,15 @@ def test_bare_transformer_names_load(
     np.testing.assert_allclose(
         model.embed(EmbedRequest(("hello",))).vectors[0], ref.embed("hello"), atol=2e-5
     )
+
+
+def test_batches_bound_padding_and_size() -> None:
+    from mlxd.engine.embedding.model import MAX_BATCH, MAX_BATCH_TOKENS, MAX_PADDING, _batches
+
+    lengths = sorted([70, 68, 66, 60, 52, 50, 40, 38, 12, 11, 10, *([5] * 100), 3000], reverse=True)
+    batches = _batches(lengths)
+    assert [i for b in batches for i in b] == list(range(len(lengths)))
+    for b in batches:
+        width, real = lengths[b.start], sum(lengths[i] for i in b)
+        assert len(b) <= MAX_BATCH and len(b) * width <= max(width, MAX_BATCH_TOKENS)
+        assert len(b) == 1 or len(b) * width <= (1 + MAX_PADDING) * real
