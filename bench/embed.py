@@ -137,20 +137,24 @@ def main() -> None:
         print(f"device {mx.default_device()}  model {model}  spec {embedder.spec}")
         print(f"inputs of ~{args.words} words, {args.rounds} rounds, medians")
         print(f"{'batch':>6}{'in-process emb/s':>20}{'/api/embed emb/s':>20}{'ratio':>9}")
+        print("(ratio: the median of each round's /api/embed over in-process, taken back to back)")
         for size in BATCHES:
             calls = max(1, 16 // size)  # calls per turn: small batches are timed over several
-            local, served = [], []
+            local, served, paired = [], [], []
             for r in range(args.rounds):
                 batch = texts(size, args.words, seed=1000 * size + r)
                 turns = (in_process, over_http) if r % 2 == 0 else (over_http, in_process)
+                rates = {}
                 for side in turns:  # alternate who goes first: a busy spell hits both sides
                     t0 = time.perf_counter()
                     for _ in range(calls):
                         side(batch)
-                    rate = size * calls / (time.perf_counter() - t0)
-                    (local if side is in_process else served).append(rate)
+                    rates[side] = size * calls / (time.perf_counter() - t0)
+                local.append(rates[in_process])
+                served.append(rates[over_http])
+                paired.append(rates[over_http] / rates[in_process])
             a, b = statistics.median(local), statistics.median(served)
-            print(f"{size:>6}{a:>20.1f}{b:>20.1f}{b / a:>9.3f}")
+            print(f"{size:>6}{a:>20.1f}{b:>20.1f}{statistics.median(paired):>9.3f}")
 
         sample = texts(16, args.words, seed=7)
         got = np.array(over_http(sample))
