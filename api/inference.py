@@ -133,12 +133,14 @@ async def prepare(
     opts: SamplingOptions,
     before: list[int] | None = None,
     templated: bool = True,
+    what: str = "generate",
 ) -> tuple[Loaded, float, list[int]]:
     """Acquire the model, render and tokenize the prompt, which must leave room in its row's
-    context; the slot is released if that fails."""
+    context; the slot is released if that fails. `what` ("generate", "chat") names the task
+    an embedding model refuses."""
     slot, load_seconds = await acquire(state, entry, keep_alive)
     try:
-        pairing = state.manager.pairing(slot)
+        pairing = state.manager.pairing(slot, what)  # an embedding model: 400
         text = render(pairing)
         pairing.check_options(opts)
         check_length(pairing, opts, len(before or ()), text)

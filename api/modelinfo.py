@@ -12,6 +12,7 @@ from typing import Any
 
 from mlxd.api.errors import ApiError
 from mlxd.api.types import DraftInfo, ModelSummary, ShowResponse
+from mlxd.engine.embedding.spec import spec_from_dir
 from mlxd.engine.prompt import detect_fim
 from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import ModelDetails, model_digest, model_size, read_details, resolve_local
@@ -129,6 +130,8 @@ def chat_template(m: LocalModel) -> str:
 
 
 def capabilities(m: LocalModel) -> list[str]:
+    if spec_from_dir(m.entry, m.target_dir) is not None:
+        return ["embedding"]
     added = _read_json(m.target_dir / "tokenizer.json").get("added_tokens", [])
     vocab = {t["content"]: t["id"] for t in added if isinstance(t, dict) and "content" in t}
     caps = ["completion"]

@@ -237,7 +237,7 @@ async def chat(request: Request) -> Response:
         )
 
     render = chat_renderer(entry, messages, body.tools)
-    slot, load_seconds, prompt_tokens = await prepare(state, entry, keep, render, opts)
+    slot, load_seconds, prompt_tokens = await prepare(state, entry, keep, render, opts, what="chat")
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
     if body.stream is False:
         whole = await collect(state.manager, slot, gen)

@@ -338,7 +338,7 @@ async def chat_completions(request: Request) -> Response:
     opts = request_options(entry, _sampling(body))
 
     render = chat_renderer(entry, messages, body.tools)
-    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts)
+    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts, what="chat")
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
 
     if not body.stream:

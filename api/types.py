@@ -327,3 +327,66 @@ class OpenAIErrorDetail(msgspec.Struct):
 
 class OpenAIError(msgspec.Struct):
     error: OpenAIErrorDetail
+
+
+# -- embeddings -----------------------------------------------------------------------------------
+
+
+class EmbedRequest(msgspec.Struct):
+    """/api/embed; `input` is checked by the handler (Ollama: "invalid input type")."""
+
+    model: str | None = None
+    input: Any = None  # a string or a list of strings
+    truncate: bool | None = None
+    dimensions: int | None = None
+    keep_alive: float | str | None = None
+    options: dict[str, Any] | None = None
+    prefix: str | None = None  # mlxd's: "query", "document" (the model's table) or the text
+
+
+class EmbedResponse(msgspec.Struct, omit_defaults=True):
+    model: str
+    embeddings: list[list[float]]
+    total_duration: int | None = None
+    load_duration: int | None = None
+    prompt_eval_count: int | None = None
+
+
+class EmbeddingsRequest(msgspec.Struct):
+    """The legacy /api/embeddings."""
+
+    model: str | None = None
+    prompt: str | None = None
+    keep_alive: float | str | None = None
+    options: dict[str, Any] | None = None
+
+
+class EmbeddingsResponse(msgspec.Struct):
+    embedding: list[float]
+
+
+class OpenAIEmbeddingRequest(msgspec.Struct):
+    model: str | None = None
+    input: Any = None  # a string, a list of strings, token ids or lists of token ids
+    encoding_format: str | None = None  # "float" or "base64"
+    dimensions: int | None = None
+    user: str | None = None
+    prefix: str | None = None  # as EmbedRequest.prefix
+
+
+class EmbeddingItem(msgspec.Struct):
+    object: str
+    embedding: list[float] | str
+    index: int
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(msgspec.Struct):
+    object: str
+    data: list[EmbeddingItem]
+    model: str
+    usage: EmbeddingUsage

@@ -21,8 +21,23 @@ import mlx.core as mx
 
 from mlxd.engine.backend import Backend
 from mlxd.engine.counts import EVICTION, LOAD, LOAD_FAILURE, RUNNER_RESTART, LifecycleCounts
+from mlxd.engine.embedding.model import (
+    Embedded,
+    EmbedRequest,
+    NotAnEmbeddingModel,
+    load_embedder,
+)
+from mlxd.engine.embedding.runner import EmbeddingRunner
+from mlxd.engine.embedding.spec import EmbeddingSpec, embedding_spec
 from mlxd.engine.events import Done, Event, Failed, GenerationRequest
-from mlxd.engine.memory import Budget, MemoryNeed, estimate, human_bytes, resolve_budget
+from mlxd.engine.memory import (
+    Budget,
+    MemoryNeed,
+    estimate,
+    estimate_embedding,
+    human_bytes,
+    resolve_budget,
+)
 from mlxd.engine.pairing import ModelUnavailable, Pairing, load_pairing, locate
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.runner import PairingRunner
@@ -55,6 +70,13 @@ class InsufficientMemory(ModelUnavailable):
     """The pairing cannot fit in the memory budget even with every other model unloaded."""
 
 
+class NotAGenerativeModel(ModelUnavailable):
+    """Text generation was asked of an embedding model (Ollama answers 400)."""
+
+    def __init__(self, name: str, what: str = "generate") -> None:
+        super().__init__(f'"{name}" does not support {what}')
+
+
 @dataclass(frozen=True)
 class ProbeResult:
     """What opening a pairing at startup (or after a registry change) found."""
@@ -73,6 +95,8 @@ def files_present(entry: ModelEntry) -> bool:
 
 def _probe_blocking(entry: ModelEntry, backend: Backend) -> ProbeResult:
     t0 = time.perf_counter()
+    if embedding_spec(entry) is not None:
+        return _probe_embedder(entry, backend)
     try:
         pairing = load_pairing(entry, backend)
     except Exception as exc:
@@ -84,8 +108,25 @@ def _probe_blocking(entry: ModelEntry, backend: Backend) -> ProbeResult:
     return ProbeResult(True, None, costs, time.perf_counter() - t0)
 
 
+def _probe_embedder(entry: ModelEntry, backend: Backend) -> ProbeResult:
+    """Open an embedding model and run one forward (`load_embedder`), then let it go."""
+    t0 = time.perf_counter()
+    try:
+        embedder = load_embedder(entry, backend)
+    except Exception as exc:
+        return ProbeResult(False, str(exc) or type(exc).__name__, None, time.perf_counter() - t0)
+    del embedder
+    gc.collect()
+    mx.clear_cache()
+    return ProbeResult(True, None, None, time.perf_counter() - t0)
+
+
 def estimate_need(entry: ModelEntry, rows: int, backend: Backend) -> MemoryNeed:
     """What `entry` will hold once loaded (blocking: reads its files; 404-style error if absent)."""
+    spec = embedding_spec(entry)
+    if spec is not None:  # weights and activations: no KV cache outlives a request
+        path = locate(entry.target, "model")
+        return estimate_embedding(path, spec.max_length, backend.float32_compute)
     dirs: list[Path] = [locate(entry.target, "target")]
     if entry.draft:
         dirs.append(locate(entry.draft, "draft"))
@@ -154,7 +195,7 @@ class Resident:
     """A pairing loaded (or loading) on its runner, and what keeps it there."""
 
     entry: ModelEntry
-    runner: PairingRunner
+    runner: PairingRunner | EmbeddingRunner
     need: MemoryNeed
     keep_alive: float  # seconds; inf = forever, 0 = unload when idle
     users: int = 0  # requests holding it (waiting or generating)
@@ -189,7 +230,7 @@ class Loaded:
     released: bool = False
 
     @property
-    def runner(self) -> PairingRunner:
+    def runner(self) -> PairingRunner | EmbeddingRunner:
         return self.model.runner
 
 
@@ -339,8 +380,11 @@ class ModelManager:
 
     async def generate(self, slot: Loaded, request: GenerationRequest) -> AsyncIterator[Event]:
         request.on_start = slot.ticket.start  # the scheduler calls it when the request starts
+        runner = slot.runner
+        if not isinstance(runner, PairingRunner):
+            raise NotAGenerativeModel(slot.model.entry.name)
         try:
-            async for event in slot.runner.generate(request):
+            async for event in runner.generate(request):
                 slot.ticket.start()  # (idempotent) no longer waiting once the runner answers
                 if isinstance(event, Done | Failed):
                     self._finished(slot.model.entry.name, event)
@@ -359,7 +403,18 @@ class ModelManager:
         """Count a restart of `name`'s runner (the watchdog abandoned it)."""
         self.counts.note(RUNNER_RESTART, name)
 
-    def pairing(self, slot: Loaded) -> Pairing:
+    async def embed(self, slot: Loaded, request: EmbedRequest) -> Embedded:
+        """Embed `request`'s inputs on the held model (NotAnEmbeddingModel for a pairing)."""
+        runner = slot.runner
+        if not isinstance(runner, EmbeddingRunner):
+            raise NotAnEmbeddingModel()
+        slot.ticket.start()
+        return await runner.embed(request)
+
+    def pairing(self, slot: Loaded, what: str = "generate") -> Pairing:
+        """The held pairing; `what` names the refused task for an embedding model."""
+        if isinstance(slot.runner, EmbeddingRunner):
+            raise NotAGenerativeModel(slot.model.entry.name, what)
         pairing = slot.runner.pairing
         if pairing is None:
             raise ModelUnavailable("model was unloaded")
@@ -401,14 +456,21 @@ class ModelManager:
                 need = await asyncio.to_thread(
                     estimate_need, entry, self.num_parallel, self.backend
                 )
+                spec = await asyncio.to_thread(embedding_spec, entry)  # cached by now
                 await self._make_room(need)
-                model = self._start(entry, need)
+                model = self._start(entry, need, spec)
             return self._attach(model, keep_alive, ticket)
 
-    def _start(self, entry: ModelEntry, need: MemoryNeed) -> Resident:
+    def _start(
+        self, entry: ModelEntry, need: MemoryNeed, spec: EmbeddingSpec | None = None
+    ) -> Resident:
         probed = self._probes.get(entry)
         costs = probed.costs if probed is not None else None
-        runner = PairingRunner(entry, self.backend, costs, self.prefix, self.num_parallel)
+        runner: PairingRunner | EmbeddingRunner
+        if spec is not None:
+            runner = EmbeddingRunner(entry, self.backend, spec)
+        else:
+            runner = PairingRunner(entry, self.backend, costs, self.prefix, self.num_parallel)
         model = Resident(entry, runner, need, self.default_keep_alive)
         self._loaded[entry.name] = model
         self.counts.note(LOAD, entry.name)
@@ -469,7 +531,8 @@ class ModelManager:
                 if entry.name in self._loaded:
                     return  # a request loaded it meanwhile
                 await self._make_room(stuck.need)
-                model = self._start(entry, stuck.need)
+                spec = stuck.runner.spec if isinstance(stuck.runner, EmbeddingRunner) else None
+                model = self._start(entry, stuck.need, spec)
                 model.keep_alive = stuck.keep_alive
                 self._on_idle(model)
         except Exception:

@@ -151,6 +151,20 @@ def estimate(dirs: list[Path], entry: ModelEntry, rows: int, widen: bool) -> Mem
     )
 
 
+def estimate_embedding(model_dir: Path, max_length: int, widen: bool) -> MemoryNeed:
+    """An embedding model's need: its weights (widened where 16-bit models compute in float32)
+    and the fixed allowance; it keeps no cache between requests."""
+    file = _read_config(model_dir)
+    scale = _dtype_bytes(as_computed(file, widen)) // _dtype_bytes(file)
+    return MemoryNeed(
+        weights=weight_bytes(model_dir) * max(1, scale),
+        kv=0,
+        overhead=OVERHEAD_BYTES,
+        context=max_length,
+        rows=1,
+    )
+
+
 # -- what the daemon may use -------------------------------------------------------------------
 
 

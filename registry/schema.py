@@ -35,6 +35,7 @@ from mlxd.registry.embedded import EMBEDDED_DIR
 from mlxd.registry.names import InvalidModelName, parse_name
 
 __all__ = [
+    "ENTRY_CHOICES",
     "ENTRY_KEYS",
     "KNOWN_OPTIONS",
     "OPTION_CHOICES",
@@ -57,6 +58,13 @@ ENTRY_KEYS: tuple[str, ...] = (
     "template",
     "context_length",
     "description",
+    "kind",
+    "pooling",
+)
+# `kind`: what the model is served for (absent: detected from its files); `pooling`: how an
+# embedding model pools its tokens when its files and mlxd's table do not say.
+ENTRY_CHOICES: Mapping[str, tuple[str, ...]] = MappingProxyType(
+    {"kind": ("completion", "embedding"), "pooling": ("cls", "mean", "last")}
 )
 
 # Ollama's option names and their types (``ollama:api/types.go`` Options + Runner). Unknown
@@ -127,6 +135,8 @@ class ModelEntry:
     template: str | None = None
     context_length: int | None = None
     description: str | None = None
+    kind: str | None = None  # "completion" or "embedding"; None: detected from the files
+    pooling: str | None = None  # "cls", "mean" or "last" (embedding models)
     source: Path = field(default_factory=lambda: Path("<memory>"))
     line: int | None = None
 
@@ -282,6 +292,12 @@ def _check_str(value: Any) -> str:
     return value
 
 
+def _check_choice(value: Any, choices: tuple[str, ...]) -> str:
+    if value not in choices:
+        raise ValueError(f"expected one of {', '.join(choices)}, got {_describe(value)}")
+    return str(value)
+
+
 def _check_option(name: str, value: Any) -> Any:
     kind = KNOWN_OPTIONS[name]
     if kind == "int":
@@ -350,6 +366,8 @@ def _load_entry(
         "system": _check_str,
         "template": _check_str,
         "description": _check_str,
+        "kind": lambda v: _check_choice(v, ENTRY_CHOICES["kind"]),
+        "pooling": lambda v: _check_choice(v, ENTRY_CHOICES["pooling"]),
     }
     for key, key_node, value_node in ctx.pairs(vnode, name):
         if key == "options":

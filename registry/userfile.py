@@ -126,7 +126,7 @@ def entry_fields(entry: ModelEntry) -> dict[str, Any]:
         fields["draft_tokens"] = entry.draft_tokens
     if entry.options:
         fields["options"] = _plain(entry.options)
-    for key in ("system", "template", "context_length", "description"):
+    for key in ("system", "template", "context_length", "description", "kind", "pooling"):
         value = getattr(entry, key)
         if value is not None:
             fields[key] = value
