@@ -3,6 +3,7 @@ rendering and tokenizing the prompt."""
 
 from __future__ import annotations
 
+import binascii
 import json
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -51,7 +52,23 @@ def check_format(fmt: Any) -> None:
     raise ApiError(400, "structured outputs (format) are not supported by mlxd yet")
 
 
-def native_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+def check_images(images: Sequence[str] | None, model: str) -> None:
+    """Images are refused alike on every route: mlxd serves text-only models (none has
+    Ollama's `vision` capability). Data that is not base64 is refused first, as Ollama's
+    decoder does."""
+    if not images:
+        return
+    for image in images:
+        try:
+            binascii.a2b_base64(image.encode("ascii"), strict_mode=True)
+        except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
+            raise ApiError(400, f"invalid image data: {exc}") from exc
+    raise ApiError(400, f"{model} does not support images (it has no vision capability)")
+
+
+def native_messages(
+    messages: Sequence[Message], model: str = "this model"
+) -> list[dict[str, Any]]:
     """Chat messages as the chat template reads them; roles checked and lower-cased."""
     out = []
     for i, msg in enumerate(messages):
@@ -60,8 +77,7 @@ def native_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
             raise ApiError(
                 400, f"invalid message at index {i}: role must be one of {', '.join(ROLES)}"
             )
-        if msg.images:
-            raise ApiError(400, "images are not supported by this model")
+        check_images(msg.images, model)
         clean: dict[str, Any] = {"role": role, "content": msg.content or ""}
         for key in ("tool_calls", "tool_name", "tool_call_id", "thinking"):
             value = getattr(msg, key)

@@ -19,6 +19,7 @@ from mlxd.api.inference import (
     acquire,
     chat_renderer,
     check_format,
+    check_images,
     check_think,
     native_messages,
     prepare,
@@ -168,6 +169,7 @@ async def generate(request: Request) -> Response:
         raise ApiError(400, "raw mode does not support template, system, or context")
     check_format(body.format)
     check_think(body.think, entry)
+    check_images(body.images, entry.name)
     opts = request_options(entry, body.options)
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
 
@@ -222,7 +224,7 @@ async def chat(request: Request) -> Response:
     if not name:
         raise ApiError(400, "model is required")
     entry = lookup(state, name)
-    messages = native_messages(body.messages or [])
+    messages = native_messages(body.messages or [], entry.name)
     check_format(body.format)
     check_think(body.think, entry)
     opts = request_options(entry, body.options)

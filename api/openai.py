@@ -218,7 +218,7 @@ def _content_parts(content: list[Any]) -> list[tuple[str, list[str] | None]]:
     return parts
 
 
-def _native_messages(raw: list[OpenAIMessage]) -> list[dict[str, Any]]:
+def _native_messages(raw: list[OpenAIMessage], model: str) -> list[dict[str, Any]]:
     """OpenAI messages as native ones (then checked as the native route checks them)."""
     out: list[Message] = []
     for msg in raw:
@@ -240,7 +240,7 @@ def _native_messages(raw: list[OpenAIMessage]) -> list[dict[str, Any]]:
                     thinking=thinking if last else None,
                 )
             )
-    return native_messages(out)
+    return native_messages(out, model)
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -332,7 +332,7 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError(400, "[] is too short - 'messages'")
     name = _model_name(body.model)
     entry = lookup(state, name)
-    messages = _native_messages(body.messages)
+    messages = _native_messages(body.messages, entry.name)
     _reasoning(body)
     _response_format(body)
     opts = request_options(entry, _sampling(body))
