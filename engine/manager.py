@@ -23,6 +23,7 @@ from mlxd.engine.backend import Backend
 from mlxd.engine.counts import EVICTION, LOAD, LOAD_FAILURE, RUNNER_RESTART, LifecycleCounts
 from mlxd.engine.events import Done, Event, Failed, GenerationRequest
 from mlxd.engine.memory import Budget, MemoryNeed, estimate, human_bytes, resolve_budget
+from mlxd.engine.options import OptionsError, parse_options
 from mlxd.engine.pairing import ModelUnavailable, Pairing, load_pairing, locate
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.runner import PairingRunner
@@ -78,6 +79,10 @@ def _probe_blocking(entry: ModelEntry, backend: Backend) -> ProbeResult:
     except Exception as exc:
         return ProbeResult(False, str(exc) or type(exc).__name__, None, time.perf_counter() - t0)
     costs = pairing.costs
+    try:
+        pairing.check_options(parse_options(entry.options))
+    except OptionsError as exc:  # served, but every request using these options gets a 400
+        log.warning("registry entry %s: its options do not fit the model: %s", entry.name, exc)
     del pairing
     gc.collect()
     mx.clear_cache()

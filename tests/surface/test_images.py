@@ -41,7 +41,8 @@ def test_v1_chat_refuses_image_parts(server: RunningServer) -> None:
     part = [{"type": "image_url", "image_url": {"url": url}}]
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": part}]  # type: ignore[list-item,misc]
+            model="tiny",
+            messages=[{"role": "user", "content": part}],  # type: ignore[list-item,misc]
         )
     assert REFUSED in str(caught.value)
 
