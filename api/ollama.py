@@ -17,6 +17,7 @@ from mlxd.api.durations import parse_keep_alive
 from mlxd.api.errors import ApiError
 from mlxd.api.inference import (
     acquire,
+    chat_head,
     chat_renderer,
     check_format,
     check_images,
@@ -191,9 +192,14 @@ async def generate(request: Request) -> Response:
             pairing.tokenizer, prompt, system, body.template, suffix, pairing.fim
         )
 
+    def head(pairing: Pairing) -> str:  # what truncation keeps first: all but the prompt
+        system = body.system or entry.system
+        return render_generate(pairing.tokenizer, "", system, body.template, None, None)
+
     slot, load_seconds, prompt_tokens = await prepare(
-        state, entry, keep, render, opts, list(context or []), templated=not raw
-    )
+        state, entry, keep, render, opts, list(context or []), templated=not raw,
+        head=None if raw or suffix else head,
+    )  # fmt: skip
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
 
     def final(done: Done, text: str = "") -> GenerateResponse:
@@ -239,7 +245,8 @@ async def chat(request: Request) -> Response:
         )
 
     render = chat_renderer(entry, messages, body.tools)
-    slot, load_seconds, prompt_tokens = await prepare(state, entry, keep, render, opts)
+    head = chat_head(entry, messages)
+    slot, load_seconds, prompt_tokens = await prepare(state, entry, keep, render, opts, head=head)
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
     if body.stream is False:
         whole = await collect(state.manager, slot, gen)

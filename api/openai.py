@@ -25,6 +25,7 @@ from starlette.routing import Route
 from mlxd.api.codec import json_response, read_request, sse_event
 from mlxd.api.errors import ApiError, message_of, status_of
 from mlxd.api.inference import (
+    chat_head,
     chat_renderer,
     check_format,
     native_messages,
@@ -338,7 +339,8 @@ async def chat_completions(request: Request) -> Response:
     opts = request_options(entry, _sampling(body))
 
     render = chat_renderer(entry, messages, body.tools)
-    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts)
+    head = chat_head(entry, messages)
+    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts, head=head)
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
 
     if not body.stream:
@@ -381,7 +383,12 @@ async def completions(request: Request) -> Response:
             pairing.tokenizer, prompt, entry.system, None, suffix or None, pairing.fim
         )
 
-    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts)
+    def head(pairing: Pairing) -> str:
+        return render_generate(pairing.tokenizer, "", entry.system, None, None, None)
+
+    slot, load_seconds, tokens = await prepare(
+        state, entry, None, render, opts, head=None if suffix else head
+    )
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
     env = _envelope("cmpl", "text_completion", name)
 
