@@ -91,7 +91,10 @@ async def show(request: Request) -> Response:
     local = await run_in_threadpool(find_local, entry)
     if local is None:
         raise ApiError(404, f"model '{entry.name}' not found")
-    return json_response(show_json(local.usable(), _unavailable(state, entry)))
+    shown = await run_in_threadpool(
+        show_json, local.usable(), _unavailable(state, entry), bool(body.verbose)
+    )
+    return json_response(shown)
 
 
 # -- the final object -----------------------------------------------------------------------
