@@ -263,6 +263,7 @@ class ModelManager:
         self._loaded: dict[str, Resident] = {}
         self._retiring: list[Resident] = []  # unloaded, but still holding memory
         self._probes: dict[ModelEntry, ProbeResult] = {}
+        self._pending: set[ModelEntry] = set()  # probes queued or running
         self._probe_lock = asyncio.Lock()
         self._load_lock = asyncio.Lock()  # one load decision at a time, as Ollama's scheduler
         self._waiters: list[asyncio.Future[None]] = []
@@ -293,11 +294,22 @@ class ModelManager:
         return result
 
     async def probe_all(self, entries: list[ModelEntry]) -> None:
-        for entry in entries:
-            await self.probe(entry)
+        self._pending.update(entries)
+        try:
+            for entry in entries:
+                try:
+                    await self.probe(entry)
+                finally:
+                    self._pending.discard(entry)
+        finally:
+            self._pending.difference_update(entries)
 
     def probe_result(self, entry: ModelEntry) -> ProbeResult | None:
         return self._probes.get(entry)
+
+    def probe_pending(self, entry: ModelEntry) -> bool:
+        """Whether `entry`'s probe is queued or running."""
+        return entry in self._pending
 
     # -- acquiring and releasing -------------------------------------------------------------
 
