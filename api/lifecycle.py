@@ -79,9 +79,7 @@ async def ps(request: Request) -> Response:
     locals_ = await run_in_threadpool(lambda: [_local(s.entry) for s in statuses])
     now = datetime.now(timezone.utc)
     on_gpu = manager.backend.device == "gpu"
-    models = [
-        ps_entry(s, local, now, on_gpu) for s, local in zip(statuses, locals_, strict=True)
-    ]
+    models = [ps_entry(s, local, now, on_gpu) for s, local in zip(statuses, locals_, strict=True)]
     return json_response(PsResponse(models))
 
 

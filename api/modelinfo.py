@@ -149,9 +149,7 @@ def parameters_text(options: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def show_json(
-    m: LocalModel, unavailable: str | None = None, verbose: bool = False
-) -> ShowResponse:
+def show_json(m: LocalModel, unavailable: str | None = None, verbose: bool = False) -> ShowResponse:
     entry = m.entry
     template = chat_template(m)
     params = parameters_text(dict(entry.options))
