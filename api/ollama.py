@@ -26,6 +26,7 @@ from mlxd.api.inference import (
     prepare,
     request_options,
 )
+from mlxd.api.logprobs import asked, ollama_json, with_logprobs
 from mlxd.api.modelinfo import find_local, show_json, tag_json
 from mlxd.api.pump import collect, pump
 from mlxd.api.state import ServerState, lookup, state_of
@@ -41,6 +42,7 @@ from mlxd.api.types import (
     VersionResponse,
 )
 from mlxd.engine.events import Done, GenerationRequest
+from mlxd.engine.logprobs import Logprob
 from mlxd.engine.pairing import Pairing
 from mlxd.engine.prompt import render_generate
 from mlxd.registry.schema import ModelEntry
@@ -131,11 +133,11 @@ def final_fields(done: Done) -> dict[str, Any]:
 class NdjsonWriter:
     """A /api stream: `chunk` makes a partial object, `final` the last one."""
 
-    chunk: Callable[[str], Any]
+    chunk: Callable[[str, list[dict[str, Any]] | None], Any]  # (text, its logprobs)
     final: Callable[[Done], Any]
 
-    def text(self, text: str) -> bytes:
-        return ndjson_line(self.chunk(text))
+    def text(self, text: str, logprobs: tuple[Logprob, ...] = ()) -> bytes:
+        return ndjson_line(self.chunk(text, ollama_json(logprobs)))
 
     def done(self, done: Done) -> Iterable[bytes]:
         return (ndjson_line(self.final(done)),)
@@ -174,7 +176,9 @@ async def generate(request: Request) -> Response:
     check_format(body.format)
     check_think(body.think, entry)
     check_images(body.images, entry.name)
-    opts = request_options(entry, body.options)
+    opts = with_logprobs(
+        request_options(entry, body.options), asked(body.logprobs, body.top_logprobs)
+    )
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
 
     if not prompt and not suffix:
@@ -205,14 +209,18 @@ async def generate(request: Request) -> Response:
     )  # fmt: skip
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
 
-    def final(done: Done, text: str = "") -> GenerateResponse:
+    def final(done: Done, text: str = "", logprobs: Any = None) -> GenerateResponse:
         tokens = None if raw else prompt_tokens + done.output_tokens
-        return GenerateResponse(name, now(), text, True, context=tokens, **final_fields(done))
+        return GenerateResponse(
+            name, now(), text, True, logprobs=logprobs, context=tokens, **final_fields(done)
+        )
 
     if body.stream is False:
         answer = await collect(state.manager, slot, gen)
-        return json_response(final(answer.done, answer.text))
-    writer = NdjsonWriter(lambda text: GenerateResponse(name, now(), text, False), final)
+        return json_response(final(answer.done, answer.text, ollama_json(answer.logprobs)))
+    writer = NdjsonWriter(
+        lambda text, lp: GenerateResponse(name, now(), text, False, logprobs=lp), final
+    )
     return StreamingResponse(pump(state.manager, slot, gen, writer), media_type=NDJSON)
 
 
@@ -236,7 +244,9 @@ async def chat(request: Request) -> Response:
     messages = native_messages(body.messages or [], entry.name)
     check_format(body.format)
     check_think(body.think, entry)
-    opts = request_options(entry, body.options)
+    opts = with_logprobs(
+        request_options(entry, body.options), asked(body.logprobs, body.top_logprobs)
+    )
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
 
     def answer(content: str, done: bool, **extra: Any) -> ChatResponse:
@@ -253,8 +263,12 @@ async def chat(request: Request) -> Response:
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
     if body.stream is False:
         whole = await collect(state.manager, slot, gen)
-        return json_response(answer(whole.text, True, **final_fields(whole.done)))
+        logprobs = ollama_json(whole.logprobs)
+        return json_response(
+            answer(whole.text, True, logprobs=logprobs, **final_fields(whole.done))
+        )
     writer = NdjsonWriter(
-        lambda text: answer(text, False), lambda done: answer("", True, **final_fields(done))
+        lambda text, lp: answer(text, False, logprobs=lp),
+        lambda done: answer("", True, **final_fields(done)),
     )
     return StreamingResponse(pump(state.manager, slot, gen, writer), media_type=NDJSON)

@@ -56,6 +56,9 @@ class SamplingOptions:
     kv_bits: int | None = None  # quantize the KV cache (4 or 8), as OLLAMA_KV_CACHE_TYPE does
     kv_group_size: int = 64
     quantized_kv_start: int = 0
+    # not an Ollama option: the request's `logprobs`/`top_logprobs` (None: none; k: the k
+    # most likely tokens besides the chosen one's), set by the API after parsing
+    top_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
