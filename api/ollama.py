@@ -74,6 +74,9 @@ async def tags(request: Request) -> Response:
     errors = state.registry_errors()
     warning = "serving the last good registry: " + "; ".join(errors) if errors else None
     summaries = [tag_json(m, _unavailable(state, m.entry)) for m in found]
+    for summary, m in zip(summaries, found, strict=True):
+        if state.manager.probe_pending(m.entry):
+            summary.status = "probing"
     return json_response(TagsResponse(summaries, warning))
 
 

@@ -147,6 +147,7 @@ class ModelSummary(msgspec.Struct, omit_defaults=True):
     digest: str
     details: dict[str, Any]
     unavailable: str | None = None  # mlxd's: why a pairing that failed its probe is not served
+    status: str | None = None  # mlxd's: "probing" while it is opened and checked at startup
 
 
 class TagsResponse(msgspec.Struct, omit_defaults=True):

@@ -26,6 +26,7 @@ from mlxd.engine.memory import Budget, MemoryNeed, estimate, human_bytes, resolv
 from mlxd.engine.options import OptionsError, parse_options
 from mlxd.engine.pairing import ModelUnavailable, Pairing, load_pairing, locate
 from mlxd.engine.prefix_cache import PrefixCache
+from mlxd.engine.probestore import ProbeStore
 from mlxd.engine.runner import PairingRunner
 from mlxd.engine.speculation import Costs
 from mlxd.engine.threads import run_in_mlx_thread
@@ -64,6 +65,7 @@ class ProbeResult:
     reason: str | None = None
     costs: Costs | None = None
     seconds: float = 0.0
+    remembered: bool = False  # read back from an earlier run's probe of the same files
 
 
 def files_present(entry: ModelEntry) -> bool:
@@ -72,13 +74,24 @@ def files_present(entry: ModelEntry) -> bool:
     )
 
 
-def _probe_blocking(entry: ModelEntry, backend: Backend) -> ProbeResult:
+def _probe_blocking(entry: ModelEntry, backend: Backend, store: ProbeStore | None) -> ProbeResult:
+    """Open and check the pairing, unless a passed probe of the same files on the same backend
+    and MLX is on record (then nothing is loaded or measured)."""
     t0 = time.perf_counter()
+    try:
+        key = store.key(entry, backend) if store is not None else None
+    except Exception:  # unreadable files: the load below says why
+        key = None
+    known = store.load(key) if store is not None and key is not None else None
+    if known is not None:
+        return ProbeResult(True, None, known, time.perf_counter() - t0, remembered=True)
     try:
         pairing = load_pairing(entry, backend)
     except Exception as exc:
         return ProbeResult(False, str(exc) or type(exc).__name__, None, time.perf_counter() - t0)
     costs = pairing.costs
+    if store is not None and key is not None:
+        store.save(key, costs)
     try:
         pairing.check_options(parse_options(entry.options))
     except OptionsError as exc:  # served, but every request using these options gets a 400
@@ -250,6 +263,7 @@ class ModelManager:
         num_parallel: int = DEFAULT_NUM_PARALLEL,
         memory_budget: int | None = None,
         stall_limit: float = DEFAULT_STALL_LIMIT,
+        probe_store: ProbeStore | None = None,
     ) -> None:
         """`stall_limit`: seconds a runner may hold requests without finishing a step before
         its requests fail and its pairing is reloaded (0: never)."""
@@ -264,6 +278,7 @@ class ModelManager:
         self._retiring: list[Resident] = []  # unloaded, but still holding memory
         self._probes: dict[ModelEntry, ProbeResult] = {}
         self._pending: set[ModelEntry] = set()  # probes queued or running
+        self.probe_store = probe_store  # passed probes kept across restarts
         self._probe_lock = asyncio.Lock()
         self._load_lock = asyncio.Lock()  # one load decision at a time, as Ollama's scheduler
         self._waiters: list[asyncio.Future[None]] = []
@@ -284,14 +299,25 @@ class ModelManager:
             if entry in self._probes:
                 return self._probes[entry]
             result = await run_in_mlx_thread(
-                lambda: _probe_blocking(entry, self.backend), f"probe:{entry.name}"
+                lambda: _probe_blocking(entry, self.backend, self.probe_store),
+                f"probe:{entry.name}",
             )
             self._probes[entry] = result
-        if result.ok:
+        if result.remembered:
+            log.info("probe %s: ok (unchanged since it was last probed)", entry.name)
+        elif result.ok:
             log.info("probe %s: ok in %.2fs", entry.name, result.seconds)
         else:
             log.error("probe %s: unavailable: %s", entry.name, result.reason)
         return result
+
+    def start_probes(self, entries: list[ModelEntry]) -> None:
+        """Probe `entries` in the background, one after another; each is `probing` until its
+        probe ends, and a request for it waits for (and hurries) its probe."""
+        self._pending.update(entries)
+        task = asyncio.get_running_loop().create_task(self.probe_all(entries))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def probe_all(self, entries: list[ModelEntry]) -> None:
         self._pending.update(entries)
@@ -320,6 +346,8 @@ class ModelManager:
         pairing can never fit, ModelUnavailable when it fails to load.
         """
         t0 = time.perf_counter()
+        if entry in self._pending:  # probing: take its turn now rather than after the others
+            await self.probe(entry)
         probed = self._probes.get(entry)
         if probed is not None and not probed.ok:
             raise ModelUnavailable(f"model '{entry.name}' is unavailable: {probed.reason}")
