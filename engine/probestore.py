@@ -10,6 +10,7 @@ failed (memory, a file being written) is gone. A file that cannot be read is a m
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -65,20 +66,21 @@ class ProbeStore:
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
     def load(self, key: str) -> Costs | None:
+        """The stored costs; a field a newer mlxd measures that the file lacks keeps its
+        default (FORMAT says when that is not good enough)."""
         try:
             data = json.loads((self.root / f"{key}.json").read_text(encoding="utf-8"))
+            known = {f.name for f in dataclasses.fields(Costs)}
+            values = {k: float(v) for k, v in data.items() if k in known and k != "verify"}
             verify = {int(w): float(s) for w, s in data["verify"].items()}
-            return Costs(verify, float(data["draft_step"]), float(data["plain_step"]))
+            return Costs(verify=verify, **values)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
     def save(self, key: str, costs: Costs) -> None:
         """Atomically (a reader sees the old file or the new one); failures only logged."""
-        data = {
-            "verify": {str(w): s for w, s in costs.verify.items()},
-            "draft_step": costs.draft_step,
-            "plain_step": costs.plain_step,
-        }
+        data = dataclasses.asdict(costs)
+        data["verify"] = {str(w): s for w, s in costs.verify.items()}
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = self.root / f".{key}.{os.getpid()}.tmp"

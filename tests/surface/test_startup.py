@@ -80,3 +80,15 @@ def test_the_key_follows_the_files_and_the_backend(tiny_pair: TinyPair, tmp_path
     other = type(backend)(**{**backend.__dict__, "float32_compute": not backend.float32_compute})
     assert key != store.key(pair, other)
     assert store.key(ModelEntry("m", "org/not-pulled"), backend) is None
+
+
+def test_stored_costs_read_back_equal(tmp_path: Path) -> None:
+    from mlxd.engine.speculation import Costs
+
+    store = ProbeStore(tmp_path / "probes")
+    costs = Costs(verify={1: 0.01, 4: 0.02}, draft_step=0.003, plain_step=0.011)
+    store.save("k", costs)
+    assert store.load("k") == costs
+    assert store.load("missing") is None
+    (tmp_path / "probes" / "bad.json").write_text("{not json")
+    assert store.load("bad") is None
