@@ -114,7 +114,7 @@ def tokenize(
     before: list[int],
     text: str,
     templated: bool,
-    head: str = "",
+    head: Callable[[], str] = lambda: "",
     model: str = "",
 ) -> list[int]:
     """The prompt's tokens; one too long for its row keeps its head and its most recent
@@ -126,7 +126,8 @@ def tokenize(
             raise ApiError(400, "prompt is empty after rendering")
         if len(tokens) <= budget.prompt:
             return tokens
-    cut = _head_chars(text, head) if head else 0
+    start = head()  # rendered only when the prompt must be cut
+    cut = _head_chars(text, start) if start else 0
     kept_head = before + encode(pairing.tokenizer, text[:cut], templated)
     body = encode(pairing.tokenizer, text[cut:][-budget.window :], True)
     tokens = fit(kept_head, body, budget.prompt)
@@ -186,10 +187,10 @@ async def prepare(
         pairing = state.manager.pairing(slot)
         text = render(pairing)
         pairing.check_options(opts)
-        start = _render_head(head, pairing)
         tokens = await run_in_threadpool(
-            tokenize, pairing, opts, before or [], text, templated, start, entry.name
-        )
+            tokenize, pairing, opts, before or [], text, templated,
+            lambda: _render_head(head, pairing), entry.name,
+        )  # fmt: skip
     except BaseException:
         state.manager.release(slot)
         raise
