@@ -20,7 +20,6 @@ from mlxd.api.errors import BodyTooLarge, InvalidRequest
 
 T = TypeVar("T")
 
-DEFAULT_MAX_BODY = 32 * 2**20  # bytes: a long context's prompt, with room to spare
 JSON = "application/json"
 NDJSON = "application/x-ndjson"
 

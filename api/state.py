@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from starlette.requests import Request
 
-from mlxd.api.codec import DEFAULT_MAX_BODY
 from mlxd.api.errors import ApiError
+from mlxd.api.limits import DEFAULT_MAX_BODY
 from mlxd.engine.manager import ModelManager
 from mlxd.registry.names import InvalidModelName, parse_name
 from mlxd.registry.registry import Registry

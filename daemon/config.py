@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from mlxd.api.codec import DEFAULT_MAX_BODY
 from mlxd.api.durations import DurationError, env_keep_alive
+from mlxd.api.limits import DEFAULT_MAX_BODY
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 11434

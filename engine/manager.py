@@ -43,6 +43,7 @@ DEFAULT_MAX_QUEUE = 512
 DEFAULT_NUM_PARALLEL = 4
 JOIN_TIMEOUT = 60.0  # seconds to wait for a stopped runner's thread to let go of its memory
 DEFAULT_STALL_LIMIT = 120.0  # seconds a runner may hold requests without finishing a step
+PROBE_SHUTDOWN_WAIT = 120.0  # seconds shutdown waits for a probe in progress
 QUEUE_FULL = "server busy, please try again.  maximum pending requests exceeded"
 
 
@@ -279,6 +280,7 @@ class ModelManager:
         self._probes: dict[ModelEntry, ProbeResult] = {}
         self._pending: set[ModelEntry] = set()  # probes queued or running
         self.probe_store = probe_store  # passed probes kept across restarts
+        self._closing = False  # shutting down: no further probe starts
         self._probe_lock = asyncio.Lock()
         self._load_lock = asyncio.Lock()  # one load decision at a time, as Ollama's scheduler
         self._waiters: list[asyncio.Future[None]] = []
@@ -298,6 +300,8 @@ class ModelManager:
         async with self._probe_lock:
             if entry in self._probes:
                 return self._probes[entry]
+            if self._closing:
+                return None
             result = await run_in_mlx_thread(
                 lambda: _probe_blocking(entry, self.backend, self.probe_store),
                 f"probe:{entry.name}",
@@ -323,6 +327,8 @@ class ModelManager:
         self._pending.update(entries)
         try:
             for entry in entries:
+                if self._closing:
+                    return
                 try:
                     await self.probe(entry)
                 finally:
@@ -629,6 +635,14 @@ class ModelManager:
         return [_status(m, now) for m in [*self._loaded.values(), *busy_leaving]]
 
     async def shutdown(self) -> None:
+        # A probe's thread runs MLX work that cannot be interrupted, and a process that exits
+        # while such a thread runs aborts: let the probe in progress end (no further one starts).
+        self._closing = True
+        try:
+            await asyncio.wait_for(self._probe_lock.acquire(), PROBE_SHUTDOWN_WAIT)
+            self._probe_lock.release()
+        except asyncio.TimeoutError:
+            log.warning("a probe still runs after %.0fs; exiting anyway", PROBE_SHUTDOWN_WAIT)
         if self._watchdog is not None:
             self._watchdog.cancel()
         for task in list(self._tasks):
