@@ -332,7 +332,8 @@ def main() -> int:
             t0 = time.perf_counter()
             long_dir = build_long_model(work / "long", model, args.long_layers)
             print(f"built the random long-context model in {time.perf_counter() - t0:.1f}s")
-        entries += f"  long:\n    target: {long_dir}\n"
+        num_ctx = min(context_of(long_dir), max(sizes) + 64)  # the default row context is 4k
+        entries += f"  long:\n    target: {long_dir}\n    options:\n      num_ctx: {num_ctx}\n"
     registry.write_text(entries, encoding="utf-8")
     cache_dir = args.cache_dir or work / "kvcache"
     opts = {"temperature": 0, "num_predict": 4, "draft_method": args.draft_method}
@@ -438,6 +439,10 @@ def main() -> int:
         f"cache after run A: {snap_a['ram_blocks']} RAM blocks, "
         f"{snap_a['ssd_dropped_writes']} SSD writes dropped; run B: "
         f"{snap_b['ssd_hit_blocks']} SSD-hit blocks, {snap_b['ram_hit_blocks']} RAM-hit blocks"
+    )
+    print(
+        f"SSD read rate measured {snap_b['ssd_read_rate'] / 1e9:.2f} GB/s; lookups that "
+        f"recomputed rather than read the SSD: {snap_b['ssd_skipped_lookups']}"
     )
 
     if args.json is not None:

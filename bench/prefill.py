@@ -2,6 +2,7 @@
 `generate_step` in-process, same model, same prompts' sizes.
 
     python bench/prefill.py [--model DIR | --shape 8b] [--sizes 512,2048,7000] [--repeats 3]
+                            [--paths exact,masked]
 
 One run:
 1. Serves the model (entry `bench`) from an in-process daemon (the real app under uvicorn, as
@@ -39,6 +40,10 @@ from mlxd.engine.backend import configure_backend  # noqa: E402
 BACKEND = configure_backend()  # first, as `mlxd serve` does: the CPU BLAS goes under MLX
 
 from bench.cache import Daemon, Prompts, build_long_model, generate  # noqa: E402
+from mlxd.engine import kvcache  # noqa: E402
+
+EXACT_MIN = kvcache.EXACT_MIN
+PATHS = {"exact": "exact keys (causal)", "masked": "the padded buffer, masked"}
 from bench.concurrency import SHAPES, random_model  # noqa: E402
 
 CODE_PAIR = ROOT.parent / "shared" / "models" / "code-pair" / "target"
@@ -65,7 +70,7 @@ class SizeResult:
 
 
 def mlxd_side(
-    model_dir: Path, sizes: list[int], repeats: int, prompts: Prompts
+    model_dir: Path, sizes: list[int], repeats: int, prompts: Prompts, settle: float = 0.0
 ) -> list[SizeResult]:
     results = [SizeResult(size) for size in sizes]
     with tempfile.TemporaryDirectory(prefix="mlxd-prefill-") as tmp:
@@ -84,6 +89,7 @@ def mlxd_side(
                     timed = generate(daemon, "bench", text, GREEDY)
                     result.cold.append(timed.ttft)
                     result.server.append(timed.prefill)
+                time.sleep(settle)  # the last request's cache work may still be running
                 result.warm = generate(daemon, "bench", text, GREEDY).ttft
     return results
 
@@ -115,6 +121,10 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8, help="layers of the default built model")
     ap.add_argument("--work", type=Path, help="where built models go (default: a temp dir)")
     ap.add_argument("--tokenizer", type=Path, default=CODE_PAIR, help="the code pair's target")
+    ap.add_argument("--settle", type=float, default=0.0, help="seconds before the warm request")
+    ap.add_argument(
+        "--paths", default="exact", help="exact,masked: how wide prompt chunks attend (GPU)"
+    )
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     work = args.work or Path(tempfile.mkdtemp(prefix="mlxd-prefill-models-"))
@@ -126,14 +136,21 @@ def main() -> int:
         model_dir = build_long_model(work / "long", args.tokenizer, args.layers)
     prompts = Prompts(args.tokenizer, seed=0)
     print(f"model {model_dir}, sizes {sizes}, {args.repeats} cold repeats", flush=True)
-    results = mlxd_side(model_dir, sizes, args.repeats, prompts)
-    mlx_lm_side(model_dir, results, args.repeats, prompts)
-    print(
-        f"{'tokens':>7} {'1st ms':>9} {'cold ms':>9} {'mlx-lm':>9} {'vs mlx-lm':>9} "
-        f"{'1st/cold':>9} {'warm ms':>9} {'warm/cold':>9} {'tok/s':>9} {'srv pf ms':>9}"
-    )
-    for result in results:
-        print(result.row())
+    runs: dict[str, list[SizeResult]] = {}
+    for path in args.paths.split(","):  # how wide prompt chunks attend (GPU layout only)
+        kvcache.EXACT_MIN = EXACT_MIN if path == "exact" else 0
+        runs[path] = mlxd_side(model_dir, sizes, args.repeats, prompts, args.settle)
+    reference = next(iter(runs.values()))
+    mlx_lm_side(model_dir, reference, args.repeats, prompts)
+    for path, results in runs.items():
+        print(f"-- wide chunks attend over {PATHS[path]}")
+        print(
+            f"{'tokens':>7} {'1st ms':>9} {'cold ms':>9} {'mlx-lm':>9} {'vs mlx-lm':>9} "
+            f"{'1st/cold':>9} {'warm ms':>9} {'warm/cold':>9} {'tok/s':>9} {'srv pf ms':>9}"
+        )
+        for result, ref in zip(results, reference, strict=True):
+            result.mlx_lm = ref.mlx_lm
+            print(result.row())
     return 0
 
 

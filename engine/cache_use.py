@@ -44,7 +44,8 @@ def restore(
     """Target caches holding the longest cached prefix of the prompt (all but its last token),
     with the draft's state restored into `source` as far as the blocks carry it; (None, 0) on
     a miss."""
-    found = cache.lookup_keyed(ns, prompt[:-1])
+    rate = pairing.costs.recompute_rate
+    found = cache.lookup_keyed(ns, prompt[:-1], rate)
     if not found:
         return None, 0
     layers = len(pairing.target.layers)
@@ -56,7 +57,7 @@ def restore(
         return None, 0
     if has_companion(source) and pairing.draft is not None:
         assert source is not None
-        extras = cache.attachments([k for k, _ in found], pairing.draft_revision)
+        extras = cache.attachments([k for k, _ in found], pairing.draft_revision, rate)
         if extras:
             try:
                 draft = build_caches(extras, 0, len(pairing.draft.layers), bucket_of(pairing.draft))
@@ -67,11 +68,19 @@ def restore(
     return target, tokens
 
 
-def offer(cache: PrefixCache, ns: Namespace, gen: Generation, draft_revision: str = "") -> int:
-    """Insert the full blocks of what a row's caches really hold, with its draft model's
-    state (when it has one and `draft_revision` names it) attached."""
-    draft = _draft_state(gen, draft_revision)
-    return offer_caches(cache, ns, gen.cache, gen.tokens, draft, draft_revision)
+def offer_prompt(
+    cache: PrefixCache, ns: Namespace, gen: Generation, prompt_len: int, draft_revision: str = ""
+) -> int:
+    """Insert the blocks of a row's prompt (all but its last token: positions that no later
+    step rolls back), with its draft model's state (when it has one and `draft_revision`
+    names it) attached. A failure is a cache miss, logged."""
+    try:
+        draft = _draft_state(gen, draft_revision)
+        prompt = gen.tokens[: prompt_len - 1]
+        return offer_caches(cache, ns, gen.cache, prompt, draft, draft_revision)
+    except Exception:
+        log.exception("prefix cache: offering a prompt failed")
+        return 0
 
 
 def offer_final(

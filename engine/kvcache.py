@@ -23,6 +23,13 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
 # drafting, the scheduler, the prefix cache) follows the mark.
 GPU_BUCKET = 1024
 _MARK = "mlxd_kv_bucket"
+# A prompt chunk at least this wide, starting where every chunk of a prompt read from the
+# start begins (a multiple of `EXACT_ALIGN`), attends over exactly the keys it has with
+# attention's causal fast path, as mlx-lm's prefill does: over the padded buffer with an
+# explicit mask, attention materializes a chunk x buffer score matrix per head. Its key
+# lengths (`EXACT_ALIGN` * i + width) still recur from prompt to prompt. 0 turns it off.
+EXACT_MIN = 128
+EXACT_ALIGN = 2048
 
 
 def set_bucket(model: nn.Module, step: int | None) -> None:
@@ -46,8 +53,13 @@ class BucketedKVCache(KVCache):
             return have
         return ((need + self.step - 1) // self.step) * self.step
 
+    def _exact(self, n: int) -> bool:
+        """Whether an `n`-token forward at this offset attends over exact keys (causal)."""
+        return 0 < EXACT_MIN <= n and self.offset % EXACT_ALIGN == 0
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         n = int(keys.shape[2])
+        exact = self._exact(n)
         capacity = self._capacity_for(n)
         if self.keys is None or capacity > self.keys.shape[2]:
             b, heads, _, k_dim = keys.shape
@@ -64,13 +76,18 @@ class BucketedKVCache(KVCache):
         self.offset += n
         buf_k[..., prev : self.offset, :] = keys
         buf_v[..., prev : self.offset, :] = values
-        if n == 1:
+        if n == 1 or exact:
             return buf_k[..., : self.offset, :], buf_v[..., : self.offset, :]
         return buf_k, buf_v
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
         if n == 1:
             return None
+        if self._exact(n):
+            if not return_array:
+                return "causal"
+            rows = mx.arange(n)[:, None] + self.offset
+            return mx.arange(self.offset + n)[None, :] <= rows
         capacity = self._capacity_for(n)
         rows = mx.arange(n)[:, None] + self.offset
         cols = mx.arange(capacity)[None, :]

@@ -16,11 +16,11 @@ from mlxd.engine.backend import Backend
 from mlxd.engine.context import row_context
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
-from mlxd.engine.kvcache import make_cache, set_bucket
+from mlxd.engine.kvcache import make_cache, plain_kv, set_bucket
 from mlxd.engine.kvquant import KvLayout, kv_layout
 from mlxd.engine.memory import computes_in_float32
 from mlxd.engine.options import SamplingOptions, parse_options
-from mlxd.engine.prefill import feed, warm_shapes
+from mlxd.engine.prefill import CHUNK, feed, warm_shapes
 from mlxd.engine.prompt import FimFormat, detect_fim
 from mlxd.engine.sampling import Rng
 from mlxd.engine.speculation import Costs, FixedDraftLength, SpecHistory
@@ -151,18 +151,48 @@ def _plain_seconds(target: nn.Module, context: int, tokens: int = 24) -> float:
     return (stamps[-1] - stamps[3]) / (len(stamps) - 4)
 
 
+def _recompute_rate(target: nn.Module, tokens: int = 512) -> float:
+    """Bytes of K/V per second a cold prefill of `tokens` produces (the second of two runs):
+    what restoring a prefix from a cache tier must beat to pay."""
+    seconds, held = 0.0, 0
+    for _ in range(2):
+        cache = make_cache(target)
+        t0 = time.perf_counter()
+        feed(target, cache, [0] * tokens)
+        mx.eval([c.state for c in cache])
+        seconds = time.perf_counter() - t0
+        held = sum(
+            c.keys[..., :tokens, :].nbytes + c.values[..., :tokens, :].nbytes
+            for c in cache
+            if plain_kv(c) and c.keys is not None and c.values is not None
+        )
+    return held / seconds if seconds > 0 else 0.0
+
+
 def measure_costs(target: nn.Module, draft: nn.Module | None, context: int = 64) -> Costs:
     verify = _forward_seconds(target, VERIFY_WIDTHS, context)
     draft_step = _forward_seconds(draft, (1,), context)[1] if draft is not None else 0.0
-    return Costs(verify=verify, draft_step=draft_step, plain_step=_plain_seconds(target, context))
+    return Costs(
+        verify=verify,
+        draft_step=draft_step,
+        plain_step=_plain_seconds(target, context),
+        recompute_rate=_recompute_rate(target),
+    )
 
 
-def warm_up(target: nn.Module, draft: nn.Module | None, costs: Costs, max_k: int = 8) -> None:
-    """Run every round shape once (each k, greedy and sampled, each draft source), so kernels
-    are compiled at probe-open rather than inside a user's first requests."""
+def warm_up(
+    target: nn.Module,
+    draft: nn.Module | None,
+    costs: Costs,
+    max_k: int = 8,
+    context: int = CHUNK,
+) -> None:
+    """Run every round shape once (each k, greedy and sampled, each draft source), and every
+    prompt chunk shape up to `context` tokens, so kernels are compiled at probe-open rather
+    than inside a user's first requests."""
     for model in (target, draft):
         if model is not None:
-            warm_shapes(model)
+            warm_shapes(model, context)
     prompt = [0, 1, 2, 3] * 4
     for temperature in (0.0, 0.7):
         opts = parse_options({"temperature": temperature, "seed": 0})
@@ -211,7 +241,8 @@ def load_pairing(entry: ModelEntry, backend: Backend, costs: Costs | None = None
         kv = kv_layout(target)
         if costs is None:
             costs = measure_costs(target, draft)
-            warm_up(target, draft, costs)
+            context = row_context(entry, config, parse_options({}))
+            warm_up(target, draft, costs, context=context)
     except Exception as exc:
         raise ModelUnavailable(f"a forward pass failed: {exc}") from exc
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}

@@ -139,17 +139,26 @@ def feed_rows(
             c.offset = len(prompt)
 
 
-def warm_shapes(model: nn.Module) -> None:
-    """Compile every shaped chunk width in the first bucket (bucketed caches: shapes compile)."""
+def warm_shapes(model: nn.Module, context: int = CHUNK) -> None:
+    """Compile every shaped chunk a prompt of up to `context` tokens read from the start can
+    take (bucketed caches: shapes compile): each width at each `EXACT_ALIGN`-aligned offset,
+    where chunks begin (wide ones attend over the exact keys there, so each offset is a shape
+    of its own)."""
     if not bucketed(model):
         return
     cache = kvcache.make_cache(model)
     if not paddable(cache):  # one feed of 2*CHUNK-1 tokens runs every power-of-two piece
         mx.eval(feed(model, cache, [0] * (2 * CHUNK - 1)))
         return
-    width = CHUNK
-    while width:
-        mx.eval(feed(model, cache, [0] * width))
-        for c in cache:
-            c.trim(width)
-        width >>= 1
+    offset = 0
+    while True:
+        width = CHUNK
+        while width:
+            mx.eval(feed(model, cache, [0] * width))
+            for c in cache:
+                c.trim(width)
+            width >>= 1
+        offset += kvcache.EXACT_ALIGN
+        if offset + 1 >= context:
+            return
+        mx.eval(feed(model, cache, [0] * kvcache.EXACT_ALIGN))

@@ -20,19 +20,22 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import queue
 import sqlite3
 import struct
 import threading
-import zlib
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from crc32c import crc32c
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from mlxd.engine.kvcache import new_kv_cache
@@ -41,8 +44,8 @@ from mlxd.engine.threads import start_mlx_thread
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-MAGIC = b"MLXDKV\x00\x01"
+FORMAT_VERSION = 2  # 2: CRC32C (was zlib's CRC32)
+MAGIC = b"MLXDKV\x00\x02"
 DEFAULT_BLOCK = 64
 
 
@@ -179,43 +182,68 @@ def encode(key: str, block: Block) -> bytes:
             raw = np.array(a.view(mx.uint16) if dtype == "bfloat16" else a)
             metas[-1].append([dtype, list(a.shape)])
             payload.append(raw.tobytes())
-    body = b"".join(payload)
     header = json.dumps(
         {"v": FORMAT_VERSION, "key": key, "kinds": block.kinds, "arrays": metas}
     ).encode()
-    crc = zlib.crc32(header + body)
-    return MAGIC + struct.pack("<IQI", len(header), len(body), crc) + header + body
+    crc = crc32c(header)
+    for part in payload:
+        crc = crc32c(part, crc)
+    blen = sum(len(part) for part in payload)
+    return b"".join([MAGIC, struct.pack("<IQI", len(header), blen, crc), header, *payload])
 
 
-def decode(key: str, data: bytes) -> Block | None:
-    """The block, or None for anything truncated, corrupted, foreign or of another version."""
+Parsed = tuple[list[str], list[list[tuple[str, np.ndarray]]]]  # kinds; per layer (dtype, array)
+
+
+def parse(key: str, data: bytes) -> Parsed | None:
+    """Check and parse an entry without MLX (reader threads run this): numpy views of its
+    arrays, or None for anything truncated, corrupted, foreign or of another version."""
     try:
         if not data.startswith(MAGIC):
             return None
         hlen, blen, crc = struct.unpack_from("<IQI", data, len(MAGIC))
         start = len(MAGIC) + struct.calcsize("<IQI")
-        header, body = data[start : start + hlen], data[start + hlen :]
-        if len(body) != blen or zlib.crc32(header + body) != crc:
+        view = memoryview(data)  # slices of a view copy nothing: a block is megabytes
+        header, body = bytes(view[start : start + hlen]), view[start + hlen :]
+        if len(body) != blen or crc32c(body, crc32c(header)) != crc:
             return None
         meta = json.loads(header)
         if not isinstance(meta, dict) or meta.get("v") != FORMAT_VERSION or meta.get("key") != key:
             return None
-        arrays: list[list[mx.array]] = []
+        layers: list[list[tuple[str, np.ndarray]]] = []
         pos = 0
         for layer in meta["arrays"]:
-            arrays.append([])
+            layers.append([])
             for dtype, shape in layer:
-                mx_dtype, np_dtype = _DTYPES[dtype]
+                np_dtype = _DTYPES[dtype][1]
                 count = int(np.prod(shape))
                 raw = np.frombuffer(body, dtype=np_dtype, count=count, offset=pos).reshape(shape)
                 pos += raw.nbytes
-                arr = mx.array(raw)
-                arrays[-1].append(
-                    arr.view(mx.bfloat16) if dtype == "bfloat16" else arr.astype(mx_dtype)
-                )
-        return Block(list(meta["kinds"]), arrays)
+                layers[-1].append((dtype, raw))
+        return list(meta["kinds"]), layers
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, struct.error):
         return None
+
+
+def to_block(parsed: Parsed) -> Block:
+    """MLX arrays of a parsed entry (on the calling thread: MLX work stays on the caller's)."""
+    kinds, layers = parsed
+    arrays: list[list[mx.array]] = []
+    for layer in layers:
+        arrays.append([])
+        for dtype, raw in layer:
+            arr = mx.array(raw)
+            mx_dtype = _DTYPES[dtype][0]
+            arrays[-1].append(
+                arr.view(mx.bfloat16) if dtype == "bfloat16" else arr.astype(mx_dtype)
+            )
+    return Block(kinds, arrays)
+
+
+def decode(key: str, data: bytes) -> Block | None:
+    """The block, or None for anything truncated, corrupted, foreign or of another version."""
+    parsed = parse(key, data)
+    return None if parsed is None else to_block(parsed)
 
 
 # -- tiers -------------------------------------------------------------------------------------
@@ -257,6 +285,46 @@ class RamTier:
             self.nbytes -= block.nbytes
 
 
+READERS = min(8, os.cpu_count() or 1)  # parallel block reads: files and checksums run GIL-free
+PROBE_BYTES = 32 << 20
+
+
+def probe_read_rate(directory: Path, readers: ThreadPoolExecutor) -> float:
+    """Bytes per second this directory gives back, read and checksummed as blocks are: files
+    written, dropped from the page cache where the OS allows, read back in parallel. 0 when
+    it cannot be measured (every SSD hit is then used, as without a measure)."""
+    part = PROBE_BYTES // READERS
+    paths = [directory / f"read-probe-{os.getpid()}-{i}.tmp" for i in range(READERS)]
+
+    def read(path: Path) -> int:
+        data = path.read_bytes()
+        crc32c(data)
+        return len(data)
+
+    for stale in directory.glob("read-probe-*.tmp"):  # left by a process that was killed
+        with contextlib.suppress(OSError):
+            stale.unlink()
+    try:
+        payload = os.urandom(part)
+        for path in paths:
+            with open(path, "wb") as f:
+                f.write(payload)
+                f.flush()
+                os.fsync(f.fileno())
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        total = sum(readers.map(read, paths))
+        return total / max(time.perf_counter() - t0, 1e-6)
+    except OSError as exc:
+        log.warning("prefix cache: could not measure the SSD's read rate: %s", exc)
+        return 0.0
+    finally:
+        for path in paths:
+            with contextlib.suppress(OSError):
+                path.unlink()
+
+
 class SsdTier:
     """diskcache on a directory, LRU and size-bounded, written behind by one thread.
 
@@ -278,6 +346,8 @@ class SsdTier:
         self._lock = threading.Lock()
         self._thread = start_mlx_thread(self._write_loop, "kvcache-writer")
         self.dropped = 0
+        self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvcache-reader")
+        self.read_rate = probe_read_rate(Path(self.cache.directory), self._readers)
 
     def put_async(self, key: str, block: Block) -> None:
         with self._lock:
@@ -304,7 +374,8 @@ class SsdTier:
                     self._pending_bytes -= block.nbytes
                 self._queue.task_done()
 
-    def get(self, key: str) -> Block | None:
+    def _read(self, key: str) -> Parsed | None:
+        """One entry, read and checked (on a reader thread); a bad one is deleted."""
         try:
             data = self.cache.get(key)
         except BadEntry as exc:
@@ -315,11 +386,36 @@ class SsdTier:
             return None
         if data is None:
             return None
-        block = decode(key, data) if isinstance(data, bytes) else None
-        if block is None:
+        parsed = parse(key, data) if isinstance(data, bytes) else None
+        if parsed is None:
             with contextlib.suppress(Exception):
                 self.cache.delete(key)
-        return block
+        return parsed
+
+    def get(self, key: str) -> Block | None:
+        found = self.get_run([key])
+        return found[0] if found else None
+
+    def get_run(self, keys: Sequence[str]) -> list[Block]:
+        """The leading entries of `keys` that are stored, read in parallel (files, checksums)
+        and measured: their rate feeds `read_rate`."""
+        if not keys:
+            return []
+        t0 = time.perf_counter()
+        futures = [self._readers.submit(self._read, key) for key in keys]
+        found: list[Block] = []
+        for future in futures:
+            parsed = future.result()
+            if parsed is None:
+                break
+            found.append(to_block(parsed))
+        for future in futures[len(found) :]:
+            future.cancel()  # past the first miss: not needed (a running read just ends)
+        nbytes = sum(b.nbytes for b in found)
+        if nbytes >= 1 << 20:  # small reads measure per-file overhead, not the disk
+            seen = nbytes / max(time.perf_counter() - t0, 1e-6)
+            self.read_rate = 0.7 * self.read_rate + 0.3 * seen if self.read_rate else seen
+        return found
 
     def flush(self) -> None:
         """Wait until queued writes are on disk (tests, shutdown)."""
@@ -329,6 +425,7 @@ class SsdTier:
         self.flush()
         self._queue.put(None)
         self._thread.join(10)
+        self._readers.shutdown(wait=True, cancel_futures=True)
         self._store.close()
 
     @property
@@ -355,6 +452,7 @@ class CacheStats:
     ssd_hit_bytes: int = 0  # read back from SSD
     restored_bytes: int = 0
     inserted_blocks: int = 0
+    ssd_skipped_lookups: int = 0  # lookups that recomputed rather than read the slower SSD
 
 
 class PrefixCache:
@@ -384,30 +482,60 @@ class PrefixCache:
         self._tails: dict[str, OrderedDict[tuple[int, ...], str]] = {}
         self._tail_of: dict[str, tuple[str, tuple[int, ...]]] = {}
 
-    def lookup(self, ns: Namespace, tokens: Sequence[int]) -> list[Block]:
+    def lookup(
+        self, ns: Namespace, tokens: Sequence[int], recompute_rate: float = 0.0
+    ) -> list[Block]:
         """The longest run of cached blocks that prefixes `tokens`, ending with the longest
         cached partial block that continues it."""
-        return [block for _, block in self.lookup_keyed(ns, tokens)]
+        return [block for _, block in self.lookup_keyed(ns, tokens, recompute_rate)]
 
-    def lookup_keyed(self, ns: Namespace, tokens: Sequence[int]) -> list[tuple[str, Block]]:
-        """`lookup`, with each block's key (for its attachments)."""
+    def ssd_pays(self, recompute_rate: float) -> bool:
+        """Whether reading K/V back from the SSD beats recomputing it: `recompute_rate` is the
+        bytes of K/V per second the model's prefill produces on this device (0: unknown),
+        against the rate this disk has been measured to give back. On a fast GPU prefill
+        can outrun the disk; on a Mac it rarely does."""
+        if self.ssd is None:
+            return False
+        rate = self.ssd.read_rate
+        return recompute_rate <= 0 or rate <= 0 or rate > recompute_rate
+
+    def lookup_keyed(
+        self, ns: Namespace, tokens: Sequence[int], recompute_rate: float = 0.0
+    ) -> list[tuple[str, Block]]:
+        """`lookup`, with each block's key (for its attachments). SSD blocks are used only
+        where reading them beats recomputing them (`ssd_pays`); runs of them are read in
+        parallel."""
         found: list[tuple[str, Block]] = []
         keys = block_keys(tokens, ns, self.block)
         with self._lock:
             self.stats.lookups += 1
             self.stats.lookup_tokens += len(tokens)
-            for key in keys:
-                block = self.ram.get(key)
+            use_ssd = self.ssd_pays(recompute_rate)
+            if self.ssd is not None and not use_ssd:
+                self.stats.ssd_skipped_lookups += 1
+            i = 0
+            while i < len(keys):
+                block = self.ram.get(keys[i])
                 if block is not None:
                     self.stats.ram_hit_blocks += 1
                     self.stats.ram_hit_bytes += block.nbytes
-                elif self.ssd is not None and (block := self.ssd.get(key)) is not None:
+                    found.append((keys[i], block))
+                    i += 1
+                    continue
+                if not use_ssd or self.ssd is None:
+                    break
+                end = next(
+                    (j for j in range(i, len(keys)) if keys[j] in self.ram.entries), len(keys)
+                )
+                run = self.ssd.get_run(keys[i:end])
+                for key, block in zip(keys[i:end], run, strict=False):
                     self.stats.ssd_hit_blocks += 1
                     self.stats.ssd_hit_bytes += block.nbytes
                     self._spill(self.ram.put(key, block))
-                else:
+                    found.append((key, block))
+                if len(run) < end - i:
                     break
-                found.append((key, block))
+                i = end
             parent = keys[len(found) - 1] if found else ns.seed.hex()
             tail = self._longest_tail(parent, tokens[len(found) * self.block :])
             if tail is not None:
@@ -417,16 +545,19 @@ class PrefixCache:
             self.stats.restored_bytes += sum(b.nbytes for _, b in found)
         return found
 
-    def attachments(self, keys: Sequence[str], draft: str) -> list[Block]:
+    def attachments(
+        self, keys: Sequence[str], draft: str, recompute_rate: float = 0.0
+    ) -> list[Block]:
         """The draft's state for the leading blocks `keys` that have it (stops at the first
         block without). Its bytes count as restored, per tier, as the blocks' do."""
         found: list[Block] = []
         with self._lock:
+            use_ssd = self.ssd_pays(recompute_rate)
             for key in map(attachment_key, keys, [draft] * len(keys)):
                 block = self.ram.get(key)
                 if block is not None:
                     self.stats.ram_hit_bytes += block.nbytes
-                elif self.ssd is not None and not key.startswith("t"):
+                elif self.ssd is not None and use_ssd and not key.startswith("t"):
                     block = self.ssd.get(key)
                     if block is not None:
                         self.stats.ssd_hit_bytes += block.nbytes
@@ -567,6 +698,8 @@ class PrefixCache:
             "ssd": "on" if self.ssd is not None else f"off: {self.ssd_off}",
             "ssd_bytes": self.ssd.nbytes if self.ssd is not None else 0,
             "ssd_dropped_writes": self.ssd.dropped if self.ssd is not None else 0,
+            "ssd_read_rate": round(self.ssd.read_rate) if self.ssd is not None else 0,
+            "ssd_skipped_lookups": self.stats.ssd_skipped_lookups,
             **self._reclaimed(),
             "lookups": s.lookups,
             "lookup_tokens": s.lookup_tokens,

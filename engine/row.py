@@ -30,6 +30,7 @@ class Row:
     gen: Generation
     ns: Namespace  # the target's prefix-cache namespace
     batched: bool = False  # its K/V sit in the scheduler's batch cache
+    unoffered: bool = False  # its prompt is read but not yet offered to the prefix cache
 
     @property
     def request(self) -> GenerationRequest:

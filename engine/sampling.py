@@ -15,9 +15,10 @@ p, their Gumbel argmaxes agree (bench/coupling.py compares the rate with min(1, 
 
 from __future__ import annotations
 
+import functools
 import random
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 
@@ -47,10 +48,14 @@ class Rng:
         """The PRNG key of the token at `position` of the sequence (prompt included)."""
         return mx.random.key(_mix(self.seed ^ _mix(position)))
 
-    def noise(self, position: int, count: int, vocab: int) -> mx.array:
-        """Gumbel noise (count, vocab) for positions position .. position + count - 1."""
-        rows = [mx.random.gumbel(shape=(vocab,), key=self.key(position + i)) for i in range(count)]
-        return mx.stack(rows)
+    def keys(self, position: int, count: int) -> mx.array:
+        """The keys of positions position .. position + count - 1, stacked (count, 2)."""
+        return mx.stack([self.key(position + i) for i in range(count)])
+
+
+def gumbel_rows(keys: mx.array, vocab: int) -> mx.array:
+    """One row of Gumbel noise over the vocabulary per key."""
+    return mx.stack([mx.random.gumbel(shape=(vocab,), key=k) for k in keys])
 
 
 def to_ints(a: mx.array) -> list[int]:
@@ -90,23 +95,35 @@ def penalize(
     return mx.stack(rows)
 
 
-def probabilities(logits: mx.array, opts: SamplingOptions) -> mx.array:
+Shaping = tuple[float, int, float, float]  # temperature, top_k, top_p, min_p
+
+
+def shaping(opts: SamplingOptions) -> Shaping:
+    return (opts.temperature, opts.top_k, opts.top_p, opts.min_p)
+
+
+def shaped(logits: mx.array, how: Shaping) -> mx.array:
     """The sampling distribution for each row: top-k, temperature, top-p, min-p, renormalized."""
+    temperature, top_k, top_p, min_p = how
     logits = logits.astype(mx.float32)
     vocab = logits.shape[-1]
-    if 0 < opts.top_k < vocab:
-        kth = mx.min(mx.topk(logits, opts.top_k, axis=-1), axis=-1, keepdims=True)
+    if 0 < top_k < vocab:
+        kth = mx.min(mx.topk(logits, top_k, axis=-1), axis=-1, keepdims=True)
         logits = mx.where(logits >= kth, logits, -mx.inf)
-    probs = mx.softmax(logits / opts.temperature, axis=-1)
-    if opts.top_p < 1.0:
+    probs = mx.softmax(logits / temperature, axis=-1)
+    if top_p < 1.0:
         desc = mx.sort(probs, axis=-1)[..., ::-1]
         before = mx.cumsum(desc, axis=-1) - desc
-        cutoff = mx.min(mx.where(before < opts.top_p, desc, mx.inf), axis=-1, keepdims=True)
+        cutoff = mx.min(mx.where(before < top_p, desc, mx.inf), axis=-1, keepdims=True)
         probs = mx.where(probs >= cutoff, probs, 0.0)
-    if opts.min_p > 0.0:
-        floor = opts.min_p * mx.max(probs, axis=-1, keepdims=True)
+    if min_p > 0.0:
+        floor = min_p * mx.max(probs, axis=-1, keepdims=True)
         probs = mx.where(probs >= floor, probs, 0.0)
     return probs / mx.sum(probs, axis=-1, keepdims=True)
+
+
+def probabilities(logits: mx.array, opts: SamplingOptions) -> mx.array:
+    return shaped(logits, shaping(opts))
 
 
 def sample(probs: mx.array, noise: mx.array) -> mx.array:
@@ -114,13 +131,26 @@ def sample(probs: mx.array, noise: mx.array) -> mx.array:
     return mx.argmax(mx.log(probs) + noise, axis=-1).astype(mx.uint32)
 
 
+@functools.lru_cache(maxsize=64)
+def sampler(how: Shaping, compiled: bool) -> Callable[[mx.array, mx.array], mx.array]:
+    """The position-keyed noise, `shaped` and `sample` as one function per shaping, compiled
+    on a GPU: a sampled step is a couple dozen small operations, and launching them one by
+    one costs more than computing them (mlx-lm compiles its samplers too). On the CPU each
+    new shape would cost a C++ compile for nothing. Same arithmetic, same tokens."""
+
+    def run(logits: mx.array, keys: mx.array) -> mx.array:
+        return sample(shaped(logits, how), gumbel_rows(keys, int(logits.shape[-1])))
+
+    return mx.compile(run) if compiled else run
+
+
 def choose(logits: mx.array, opts: SamplingOptions, rng: Rng, position: int) -> mx.array:
     """The token for each row of already penalized `logits` (L, V), row i sitting at
     `position` + i: the argmax when greedy, else the position-keyed sample. Lazy."""
     if opts.greedy:
         return mx.argmax(logits, axis=-1).astype(mx.uint32)
-    probs = probabilities(logits, opts)
-    return sample(probs, rng.noise(position, int(logits.shape[0]), int(logits.shape[-1])))
+    on_gpu = mx.default_device().type == mx.DeviceType.gpu
+    return sampler(shaping(opts), on_gpu)(logits, rng.keys(position, int(logits.shape[0])))
 
 
 def next_tokens(

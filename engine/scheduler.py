@@ -21,13 +21,13 @@ from typing import Any
 import mlx.core as mx
 
 from mlxd.engine.batch import RowBatch, warm_rounds
-from mlxd.engine.cache_use import namespace_for, offer, offer_final, restore
+from mlxd.engine.cache_use import namespace_for, offer_final, offer_prompt, restore
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Failed
 from mlxd.engine.generation import Generation
 from mlxd.engine.kvcache import make_cache
-from mlxd.engine.options import SamplingOptions
-from mlxd.engine.pairing import Pairing
+from mlxd.engine.options import SamplingOptions, parse_options
+from mlxd.engine.pairing import Pairing, warm_up
 from mlxd.engine.prefill import batchable, bucketed, feed, feed_rows, row_shape
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.row import Job, Row
@@ -113,14 +113,19 @@ class Scheduler:
         self.stopping = False  # the stop marker arrived: finish the work in hand, then return
 
     def warm(self) -> None:
-        """Run the batch's shapes once at load: prompts read together, then for every row
-        count up to `num_parallel` each round width up to the default draft length, and a
-        round whose rows keep different lengths (the roll). On CUDA each first use compiles;
-        in the first burst of concurrent requests that is a stall of seconds, here it is part
-        of the load."""
-        if not bucketed(self.pairing.target):
+        """Run every shape once at load, on this (the serving) thread: MLX's CUDA build keeps
+        what it compiled per thread, so a probe's warm-up on another thread leaves this one
+        cold (a first request paid 1.5-3.9x a later one). The solo round shapes and every
+        prompt chunk within the row context (`warm_up`), prompts read together, then for
+        every row count up to `num_parallel` each round width up to the default draft length,
+        and a round whose rows keep different lengths (the roll). Where nothing compiles
+        (the CPU) there is nothing to warm."""
+        pairing = self.pairing
+        if not bucketed(pairing.target):
             return
         with mx.stream(self.stream):
+            context = pairing.row_context(parse_options({}))
+            warm_up(pairing.target, pairing.draft, pairing.costs, context=context)
             self._warm_row_groups()
             for rows in range(2, self.num_parallel + 1):
                 warm_rounds(self.pairing.target, rows, self.pairing.default_draft_tokens + 1)
@@ -220,13 +225,26 @@ class Scheduler:
             for row in list(joining):  # after every feed is queued: offering syncs
                 try:
                     row.gen.prefill()  # the draft reads the prompt; nothing left for the target
-                    if self.prefix is not None:
-                        offer(self.prefix, row.ns, row.gen, self.pairing.draft_revision)
+                    row.unoffered = self.prefix is not None
                 except Exception as exc:
                     joining.remove(row)
                     self._fail(row, exc)
         if joining:
             self._insert(joining)
+
+    def _offer_prompt(self, row: Row) -> None:
+        """Offer a row's prompt to the prefix cache, once. A lone row offers it after its
+        first token went out (offering syncs and copies: on an H200, 60 ms at 2k tokens and
+        156 ms at 7k that the first token would otherwise wait); a row joining the batch
+        offers it before it joins, while its K/V are still its own. A row cancelled first
+        offers it when it ends: an editor that cancels sends the same prefix again."""
+        if not row.unoffered or self.prefix is None:
+            return
+        row.unoffered = False
+        if row.batched:
+            return  # its K/V sit in the batch cache: it offers everything at its end
+        prompt_len = len(row.request.prompt_tokens)
+        offer_prompt(self.prefix, row.ns, row.gen, prompt_len, self.pairing.draft_revision)
 
     def _insert(self, joining: list[Joining]) -> None:
         """Rows start decoding; those joining in one step enter the batch together."""
@@ -316,7 +334,9 @@ class Scheduler:
             try:
                 if row.batched:
                     self._unbatch(row)
-                self._push(row, row.gen.step())
+                if not self._push(row, row.gen.step()) and row.unoffered:
+                    self.flush()  # the first token goes out before the prompt's offer
+                    self._offer_prompt(row)
             except Exception as exc:
                 self._fail(row, exc)
             return
@@ -325,6 +345,7 @@ class Scheduler:
             try:
                 if self._push(row, row.gen.settle()):
                     continue
+                self._offer_prompt(row)
             except Exception as exc:
                 self._fail(row, exc)
                 continue
@@ -337,6 +358,7 @@ class Scheduler:
             self._batch_round()
         for row in [r for r in self.rows if not r.batched]:
             try:
+                self._offer_prompt(row)
                 self._push(row, row.gen.step())
             except Exception as exc:
                 self._fail(row, exc)
@@ -375,7 +397,9 @@ class Scheduler:
         try:
             self._unbatch(row)
             row.finish(reason)
-            if self.prefix is not None and row.stream.reason != "cancel":
+            if self.prefix is not None and row.stream.reason == "cancel":
+                self._offer_prompt(row)
+            elif self.prefix is not None:
                 self.flush()  # the response goes out before the cache work (a draft may catch up)
                 prompt_len = len(row.request.prompt_tokens)
                 draft = self.pairing.draft_revision

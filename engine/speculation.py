@@ -27,6 +27,7 @@ class Costs:
     verify: dict[int, float]  # width L -> seconds of one L-token target forward
     draft_step: float = 0.0  # seconds of one single-token draft forward (0: no draft model)
     plain_step: float = 0.0  # seconds per token of plain (pipelined) decoding; 0: use v(1)
+    recompute_rate: float = 0.0  # bytes of K/V per second a cold prefill produces; 0: unknown
 
     @property
     def plain(self) -> float:

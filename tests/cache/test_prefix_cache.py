@@ -472,10 +472,10 @@ def test_wrong_key_is_a_miss() -> None:
 def test_other_version_is_a_miss(monkeypatch: pytest.MonkeyPatch) -> None:
     block = make_block(6)
     monkeypatch.setattr(pc, "FORMAT_VERSION", pc.FORMAT_VERSION + 1)
-    newer = encode(KEY, block)  # a valid checksum over a header that says version 2
+    newer = encode(KEY, block)  # a valid checksum over a header that says a later version
     monkeypatch.undo()
     assert decode(KEY, newer) is None
-    other_magic = b"MLXDKV\x00\x02" + encode(KEY, block)[len(pc.MAGIC) :]
+    other_magic = b"MLXDKV\x00\x01" + encode(KEY, block)[len(pc.MAGIC) :]
     assert decode(KEY, other_magic) is None
 
 
@@ -491,9 +491,10 @@ def test_garbage_is_a_miss() -> None:
 def _envelope(header: bytes, body: bytes = b"") -> bytes:
     """A well-formed entry (right magic, lengths and checksum) around any header."""
     import struct
-    import zlib
 
-    crc = zlib.crc32(header + body)
+    from crc32c import crc32c
+
+    crc = crc32c(header + body)
     return pc.MAGIC + struct.pack("<IQI", len(header), len(body), crc) + header + body
 
 
@@ -945,3 +946,63 @@ def test_a_long_prompt_is_cached_while_speculation_is_paused(
     warm = generate(shared.base_url, "pair", prompt, draft_method=method)
     assert warm["prompt_cache_tokens"] == all_but_last(cold["prompt_eval_count"])
     assert warm["response"] == cold["response"]
+
+
+def _spilled(
+    tmp_path: Path, ns: Namespace, n_blocks: int
+) -> tuple[PrefixCache, list[int], list[Block]]:
+    """A cache whose RAM holds one block: the rest of `n_blocks` went to the SSD."""
+    tokens = chain(n_blocks, seed=7)
+    blocks = [make_block(700 + i) for i in range(n_blocks)]
+    cache = PrefixCache(blocks[0].nbytes, tmp_path / "ssd", 64 * MiB)
+    for key, block in zip(block_keys(tokens, ns, BLOCK), blocks, strict=True):
+        cache.insert(key, block)
+    assert cache.ssd is not None
+    cache.ssd.flush()
+    return cache, tokens, blocks
+
+
+def test_ssd_runs_are_read_in_parallel_in_order_up_to_the_first_miss(tmp_path: Path) -> None:
+    ns = Namespace(model="runs")
+    cache, tokens, blocks = _spilled(tmp_path, ns, 8)
+    try:
+        assert cache.ssd is not None
+        keys = block_keys(tokens, ns, BLOCK)
+        cache.ssd.cache.delete(keys[5])
+        run = cache.ssd.get_run(keys[:5] + keys[5:])
+        assert len(run) == 5
+        for got, want in zip(run, blocks, strict=False):
+            assert_same_block(got, want)
+        assert cache.ssd.get_run([]) == []
+    finally:
+        cache.close()
+
+
+def test_the_ssd_is_used_only_where_it_beats_recomputing(tmp_path: Path) -> None:
+    """A disk slower than the model's prefill is skipped (the prompt is recomputed); a faster
+    one, or an unknown prefill rate, is read."""
+    ns = Namespace(model="costed")
+    cache, tokens, _ = _spilled(tmp_path, ns, 6)
+    try:
+        assert cache.ssd is not None
+        cache.ssd.read_rate = 1e6  # bytes/s
+        slow_disk = cache.lookup(ns, tokens, recompute_rate=1e9)
+        assert sum(b.tokens for b in slow_disk) < len(tokens)
+        assert cache.stats.ssd_hit_blocks == 0
+        assert cache.snapshot()["ssd_skipped_lookups"] == 1
+        fast_disk = cache.lookup(ns, tokens, recompute_rate=1e3)
+        assert sum(b.tokens for b in fast_disk) == len(tokens)
+        assert cache.stats.ssd_hit_blocks > 0
+    finally:
+        cache.close()
+
+
+def test_the_disk_read_rate_is_measured_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    from mlxd.engine.prefix_cache import probe_read_rate
+
+    (tmp_path / "read-probe-1-0.tmp").write_bytes(b"left by a killed process")
+    with ThreadPoolExecutor(2) as readers:
+        assert probe_read_rate(tmp_path, readers) > 0
+    assert list(tmp_path.iterdir()) == []

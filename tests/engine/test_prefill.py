@@ -7,6 +7,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache
 
+from mlxd.engine import kvcache
 from mlxd.engine.kvcache import BucketedKVCache, make_cache
 from mlxd.engine.prefill import (
     batchable,
@@ -70,6 +71,40 @@ def test_padded_feed_matches_plain_feed(loaded: Loaded, n: int) -> None:
     assert mx.allclose(padded[0].keys[..., :n, :], plain[0].keys[..., :n, :], atol=1e-4).item()
     step = [feed(loaded.target, c, tokens[n:]) for c in (padded, plain)]
     assert mx.allclose(step[0], step[1], atol=1e-4).item()
+
+
+@pytest.mark.usefixtures("gpu_layout")
+@pytest.mark.parametrize("n", [300, 2048 + 200])
+def test_exact_key_chunks_match_masked_ones(
+    loaded: Loaded, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Wide chunks at aligned offsets attend over exact keys (causal); the rest over the
+    padded buffer with a mask: both read the same prompt into the same cache."""
+    mx.random.seed(n)
+    tokens = to_ints(mx.random.randint(3, 200, (n + 1,)))
+    results = []
+    for exact_min in (kvcache.EXACT_MIN, 0):
+        monkeypatch.setattr(kvcache, "EXACT_MIN", exact_min)
+        cache = make_cache(loaded.target)
+        last = feed(loaded.target, cache, tokens[:n])
+        step = feed(loaded.target, cache, tokens[n:])
+        results.append((last, step, cache[0].keys[..., : n + 1, :]))
+    (a_last, a_step, a_keys), (b_last, b_step, b_keys) = results
+    assert mx.allclose(a_last, b_last, atol=1e-4).item()
+    assert mx.allclose(a_step, b_step, atol=1e-4).item()
+    assert mx.allclose(a_keys, b_keys, atol=1e-4).item()
+
+
+def test_only_wide_chunks_at_aligned_offsets_take_exact_keys() -> None:
+    cache = BucketedKVCache()
+    assert cache.make_mask(kvcache.EXACT_MIN) == "causal"
+    assert not isinstance(cache.make_mask(kvcache.EXACT_MIN - 1), str)
+    cache.offset = 5
+    assert not isinstance(cache.make_mask(kvcache.EXACT_MIN), str)
+    cache.offset = kvcache.EXACT_ALIGN
+    assert cache.make_mask(kvcache.EXACT_MIN) == "causal"
+    mask = cache.make_mask(kvcache.EXACT_MIN, return_array=True)
+    assert mask.shape == (kvcache.EXACT_MIN, kvcache.EXACT_ALIGN + kvcache.EXACT_MIN)
 
 
 def test_feed_refuses_nothing(loaded: Loaded) -> None:

@@ -1,0 +1,116 @@
+"""When a prompt reaches the prefix cache: a lone row offers it after its first token went
+out; a row cancelled before that still offers it; rows joining a batch offer it before."""
+
+from __future__ import annotations
+
+import queue
+from typing import Any
+
+from mlxd.engine.backend import Backend
+from mlxd.engine.events import Done, Event, GenerationRequest, TextChunk
+from mlxd.engine.options import parse_options
+from mlxd.engine.pairing import load_pairing
+from mlxd.engine.prefix_cache import PrefixCache
+from mlxd.engine.scheduler import Job, Scheduler
+from mlxd.engine.speculation import Costs
+from mlxd.registry.schema import ModelEntry
+from tests.fixtures.tiny_models import TinyPair
+
+COSTS = Costs(verify={w: 1.0 for w in range(1, 10)}, draft_step=0.1)
+PROMPT = [5 + i % 90 for i in range(200)]
+
+
+class _LoggedCache(PrefixCache):
+    """A real prefix cache that also notes, in the scheduler's event log, when it stores."""
+
+    def __init__(self, log: list[str]) -> None:
+        super().__init__(64 << 20, block=16)
+        self.log = log
+
+    def insert(self, key: str, block: Any) -> None:
+        self.log.append("insert")
+        super().insert(key, block)
+
+
+def _run(
+    pairing: Any, cache: PrefixCache, log: list[str], requests: list[GenerationRequest]
+) -> list[Event]:
+    events: list[Event] = []
+    jobs: queue.Queue[Job | None] = queue.Queue()
+
+    def emit(event: Event) -> None:
+        events.append(event)
+        log.append("token" if isinstance(event, TextChunk) else type(event).__name__)
+
+    for request in requests:
+        jobs.put(Job(request, emit, lambda: None))
+    jobs.put(None)
+    Scheduler(pairing, jobs, cache, num_parallel=4).run()
+    return events
+
+
+def _cached(events: list[Event]) -> list[int]:
+    return [e.cached_tokens for e in events if isinstance(e, Done)]
+
+
+def test_a_lone_prompt_is_offered_after_its_first_token(
+    tiny_pair: TinyPair, backend: Backend
+) -> None:
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
+    log: list[str] = []
+    cache = _LoggedCache(log)
+    opts = parse_options({"temperature": 0, "num_predict": 8, "draft_method": "off"})
+    _run(pairing, cache, log, [GenerationRequest(PROMPT, opts)])
+    assert "insert" in log
+    assert log.index("token") < log.index("insert")
+    again = _run(pairing, cache, [], [GenerationRequest(PROMPT, opts)])
+    assert _cached(again) == [len(PROMPT) - 1]
+
+
+def test_a_lone_row_cancelled_before_its_first_token_still_offers_its_prompt(
+    tiny_pair: TinyPair, backend: Backend
+) -> None:
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
+    log: list[str] = []
+    cache = _LoggedCache(log)
+    opts = parse_options({"temperature": 0, "num_predict": 8})
+    request = GenerationRequest(PROMPT, opts)
+    # cancelled once its prompt is read, before it decodes: the row ends at its next step
+    cancelled = _CancelAfterPrefill(pairing, cache, request)
+    cancelled.run()
+    assert cancelled.events == []  # nothing is sent to a client that went away
+    assert "insert" in log
+    opts_off = parse_options({"temperature": 0, "num_predict": 4, "draft_method": "off"})
+    again = _run(pairing, cache, [], [GenerationRequest(PROMPT, opts_off)])
+    assert _cached(again) == [len(PROMPT) - 1]
+
+
+class _CancelAfterPrefill(Scheduler):
+    def __init__(self, pairing: Any, cache: PrefixCache, request: GenerationRequest) -> None:
+        self.events: list[Event] = []
+        jobs: queue.Queue[Job | None] = queue.Queue()
+        jobs.put(Job(request, self.events.append, lambda: None))
+        jobs.put(None)
+        super().__init__(pairing, jobs, cache, num_parallel=4)
+        self.request = request
+
+    def _prefill_step(self) -> None:
+        super()._prefill_step()
+        self.request.cancel.set()
+
+
+def test_rows_joining_a_batch_offer_their_prompts_before_they_decode(
+    tiny_pair: TinyPair, backend: Backend
+) -> None:
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
+    log: list[str] = []
+    cache = _LoggedCache(log)
+    opts = parse_options({"temperature": 0, "num_predict": 6})
+    short = PROMPT[:100]  # read together as rows of one forward: they join together
+    prompts = [short, [7, *short[1:]]]
+    _run(pairing, cache, log, [GenerationRequest(p, opts) for p in prompts])
+    # both prompts' blocks are stored before the first token streams
+    first = log.index("token")
+    assert log[:first].count("insert") >= 2 * (len(short) - 1) // 16
+    again = _run(pairing, cache, [], [GenerationRequest(p, opts) for p in prompts])
+    assert _cached(again) == [len(short) - 1] * 2

@@ -1,0 +1,53 @@
+"""The sampler (compiled on a GPU) draws exactly the tokens the reference arithmetic draws."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import pytest
+
+from mlxd.engine.options import parse_options
+from mlxd.engine.sampling import Rng, choose, gumbel_rows, sample, sampler, shaped, shaping
+
+SHAPINGS = [
+    {"temperature": 0.7},
+    {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0},
+    {"temperature": 0.3, "top_k": 5, "top_p": 0.8},
+    {"temperature": 1.3, "top_k": 0, "top_p": 0.95, "min_p": 0.05},
+]
+
+
+@pytest.mark.parametrize("options", SHAPINGS)
+@pytest.mark.parametrize("rows", [1, 4])
+def test_compiled_sampling_matches_the_reference(options: dict[str, float], rows: int) -> None:
+    opts = parse_options(options)
+    rng = Rng(1234)
+    mx.random.seed(rows)
+    for position in range(0, 200, 7):
+        logits = mx.random.normal((rows, 97)) * 3
+        keys = rng.keys(position, rows)
+        want = sample(shaped(logits, shaping(opts)), gumbel_rows(keys, 97))
+        got = choose(logits, opts, rng, position)
+        assert got.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_the_compiled_sampler_matches_the_reference(rows: int) -> None:
+    """What a GPU runs, compiled here (on the CPU each shape is a C++ compile: one shaping)."""
+    how = shaping(parse_options({"temperature": 0.8, "top_k": 7, "top_p": 0.9, "min_p": 0.02}))
+    rng = Rng(99)
+    compiled = sampler(how, True)
+    for position in range(0, 60, 6):
+        logits = mx.random.normal((rows, 97), key=mx.random.key(position)) * 3
+        keys = rng.keys(position, rows)
+        want = sample(shaped(logits, how), gumbel_rows(keys, 97))
+        assert compiled(logits, keys).tolist() == want.tolist()
+
+
+def test_a_position_draws_the_same_token_alone_or_inside_a_wider_round() -> None:
+    """Row i of a verify round samples position p + i exactly as a one-row step at p + i."""
+    opts = parse_options({"temperature": 0.9, "seed": 3})
+    rng = Rng(3)
+    logits = mx.random.normal((5, 64), key=mx.random.key(0)) * 2
+    wide = choose(logits, opts, rng, 40).tolist()
+    alone = [choose(logits[i : i + 1], opts, rng, 40 + i).tolist()[0] for i in range(5)]
+    assert wide == alone
