@@ -160,6 +160,10 @@ def _parse_one(key: str, value: Any) -> Any:
     raise AssertionError(f"option {key} has no parser")  # every field has one (tested)
 
 
+# Fields the API sets from the request's own fields, never from `options`.
+NOT_OPTIONS = frozenset({"top_logprobs"})
+
+
 def parse_options(*layers: Mapping[str, Any] | None) -> SamplingOptions:
     """Merge option layers (registry defaults first, request last) into one value.
 
@@ -173,7 +177,7 @@ def parse_options(*layers: Mapping[str, Any] | None) -> SamplingOptions:
         if not isinstance(layer, Mapping):
             raise OptionsError("options must be an object")
         merged.update(layer)
-    known = {f.name for f in fields(SamplingOptions)}
+    known = {f.name for f in fields(SamplingOptions)} - NOT_OPTIONS
     values: dict[str, Any] = {}
     for key, value in merged.items():
         if key not in known:
