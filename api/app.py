@@ -10,7 +10,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from mlxd.api import embeddings, lifecycle, metrics, models, ollama, openai
+from mlxd.api import catalog, embeddings, lifecycle, metrics, models, ollama, openai, unserved
 from mlxd.api.codec import json_response
 from mlxd.api.cors import CorsMiddleware, CorsPolicy
 from mlxd.api.errors import STATUS, ApiError, error_handler
@@ -57,6 +57,8 @@ def build_app(state: ServerState, bind_host: str = "127.0.0.1") -> Starlette:
         *openai.routes(),
         *embeddings.routes(),
         *metrics.routes(),
+        *catalog.routes(),
+        *unserved.routes(),
     ]
     app = Starlette(
         routes=routes,

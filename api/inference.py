@@ -3,7 +3,9 @@ rendering and tokenizing the prompt."""
 
 from __future__ import annotations
 
+import binascii
 import json
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,16 +17,14 @@ from mlxd.api.types import Message
 from mlxd.engine.manager import Loaded
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import ModelNotPulled, Pairing
-from mlxd.engine.prompt import encode, render_chat, with_system
+from mlxd.engine.prompt import PromptError, encode, render_chat, with_system
+from mlxd.engine.truncation import Budget, fit
 from mlxd.registry.schema import ModelEntry
 
 ROLES = ("system", "user", "assistant", "tool")
 THINK_LEVELS = ("low", "medium", "high", "max")
 
-# No tokenizer mlxd serves has tokens longer than this many characters, so a prompt longer than
-# context * this cannot fit and is refused before it is tokenized (which costs time and memory
-# in proportion to its length).
-MAX_CHARS_PER_TOKEN = 64
+log = logging.getLogger(__name__)
 
 
 def request_options(entry: ModelEntry, options: dict[str, Any] | None) -> SamplingOptions:
@@ -51,7 +51,21 @@ def check_format(fmt: Any) -> None:
     raise ApiError(400, "structured outputs (format) are not supported by mlxd yet")
 
 
-def native_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
+def check_images(images: Sequence[str] | None, model: str) -> None:
+    """Images are refused alike on every route: mlxd serves text-only models (none has
+    Ollama's `vision` capability). Data that is not base64 is refused first, as Ollama's
+    decoder does."""
+    if not images:
+        return
+    for image in images:
+        try:
+            binascii.a2b_base64(image.encode("ascii"), strict_mode=True)
+        except (binascii.Error, UnicodeEncodeError, ValueError) as exc:
+            raise ApiError(400, f"invalid image data: {exc}") from exc
+    raise ApiError(400, f"{model} does not support images (it has no vision capability)")
+
+
+def native_messages(messages: Sequence[Message], model: str = "this model") -> list[dict[str, Any]]:
     """Chat messages as the chat template reads them; roles checked and lower-cased."""
     out = []
     for i, msg in enumerate(messages):
@@ -60,8 +74,7 @@ def native_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:
             raise ApiError(
                 400, f"invalid message at index {i}: role must be one of {', '.join(ROLES)}"
             )
-        if msg.images:
-            raise ApiError(400, "images are not supported by this model")
+        check_images(msg.images, model)
         clean: dict[str, Any] = {"role": role, "content": msg.content or ""}
         for key in ("tool_calls", "tool_name", "tool_call_id", "thinking"):
             value = getattr(msg, key)
@@ -84,32 +97,53 @@ async def acquire(
         raise ApiError(404, f'model "{entry.name}" not found, try pulling it first') from exc
 
 
-def check_length(pairing: Pairing, opts: SamplingOptions, before: int, text: str) -> None:
-    """Refuse, without tokenizing, a prompt too long to fit its row's context whatever its
-    tokens."""
-    limit = pairing.row_context(opts)
-    if before >= limit or len(text) > (limit - before) * MAX_CHARS_PER_TOKEN:
-        raise ApiError(
-            400,
-            f"the input length ({before} tokens and {len(text)} characters) exceeds the"
-            f" context length ({limit} tokens)",
-        )
+def _head_chars(text: str, head: str) -> int:
+    """Characters of `text` that come before the request's own content: the longest start it
+    shares with the rendering that leaves that content out."""
+    n = 0
+    for a, b in zip(text, head, strict=False):
+        if a != b:
+            break
+        n += 1
+    return n
 
 
 def tokenize(
-    pairing: Pairing, opts: SamplingOptions, before: list[int], text: str, templated: bool
+    pairing: Pairing,
+    opts: SamplingOptions,
+    before: list[int],
+    text: str,
+    templated: bool,
+    head: Callable[[], str] = lambda: "",
+    model: str = "",
 ) -> list[int]:
-    tokens = before + encode(pairing.tokenizer, text, templated)
-    if not tokens:
-        raise ApiError(400, "prompt is empty after rendering")
-    context = pairing.row_context(opts)
-    if len(tokens) >= context:
-        raise ApiError(
-            400,
-            f"the input length ({len(tokens)} tokens) exceeds the context length "
-            f"({context} tokens)",
-        )
+    """The prompt's tokens; one too long for its row keeps its head and its most recent
+    tokens (`engine.truncation`), with a warning in the log, as Ollama's runner does."""
+    budget = Budget.of(pairing.row_context(opts), opts.num_predict)
+    if len(text) <= budget.window:
+        tokens = before + encode(pairing.tokenizer, text, templated)
+        if not tokens:
+            raise ApiError(400, "prompt is empty after rendering")
+        if len(tokens) <= budget.prompt:
+            return tokens
+    start = head()  # rendered only when the prompt must be cut
+    cut = _head_chars(text, start) if start else 0
+    kept_head = before + encode(pairing.tokenizer, text[:cut], templated)
+    body = encode(pairing.tokenizer, text[cut:][-budget.window :], True)
+    tokens = fit(kept_head, body, budget.prompt)
+    log.warning(
+        "truncating input prompt of %s: limit=%d prompt=%d characters (+%d context tokens)"
+        " keep=%d new=%d",
+        model or pairing.entry.name, budget.context, len(text), len(before),
+        min(len(kept_head), max(budget.prompt // 2, budget.prompt - len(body))), len(tokens),
+    )  # fmt: skip
     return tokens
+
+
+def chat_head(entry: ModelEntry, messages: list[dict[str, Any]]) -> Callable[[Pairing], str]:
+    """A chat's head: its system messages alone (what truncation keeps first)."""
+    system = [m for m in with_system(messages, entry.system) if m["role"] == "system"]
+    return lambda pairing: render_chat(pairing.tokenizer, system) if system else ""
 
 
 def chat_renderer(
@@ -125,6 +159,16 @@ def chat_renderer(
     return render
 
 
+def _render_head(head: Callable[[Pairing], str] | None, pairing: Pairing) -> str:
+    """The head's rendering; a template that cannot render it keeps no head."""
+    if head is None:
+        return ""
+    try:
+        return head(pairing)
+    except (ApiError, PromptError):
+        return ""
+
+
 async def prepare(
     state: ServerState,
     entry: ModelEntry,
@@ -134,17 +178,21 @@ async def prepare(
     before: list[int] | None = None,
     templated: bool = True,
     what: str = "generate",
+    head: Callable[[Pairing], str] | None = None,
 ) -> tuple[Loaded, float, list[int]]:
-    """Acquire the model, render and tokenize the prompt, which must leave room in its row's
-    context; the slot is released if that fails. `what` ("generate", "chat") names the task
-    an embedding model refuses."""
+    """Acquire the model, render and tokenize the prompt (cut to leave room in its row's
+    context; `head` renders what of it is kept first: the request without its content); the
+    slot is released if that fails. `what` ("generate", "chat") names the task an embedding
+    model refuses."""
     slot, load_seconds = await acquire(state, entry, keep_alive)
     try:
         pairing = state.manager.pairing(slot, what)  # an embedding model: 400
         text = render(pairing)
         pairing.check_options(opts)
-        check_length(pairing, opts, len(before or ()), text)
-        tokens = await run_in_threadpool(tokenize, pairing, opts, before or [], text, templated)
+        tokens = await run_in_threadpool(
+            tokenize, pairing, opts, before or [], text, templated,
+            lambda: _render_head(head, pairing), entry.name,
+        )  # fmt: skip
     except BaseException:
         state.manager.release(slot)
         raise

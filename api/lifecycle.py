@@ -55,13 +55,17 @@ def _local(entry: ModelEntry) -> LocalModel | None:
 # -- /api/ps ---------------------------------------------------------------------------------
 
 
-def ps_entry(status: ModelStatus, local: LocalModel | None, now: datetime) -> RunningModel:
+def ps_entry(
+    status: ModelStatus, local: LocalModel | None, now: datetime, on_gpu: bool = True
+) -> RunningModel:
+    """`size_vram` is what the accelerator holds: all of it on a GPU (MLX's memory is
+    unified), none on a CPU-only host (`ollama ps` then prints 100% CPU)."""
     size = status.need.total
     return RunningModel(
         name=status.entry.name,
         model=status.entry.name,
         size=size,
-        size_vram=size,
+        size_vram=size if on_gpu else 0,
         digest=local.digest if local is not None else "",
         details=local.details.ollama_details() if local is not None else {},
         expires_at=expires_at(status, now),
@@ -70,10 +74,12 @@ def ps_entry(status: ModelStatus, local: LocalModel | None, now: datetime) -> Ru
 
 
 async def ps(request: Request) -> Response:
-    statuses = _by_expiry(state_of(request).manager.status())
+    manager = state_of(request).manager
+    statuses = _by_expiry(manager.status())
     locals_ = await run_in_threadpool(lambda: [_local(s.entry) for s in statuses])
     now = datetime.now(timezone.utc)
-    models = [ps_entry(s, local, now) for s, local in zip(statuses, locals_, strict=True)]
+    on_gpu = manager.backend.device == "gpu"
+    models = [ps_entry(s, local, now, on_gpu) for s, local in zip(statuses, locals_, strict=True)]
     return json_response(PsResponse(models))
 
 

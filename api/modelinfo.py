@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.api.errors import ApiError
+from mlxd.api.tokenizerinfo import tokenizer_info
 from mlxd.api.types import DraftInfo, ModelSummary, ShowResponse
 from mlxd.engine.embedding.spec import spec_from_dir
 from mlxd.engine.prompt import detect_fim
@@ -151,7 +152,7 @@ def parameters_text(options: dict[str, Any]) -> str:
     return "\n".join(rows)
 
 
-def show_json(m: LocalModel, unavailable: str | None = None) -> ShowResponse:
+def show_json(m: LocalModel, unavailable: str | None = None, verbose: bool = False) -> ShowResponse:
     entry = m.entry
     template = chat_template(m)
     params = parameters_text(dict(entry.options))
@@ -174,7 +175,7 @@ def show_json(m: LocalModel, unavailable: str | None = None) -> ShowResponse:
         parameters=params,
         template=template,
         details=m.details.ollama_details(),
-        model_info=m.details.model_info(),
+        model_info={**m.details.model_info(), **tokenizer_info(m.target_dir, verbose)},
         capabilities=capabilities(m),
         modified_at=rfc3339(m.modified_at),
         system=entry.system or None,

@@ -17,13 +17,16 @@ from mlxd.api.durations import parse_keep_alive
 from mlxd.api.errors import ApiError
 from mlxd.api.inference import (
     acquire,
+    chat_head,
     chat_renderer,
     check_format,
+    check_images,
     check_think,
     native_messages,
     prepare,
     request_options,
 )
+from mlxd.api.logprobs import asked, ollama_json, with_logprobs
 from mlxd.api.modelinfo import find_local, show_json, tag_json
 from mlxd.api.pump import collect, pump
 from mlxd.api.state import ServerState, lookup, state_of
@@ -39,6 +42,7 @@ from mlxd.api.types import (
     VersionResponse,
 )
 from mlxd.engine.events import Done, GenerationRequest
+from mlxd.engine.logprobs import Logprob
 from mlxd.engine.pairing import Pairing
 from mlxd.engine.prompt import render_generate
 from mlxd.registry.schema import ModelEntry
@@ -70,6 +74,9 @@ async def tags(request: Request) -> Response:
     errors = state.registry_errors()
     warning = "serving the last good registry: " + "; ".join(errors) if errors else None
     summaries = [tag_json(m, _unavailable(state, m.entry)) for m in found]
+    for summary, m in zip(summaries, found, strict=True):
+        if state.manager.probe_pending(m.entry):
+            summary.status = "probing"
     return json_response(TagsResponse(summaries, warning))
 
 
@@ -89,7 +96,10 @@ async def show(request: Request) -> Response:
     local = await run_in_threadpool(find_local, entry)
     if local is None:
         raise ApiError(404, f"model '{entry.name}' not found")
-    return json_response(show_json(local.usable(), _unavailable(state, entry)))
+    shown = await run_in_threadpool(
+        show_json, local.usable(), _unavailable(state, entry), bool(body.verbose)
+    )
+    return json_response(shown)
 
 
 # -- the final object -----------------------------------------------------------------------
@@ -126,11 +136,11 @@ def final_fields(done: Done) -> dict[str, Any]:
 class NdjsonWriter:
     """A /api stream: `chunk` makes a partial object, `final` the last one."""
 
-    chunk: Callable[[str], Any]
+    chunk: Callable[[str, list[dict[str, Any]] | None], Any]  # (text, its logprobs)
     final: Callable[[Done], Any]
 
-    def text(self, text: str) -> bytes:
-        return ndjson_line(self.chunk(text))
+    def text(self, text: str, logprobs: tuple[Logprob, ...] = ()) -> bytes:
+        return ndjson_line(self.chunk(text, ollama_json(logprobs)))
 
     def done(self, done: Done) -> Iterable[bytes]:
         return (ndjson_line(self.final(done)),)
@@ -168,7 +178,10 @@ async def generate(request: Request) -> Response:
         raise ApiError(400, "raw mode does not support template, system, or context")
     check_format(body.format)
     check_think(body.think, entry)
-    opts = request_options(entry, body.options)
+    check_images(body.images, entry.name)
+    opts = with_logprobs(
+        request_options(entry, body.options), asked(body.logprobs, body.top_logprobs)
+    )
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
 
     if not prompt and not suffix:
@@ -189,19 +202,28 @@ async def generate(request: Request) -> Response:
             pairing.tokenizer, prompt, system, body.template, suffix, pairing.fim
         )
 
+    def head(pairing: Pairing) -> str:  # what truncation keeps first: all but the prompt
+        system = body.system or entry.system
+        return render_generate(pairing.tokenizer, "", system, body.template, None, None)
+
     slot, load_seconds, prompt_tokens = await prepare(
-        state, entry, keep, render, opts, list(context or []), templated=not raw
-    )
+        state, entry, keep, render, opts, list(context or []), templated=not raw,
+        head=None if raw or suffix else head,
+    )  # fmt: skip
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
 
-    def final(done: Done, text: str = "") -> GenerateResponse:
+    def final(done: Done, text: str = "", logprobs: Any = None) -> GenerateResponse:
         tokens = None if raw else prompt_tokens + done.output_tokens
-        return GenerateResponse(name, now(), text, True, context=tokens, **final_fields(done))
+        return GenerateResponse(
+            name, now(), text, True, logprobs=logprobs, context=tokens, **final_fields(done)
+        )
 
     if body.stream is False:
         answer = await collect(state.manager, slot, gen)
-        return json_response(final(answer.done, answer.text))
-    writer = NdjsonWriter(lambda text: GenerateResponse(name, now(), text, False), final)
+        return json_response(final(answer.done, answer.text, ollama_json(answer.logprobs)))
+    writer = NdjsonWriter(
+        lambda text, lp: GenerateResponse(name, now(), text, False, logprobs=lp), final
+    )
     return StreamingResponse(pump(state.manager, slot, gen, writer), media_type=NDJSON)
 
 
@@ -222,10 +244,12 @@ async def chat(request: Request) -> Response:
     if not name:
         raise ApiError(400, "model is required")
     entry = lookup(state, name)
-    messages = native_messages(body.messages or [])
+    messages = native_messages(body.messages or [], entry.name)
     check_format(body.format)
     check_think(body.think, entry)
-    opts = request_options(entry, body.options)
+    opts = with_logprobs(
+        request_options(entry, body.options), asked(body.logprobs, body.top_logprobs)
+    )
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
 
     def answer(content: str, done: bool, **extra: Any) -> ChatResponse:
@@ -237,12 +261,19 @@ async def chat(request: Request) -> Response:
         )
 
     render = chat_renderer(entry, messages, body.tools)
-    slot, load_seconds, prompt_tokens = await prepare(state, entry, keep, render, opts, what="chat")
+    head = chat_head(entry, messages)
+    slot, load_seconds, prompt_tokens = await prepare(
+        state, entry, keep, render, opts, what="chat", head=head
+    )
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
     if body.stream is False:
         whole = await collect(state.manager, slot, gen)
-        return json_response(answer(whole.text, True, **final_fields(whole.done)))
+        logprobs = ollama_json(whole.logprobs)
+        return json_response(
+            answer(whole.text, True, logprobs=logprobs, **final_fields(whole.done))
+        )
     writer = NdjsonWriter(
-        lambda text: answer(text, False), lambda done: answer("", True, **final_fields(done))
+        lambda text, lp: answer(text, False, logprobs=lp),
+        lambda done: answer("", True, **final_fields(done)),
     )
     return StreamingResponse(pump(state.manager, slot, gen, writer), media_type=NDJSON)

@@ -25,12 +25,14 @@ from starlette.routing import Route
 from mlxd.api.codec import json_response, read_request, sse_event
 from mlxd.api.errors import ApiError, message_of, status_of
 from mlxd.api.inference import (
+    chat_head,
     chat_renderer,
     check_format,
     native_messages,
     prepare,
     request_options,
 )
+from mlxd.api.logprobs import asked, openai_chat_json, openai_completion_json, with_logprobs
 from mlxd.api.modelinfo import LocalModel, find_local
 from mlxd.api.pump import collect, pump
 from mlxd.api.state import ServerState, lookup, state_of
@@ -53,6 +55,7 @@ from mlxd.api.types import (
     Usage,
 )
 from mlxd.engine.events import Done, GenerationRequest
+from mlxd.engine.logprobs import Logprob
 from mlxd.engine.manager import Loaded
 from mlxd.engine.pairing import Pairing
 from mlxd.engine.prompt import render_generate
@@ -218,7 +221,7 @@ def _content_parts(content: list[Any]) -> list[tuple[str, list[str] | None]]:
     return parts
 
 
-def _native_messages(raw: list[OpenAIMessage]) -> list[dict[str, Any]]:
+def _native_messages(raw: list[OpenAIMessage], model: str) -> list[dict[str, Any]]:
     """OpenAI messages as native ones (then checked as the native route checks them)."""
     out: list[Message] = []
     for msg in raw:
@@ -240,7 +243,7 @@ def _native_messages(raw: list[OpenAIMessage]) -> list[dict[str, Any]]:
                     thinking=thinking if last else None,
                 )
             )
-    return native_messages(out)
+    return native_messages(out, model)
 
 
 # -- responses ------------------------------------------------------------------------------
@@ -280,7 +283,7 @@ class _SseWriter:
     def __init__(
         self,
         env: _Envelope,
-        content: Callable[[str, bool], Completion],  # (text, first chunk?)
+        content: Callable[[str, bool, tuple[Logprob, ...]], Completion],  # (text, first?, lps)
         finish: Callable[[Done, bool], list[Completion]],  # (done, nothing sent yet?)
         usage: bool,
     ) -> None:
@@ -290,8 +293,8 @@ class _SseWriter:
         self.usage = usage
         self.first = True
 
-    def text(self, text: str) -> bytes:
-        piece = sse_event(self.content(text, self.first))
+    def text(self, text: str, logprobs: tuple[Logprob, ...] = ()) -> bytes:
+        piece = sse_event(self.content(text, self.first, logprobs))
         self.first = False
         return piece
 
@@ -332,29 +335,35 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError(400, "[] is too short - 'messages'")
     name = _model_name(body.model)
     entry = lookup(state, name)
-    messages = _native_messages(body.messages)
+    messages = _native_messages(body.messages, entry.name)
     _reasoning(body)
     _response_format(body)
-    opts = request_options(entry, _sampling(body))
+    top = asked(body.logprobs, body.top_logprobs)
+    opts = with_logprobs(request_options(entry, _sampling(body)), top)
 
     render = chat_renderer(entry, messages, body.tools)
-    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts, what="chat")
+    head = chat_head(entry, messages)
+    slot, load_seconds, tokens = await prepare(
+        state, entry, None, render, opts, what="chat", head=head
+    )
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
 
     if not body.stream:
         env = _envelope("chatcmpl", "chat.completion", name)
         answer = await collect(state.manager, slot, gen)
         message = ChoiceMessage("assistant", answer.text)
-        choice = ChatChoice(0, message, _finish_reason(answer.done))
+        logprobs = openai_chat_json(answer.logprobs) if top is not None else None
+        choice = ChatChoice(0, message, _finish_reason(answer.done), logprobs)
         return json_response(env.wrap([choice], _usage(answer.done)))
 
     env = _envelope("chatcmpl", "chat.completion.chunk", name)
 
-    def chunk(delta: Delta, finish: str | None = None) -> Completion:
-        return env.wrap([ChunkChoice(0, delta, finish)])
+    def chunk(delta: Delta, finish: str | None = None, lps: Any = None) -> Completion:
+        return env.wrap([ChunkChoice(0, delta, finish, lps)])
 
-    def content(text: str, first: bool) -> Completion:
-        return chunk(Delta("assistant", text) if first else Delta(content=text))
+    def content(text: str, first: bool, lps: tuple[Logprob, ...] = ()) -> Completion:
+        delta = Delta("assistant", text) if first else Delta(content=text)
+        return chunk(delta, None, openai_chat_json(lps) if lps else None)
 
     def finish(done: Done, nothing_sent: bool) -> list[Completion]:
         opening = [content("", True)] if nothing_sent else []
@@ -372,7 +381,8 @@ async def completions(request: Request) -> Response:
     entry = lookup(state, name)
     prompt, suffix = body.prompt or "", body.suffix or ""
     usage = _include_usage(body)
-    opts = request_options(entry, _sampling(body))
+    top = asked(True, body.logprobs) if body.logprobs is not None else None
+    opts = with_logprobs(request_options(entry, _sampling(body)), top)
 
     def render(pairing: Pairing) -> str:
         if suffix and pairing.fim is None:
@@ -381,23 +391,36 @@ async def completions(request: Request) -> Response:
             pairing.tokenizer, prompt, entry.system, None, suffix or None, pairing.fim
         )
 
-    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts)
+    def head(pairing: Pairing) -> str:
+        return render_generate(pairing.tokenizer, "", entry.system, None, None, None)
+
+    slot, load_seconds, tokens = await prepare(
+        state, entry, None, render, opts, head=None if suffix else head
+    )
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
     env = _envelope("cmpl", "text_completion", name)
 
     if not body.stream:
         answer = await collect(state.manager, slot, gen)
-        choice = TextChoice(answer.text, 0, _finish_reason(answer.done))
+        logprobs = openai_completion_json(answer.logprobs) if top is not None else None
+        choice = TextChoice(answer.text, 0, _finish_reason(answer.done), logprobs)
         return json_response(env.wrap([choice], _usage(answer.done)))
 
     each = ZERO_USAGE if usage else None
+    sent = [0]  # characters of this choice sent so far: the next text_offset
+
+    def piece(text: str, first: bool, lps: tuple[Logprob, ...] = ()) -> Completion:
+        logprobs = openai_completion_json(lps, sent[0]) if lps else None
+        sent[0] += len(text)
+        return env.wrap([TextChoice(text, 0, None, logprobs)], each)
+
     return _sse(
         state,
         slot,
         gen,
         _SseWriter(
             env,
-            content=lambda text, first: env.wrap([TextChoice(text, 0, None)], each),
+            content=piece,
             finish=lambda done, _: [env.wrap([TextChoice("", 0, _finish_reason(done))], each)],
             usage=usage,
         ),

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from mlxd.api.errors import GenerationFailed, message_of
 from mlxd.engine.events import Done, Failed, GenerationRequest, TextChunk
+from mlxd.engine.logprobs import Logprob
 from mlxd.engine.manager import Loaded, ModelManager
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ NO_RESULT = "generation ended without a result"
 class Writer(Protocol):
     """How one route writes a stream's pieces as bytes."""
 
-    def text(self, text: str) -> bytes: ...
+    def text(self, text: str, logprobs: tuple[Logprob, ...] = ()) -> bytes: ...
 
     def done(self, done: Done) -> Iterable[bytes]: ...
 
@@ -40,8 +41,8 @@ async def pump(
     try:
         async for event in manager.generate(slot, gen):
             if isinstance(event, TextChunk):
-                if event.text:
-                    yield writer.text(event.text)
+                if event.text or event.logprobs:
+                    yield writer.text(event.text, event.logprobs)
             elif isinstance(event, Done):
                 for piece in writer.done(event):
                     yield piece
@@ -65,19 +66,22 @@ class Answer:
 
     text: str
     done: Done
+    logprobs: tuple[Logprob, ...] = ()  # every token's, when the request asked for them
 
 
 async def collect(manager: ModelManager, slot: Loaded, gen: GenerationRequest) -> Answer:
     """Run the generation to its end; an engine failure is a GenerationFailed (500)."""
     parts: list[str] = []
+    logprobs: list[Logprob] = []
     try:
         async for event in manager.generate(slot, gen):
             if isinstance(event, TextChunk):
                 parts.append(event.text)
+                logprobs += event.logprobs
             elif isinstance(event, Failed):
                 raise GenerationFailed(event.message)
             elif isinstance(event, Done):
-                return Answer("".join(parts), event)
+                return Answer("".join(parts), event, tuple(logprobs))
     finally:
         manager.release(slot)
     raise GenerationFailed(NO_RESULT)

@@ -33,6 +33,8 @@ class GenerateRequest(msgspec.Struct):
     keep_alive: float | str | None = None  # seconds, or a Go duration string
     think: bool | str | None = None
     images: list[str] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class Message(msgspec.Struct):
@@ -54,6 +56,8 @@ class ChatRequest(msgspec.Struct):
     keep_alive: float | str | None = None
     think: bool | str | None = None
     tools: list[Any] | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class ModelRequest(msgspec.Struct):
@@ -82,6 +86,7 @@ class GenerateResponse(msgspec.Struct, omit_defaults=True):
     response: str
     done: bool
     done_reason: str | None = None
+    logprobs: list[dict[str, Any]] | None = None
     context: list[int] | None = None
     total_duration: int | None = None
     load_duration: int | None = None
@@ -114,6 +119,7 @@ class ChatResponse(msgspec.Struct, omit_defaults=True):
     message: ResponseMessage
     done: bool
     done_reason: str | None = None
+    logprobs: list[dict[str, Any]] | None = None
     total_duration: int | None = None
     load_duration: int | None = None
     prompt_eval_count: int | None = None
@@ -141,6 +147,7 @@ class ModelSummary(msgspec.Struct, omit_defaults=True):
     digest: str
     details: dict[str, Any]
     unavailable: str | None = None  # mlxd's: why a pairing that failed its probe is not served
+    status: str | None = None  # mlxd's: "probing" while it is opened and checked at startup
 
 
 class TagsResponse(msgspec.Struct, omit_defaults=True):
@@ -233,6 +240,8 @@ class ChatCompletionRequest(msgspec.Struct):
     tools: list[Any] | None = None
     reasoning_effort: str | None = None
     reasoning: Reasoning | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
 
 class CompletionRequest(msgspec.Struct):
@@ -248,6 +257,7 @@ class CompletionRequest(msgspec.Struct):
     top_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    logprobs: int | None = None  # the legacy API's count of alternatives per token
 
 
 # -- OpenAI: responses --------------------------------------------------------------------------
@@ -272,22 +282,25 @@ class Delta(msgspec.Struct, omit_defaults=True):
     content: str | None = None
 
 
-class ChatChoice(msgspec.Struct):
+class ChatChoice(msgspec.Struct, omit_defaults=True):
     index: int
     message: ChoiceMessage
     finish_reason: str | None
+    logprobs: dict[str, Any] | None = None  # {"content": [...]} when asked for
 
 
-class ChunkChoice(msgspec.Struct):
+class ChunkChoice(msgspec.Struct, omit_defaults=True):
     index: int
     delta: Delta
     finish_reason: str | None
+    logprobs: dict[str, Any] | None = None
 
 
-class TextChoice(msgspec.Struct):
+class TextChoice(msgspec.Struct, omit_defaults=True):
     text: str
     index: int
     finish_reason: str | None
+    logprobs: dict[str, Any] | None = None  # tokens, token_logprobs, top_logprobs, text_offset
 
 
 class Completion(msgspec.Struct, omit_defaults=True):

@@ -11,9 +11,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
 
-from mlxd.daemon import autostart
+from mlxd.daemon import autostart, repl
 from mlxd.daemon.client import Client, ClientError
 from mlxd.daemon.config import ConfigError, Settings, client_base_url
+from mlxd.daemon.pullhelp import explain
 from mlxd.registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, InvalidModelName, parse_name
 
 VERSION = "0.1.0"
@@ -174,16 +175,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
+    """Pulled models as `ollama list` shows them, then the registered ones not pulled yet."""
     client = _client()
     ensure_daemon(client)
     models = client.get("/api/tags")["models"]
+    statuses = _registry_statuses(client)
     rows = [["NAME", "ID", "SIZE", "MODIFIED", "STATUS"]]
+    listed = set()
     for m in models:
+        listed.add(m["name"])
         status = f"unavailable: {m['unavailable']}" if m.get("unavailable") else "ok"
+        status = statuses.get(m["name"], {}).get("status", status) if status == "ok" else status
         size, ago = human_size(m["size"]), human_ago(m["modified_at"])
         rows.append([m["name"], m["digest"][:12], size, ago, status])
+    if not args.pulled:
+        for name, entry in statuses.items():
+            if name not in listed and not entry.get("pulled"):
+                rows.append([name, "-", "-", "-", f"not pulled (mlxd pull {_short(name)})"])
     print(table(rows))
     return 0
+
+
+def _short(name: str) -> str:
+    return name.removesuffix(":latest")
+
+
+def _registry_statuses(client: Client) -> dict[str, dict[str, Any]]:
+    """Every registered pairing by name (mlxd's /api/mlxd/registry); {} from an older daemon."""
+    try:
+        return {m["name"]: m for m in client.get("/api/mlxd/registry")["models"]}
+    except (ClientError, ValueError, KeyError, TypeError):
+        return {}
 
 
 def _require_daemon(client: Client) -> None:
@@ -216,17 +238,29 @@ def cmd_ps(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    """As `ollama stop`: /api/show, then an empty generate with keep_alive 0."""
+    """As `ollama stop`: /api/show, then an empty generate with keep_alive 0; a model that is
+    not loaded is said to be so."""
     client = _client()
     _require_daemon(client)
     try:
         client.post("/api/show", {"model": args.model})
-        client.post("/api/generate", {"model": args.model, "keep_alive": 0, "stream": False})
     except ClientError as exc:
         if "not found" in str(exc):
             return _fail(f'couldn\'t find model "{args.model}" to stop')
         raise
+    if not _loaded(client, args.model):
+        print(f'model "{args.model}" is not loaded', file=sys.stderr)
+        return 0
+    client.post("/api/generate", {"model": args.model, "keep_alive": 0, "stream": False})
     return 0
+
+
+def _loaded(client: Client, model: str) -> bool:
+    try:
+        name = parse_name(model).display.lower()
+    except InvalidModelName:
+        name = model.lower()
+    return any(m.get("name", "").lower() == name for m in client.get("/api/ps")["models"])
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -245,6 +279,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.system:
         print(info.get("system", ""))
         return 0
+    show_info(info)
+    return 0
+
+
+def show_info(info: dict[str, Any]) -> None:
+    """`mlxd show`'s summary (and the chat's `/show info`)."""
     d = info.get("details", {})
     mi = info.get("model_info", {})
     arch = mi.get("general.architecture", d.get("family", ""))
@@ -267,7 +307,6 @@ def cmd_show(args: argparse.Namespace) -> int:
         print("\n  Parameters")
         for line in info["parameters"].splitlines():
             print(f"    {line}")
-    return 0
 
 
 def _stream_text(
@@ -302,8 +341,7 @@ def _read_multiline(first: str) -> str:
 
 
 def interactive(client: Client, args: argparse.Namespace, options: dict[str, Any]) -> int:
-    history: list[dict[str, str]] = []
-    verbose = args.verbose
+    session = repl.Session(args.model, options, verbose=args.verbose)
     while True:
         try:
             line = input(">>> ")
@@ -324,29 +362,15 @@ def interactive(client: Client, args: argparse.Namespace, options: dict[str, Any
         stripped = line.strip()
         if not stripped:
             continue
-        if stripped in ("/bye", "/exit"):
-            return 0
-        if stripped in ("/?", "/help"):
-            print(
-                'Commands: /bye (exit), /clear (forget the conversation), /set verbose, /set quiet; """ for multiline input'
-            )
-            continue
-        if stripped == "/clear":
-            history.clear()
-            print("Cleared session context")
-            continue
-        if stripped in ("/set verbose", "/set quiet"):
-            verbose = stripped == "/set verbose"
-            print("Set 'verbose' mode." if verbose else "Set 'quiet' mode.")
-            continue
         if stripped.startswith("/"):
-            print(f"Unknown command '{stripped.split()[0]}'. Type /? for help")
+            if not repl.command(client, session, stripped, show_info):
+                return 0
             continue
-        history.append({"role": "user", "content": line})
+        session.history.append({"role": "user", "content": line})
         body = {
-            "model": args.model,
-            "messages": history,
-            "options": options,
+            "model": session.model,
+            "messages": session.messages(),
+            "options": session.options,
             "stream": True,
             **run_fields(args),
         }
@@ -354,11 +378,11 @@ def interactive(client: Client, args: argparse.Namespace, options: dict[str, Any
             reply, final = _stream_text(client, "/api/chat", body, "message")
         except ClientError as exc:
             print(f"\nError: {exc}", file=sys.stderr)
-            history.pop()
+            session.history.pop()
             continue
         print("\n")
-        history.append({"role": "assistant", "content": reply})
-        if verbose and final:
+        session.history.append({"role": "assistant", "content": reply})
+        if session.verbose and final:
             print_stats(final)
 
 
@@ -385,7 +409,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         args.model = show_or_pull(client, args.model)
     except ClientError as exc:
-        return _fail(str(exc))
+        return _fail(explain(str(exc)) if exc.status != 404 else str(exc))
     options: dict[str, Any] = {}
     prompt = " ".join(args.prompt)
     if not sys.stdin.isatty():
@@ -537,7 +561,10 @@ def show_or_pull(client: Client, model: str) -> str:
 def cmd_pull(args: argparse.Namespace) -> int:
     client = _client()
     ensure_daemon(client)
-    pull_model(client, args.model, args.insecure)
+    try:
+        pull_model(client, args.model, args.insecure)
+    except ClientError as exc:
+        return _fail(explain(str(exc)))
     return 0
 
 
@@ -598,6 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("list", aliases=["ls"], help="list models")
+    p.add_argument(
+        "--pulled", action="store_true", help="only pulled models (leave out registered ones)"
+    )
     p.set_defaults(func=cmd_list)
 
     p = sub.add_parser("show", help="show a model's details")

@@ -29,7 +29,7 @@ def changed_entries(before: Registry, after: Registry) -> tuple[list[str], list[
 
 
 class Lifecycle:
-    """Probes every pairing before the server reports ready, then watches the registry files."""
+    """Probes every pairing in the background from startup, and watches the registry files."""
 
     def __init__(self, live: LiveRegistry, manager: ModelManager, watch: bool = True) -> None:
         self.live = live
@@ -41,8 +41,9 @@ class Lifecycle:
         self._tasks: set[asyncio.Task[None]] = set()
 
     async def startup(self) -> None:
+        """Ready at once: pairings are probed in the background (`probing` until done)."""
         self._loop = asyncio.get_running_loop()
-        await self.manager.probe_all(self.live().entries())
+        self.manager.start_probes(self.live().entries())
         if self.watch:
             self._watcher = self._loop.create_task(self._watch(self.live().paths))
 

@@ -20,6 +20,7 @@ from mlxd.daemon.lifecycle import Lifecycle
 from mlxd.engine.backend import Backend
 from mlxd.engine.manager import ModelManager
 from mlxd.engine.prefix_cache import PrefixCache
+from mlxd.engine.probestore import ProbeStore
 from mlxd.registry.home import mlxd_home
 from mlxd.registry.live import LiveRegistry
 from mlxd.registry.registry import Registry
@@ -67,6 +68,7 @@ def build_state(settings: Settings, backend: Backend) -> ServerState:
         num_parallel=settings.num_parallel,
         memory_budget=settings.memory_budget,
         stall_limit=settings.runner_stall_s,
+        probe_store=ProbeStore.default(),
     )
     life = Lifecycle(live, manager)
     return ServerState(

@@ -153,7 +153,8 @@ class RowBatch:
         ]
         self.keep([1 + v.accepted for v in verdicts], width)
         return [
-            Committed(g, g.absorb(d, v)) for g, d, v in zip(gens, drafts, verdicts, strict=True)
+            Committed(g, g.absorb(d, v, logits[i]))
+            for i, (g, d, v) in enumerate(zip(gens, drafts, verdicts, strict=True))
         ]
 
     def keep(self, kept: list[int], width: int) -> None:

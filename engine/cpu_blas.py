@@ -3,8 +3,8 @@
 MLX's Linux CPU wheel links the reference BLAS: a float32 matmul runs at about 4 GFLOP/s, and a
 batch of 8 rows costs 8 times one row. MLX's library looks `cblas_sgemm` (and LAPACK) up in the
 global symbol scope first, so a BLAS loaded there before `mlx.core` is imported serves all of
-MLX's float32 matmuls. mlxd loads Intel's MKL from its pip package (a dependency on Linux x86-64)
-this way; `MLXD_CPU_BLAS` picks another library (a path to one exporting `cblas_sgemm`, such as
+MLX's float32 matmuls. mlxd loads Intel's MKL from its pip package (the `mkl` extra on Linux
+x86-64: about 1 GB installed, so it is a choice, not a default dependency) this way; `MLXD_CPU_BLAS` picks another library (a path to one exporting `cblas_sgemm`, such as
 a distribution's libopenblas) or `off`.
 
 This module must not import MLX: the backend configuration calls `load_cpu_blas` before
@@ -74,7 +74,11 @@ def load_cpu_blas(
         )
     path = mkl_library() if choice == "auto" else Path(choice)
     if path is None:
-        return BlasChoice(None, "the mkl package is not installed")
+        return BlasChoice(
+            None,
+            "the mkl package is not installed (pip install 'mlxd[mkl]' for faster CPU matmuls,"
+            " or set MLXD_CPU_BLAS to a library exporting cblas_sgemm)",
+        )
     # MKL threads through OpenMP by default, which spins on cores the server's other threads
     # need; decoding's few-row matmuls run as fast on one thread. A value the user set wins.
     process_env.setdefault("MKL_THREADING_LAYER", "SEQUENTIAL")

@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mlxd.engine.logprobs import Logprob
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.speculation import SpecStats
 
@@ -31,6 +32,7 @@ class GenerationRequest:
 @dataclass(frozen=True)
 class TextChunk:
     text: str
+    logprobs: tuple[Logprob, ...] = ()  # the tokens this text came from (top_logprobs set)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from mlxd.engine.drafting import Draft, DraftSource
 from mlxd.engine.kvcache import make_cache, plain_kv
+from mlxd.engine.logprobs import TokenLogprob, position_logprobs
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.prefill import feed
 from mlxd.engine.sampling import Rng, next_tokens, to_int
@@ -69,6 +70,8 @@ class Generation:
         self._source_behind = False  # the source has not yet read the committed tokens
         self._inflight: mx.array | None = None  # the next token, queued; its input is cached
         self.finish: str | None = None  # "stop" after EOS, "length" at the limit
+        self.logprobs: list[TokenLogprob] = []  # committed, not yet taken (top_logprobs set)
+        self._step_logits: mx.array | None = None  # the last plain step's, when logprobs wanted
         if source is not None and not can_trim_prompt_cache(self.cache):
             self.spec.stop("the target cache cannot be trimmed", failed=False)
 
@@ -200,6 +203,8 @@ class Generation:
     def _forward_one(self, tok: mx.array, position: int) -> mx.array:
         """Feed `tok`; the token chosen after it, which sits at `position`."""
         logits = self.target(tok.reshape(1, 1), cache=self.cache)[0, -1:, :]
+        if self.opts.top_logprobs is not None:
+            self._step_logits = logits
         return next_tokens(logits, self.tokens, [], self.opts, self.rng, position)[0]
 
     def _plain_step(self, ahead: Any) -> list[int]:
@@ -211,10 +216,12 @@ class Generation:
         if y is None:
             y = self._forward_one(mx.array([self.tokens[-1]], dtype=mx.uint32), len(self.tokens))
             mx.async_eval(y)
-        if not self.opts.has_penalties and self.produced + 1 < self.limit and ahead():
+        plain = not self.opts.has_penalties and self.opts.top_logprobs is None
+        if plain and self.produced + 1 < self.limit and ahead():
             self._inflight = self._forward_one(y, len(self.tokens) + 1)
             mx.async_eval(self._inflight)
         new = self._commit([to_int(y)])
+        self._record(self._step_logits, new)
         if self.done:
             self._inflight = None  # queued past the end: never committed
         self.spec.committed_plainly(len(new))
@@ -238,7 +245,17 @@ class Generation:
         if rejected and trim_prompt_cache(self.cache, rejected) != rejected:
             self._rebuild_cache(len(self.tokens) - 1 + verdict.accepted)
             self.spec.stop("the target cache could not be trimmed")
-        return self.absorb(draft, verdict)
+        return self.absorb(draft, verdict, logits)
+
+    def _record(self, logits: mx.array | None, new: list[int]) -> None:
+        """Keep the committed tokens' log-probabilities when the request asked for them."""
+        k = self.opts.top_logprobs
+        if k is not None and logits is not None:
+            self.logprobs += position_logprobs(logits, new, k)
+
+    def take_logprobs(self) -> list[TokenLogprob]:
+        taken, self.logprobs = self.logprobs, []
+        return taken
 
     # -- what a batch calls --------------------------------------------------------------------
 
@@ -252,8 +269,9 @@ class Generation:
             self.spec.stop(f"draft source failed: {exc}")
             return Draft.empty()
 
-    def absorb(self, draft: Draft, verdict: Verdict) -> list[int]:
-        """Commit a verified round (the caller trimmed the target cache to match)."""
+    def absorb(self, draft: Draft, verdict: Verdict, logits: mx.array | None = None) -> list[int]:
+        """Commit a verified round (the caller trimmed the target cache to match); `logits`:
+        the verify forward's for this row, read when the request wants logprobs."""
         if draft.count and self.controller is not None:
             self.stats.observe(draft.count, verdict.accepted)
             self.controller.observe(draft.count, verdict.accepted)
@@ -263,6 +281,7 @@ class Generation:
                 draft.source, draft.count, verdict.accepted,
             )  # fmt: skip
         new = self._commit(verdict.tokens)
+        self._record(logits, new)
         if not draft.count:
             self.spec.committed_plainly(len(new))
         if self.source is not None and self.finish is None and draft.count:

@@ -38,8 +38,10 @@ from mlxd.engine.memory import (
     human_bytes,
     resolve_budget,
 )
+from mlxd.engine.options import OptionsError, parse_options
 from mlxd.engine.pairing import ModelUnavailable, Pairing, load_pairing, locate
 from mlxd.engine.prefix_cache import PrefixCache
+from mlxd.engine.probestore import ProbeStore
 from mlxd.engine.runner import PairingRunner
 from mlxd.engine.speculation import Costs
 from mlxd.engine.threads import run_in_mlx_thread
@@ -56,6 +58,7 @@ DEFAULT_MAX_QUEUE = 512
 DEFAULT_NUM_PARALLEL = 4
 JOIN_TIMEOUT = 60.0  # seconds to wait for a stopped runner's thread to let go of its memory
 DEFAULT_STALL_LIMIT = 120.0  # seconds a runner may hold requests without finishing a step
+PROBE_SHUTDOWN_WAIT = 120.0  # seconds shutdown waits for a probe in progress
 QUEUE_FULL = "server busy, please try again.  maximum pending requests exceeded"
 
 
@@ -85,6 +88,7 @@ class ProbeResult:
     reason: str | None = None
     costs: Costs | None = None
     seconds: float = 0.0
+    remembered: bool = False  # read back from an earlier run's probe of the same files
 
 
 def files_present(entry: ModelEntry) -> bool:
@@ -93,15 +97,30 @@ def files_present(entry: ModelEntry) -> bool:
     )
 
 
-def _probe_blocking(entry: ModelEntry, backend: Backend) -> ProbeResult:
+def _probe_blocking(entry: ModelEntry, backend: Backend, store: ProbeStore | None) -> ProbeResult:
+    """Open and check the pairing, unless a passed probe of the same files on the same backend
+    and MLX is on record (then nothing is loaded or measured)."""
     t0 = time.perf_counter()
     if embedding_spec(entry) is not None:
         return _probe_embedder(entry, backend)
+    try:
+        key = store.key(entry, backend) if store is not None else None
+    except Exception:  # unreadable files: the load below says why
+        key = None
+    known = store.load(key) if store is not None and key is not None else None
+    if known is not None:
+        return ProbeResult(True, None, known, time.perf_counter() - t0, remembered=True)
     try:
         pairing = load_pairing(entry, backend)
     except Exception as exc:
         return ProbeResult(False, str(exc) or type(exc).__name__, None, time.perf_counter() - t0)
     costs = pairing.costs
+    if store is not None and key is not None:
+        store.save(key, costs)
+    try:
+        pairing.check_options(parse_options(entry.options))
+    except OptionsError as exc:  # served, but every request using these options gets a 400
+        log.warning("registry entry %s: its options do not fit the model: %s", entry.name, exc)
     del pairing
     gc.collect()
     mx.clear_cache()
@@ -286,6 +305,7 @@ class ModelManager:
         num_parallel: int = DEFAULT_NUM_PARALLEL,
         memory_budget: int | None = None,
         stall_limit: float = DEFAULT_STALL_LIMIT,
+        probe_store: ProbeStore | None = None,
     ) -> None:
         """`stall_limit`: seconds a runner may hold requests without finishing a step before
         its requests fail and its pairing is reloaded (0: never)."""
@@ -299,6 +319,9 @@ class ModelManager:
         self._loaded: dict[str, Resident] = {}
         self._retiring: list[Resident] = []  # unloaded, but still holding memory
         self._probes: dict[ModelEntry, ProbeResult] = {}
+        self._pending: set[ModelEntry] = set()  # probes queued or running
+        self.probe_store = probe_store  # passed probes kept across restarts
+        self._closing = False  # shutting down: no further probe starts
         self._probe_lock = asyncio.Lock()
         self._load_lock = asyncio.Lock()  # one load decision at a time, as Ollama's scheduler
         self._waiters: list[asyncio.Future[None]] = []
@@ -318,22 +341,48 @@ class ModelManager:
         async with self._probe_lock:
             if entry in self._probes:
                 return self._probes[entry]
+            if self._closing:
+                return None
             result = await run_in_mlx_thread(
-                lambda: _probe_blocking(entry, self.backend), f"probe:{entry.name}"
+                lambda: _probe_blocking(entry, self.backend, self.probe_store),
+                f"probe:{entry.name}",
             )
             self._probes[entry] = result
-        if result.ok:
+        if result.remembered:
+            log.info("probe %s: ok (unchanged since it was last probed)", entry.name)
+        elif result.ok:
             log.info("probe %s: ok in %.2fs", entry.name, result.seconds)
         else:
             log.error("probe %s: unavailable: %s", entry.name, result.reason)
         return result
 
+    def start_probes(self, entries: list[ModelEntry]) -> None:
+        """Probe `entries` in the background, one after another; each is `probing` until its
+        probe ends, and a request for it waits for (and hurries) its probe."""
+        self._pending.update(entries)
+        task = asyncio.get_running_loop().create_task(self.probe_all(entries))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
     async def probe_all(self, entries: list[ModelEntry]) -> None:
-        for entry in entries:
-            await self.probe(entry)
+        self._pending.update(entries)
+        try:
+            for entry in entries:
+                if self._closing:
+                    return
+                try:
+                    await self.probe(entry)
+                finally:
+                    self._pending.discard(entry)
+        finally:
+            self._pending.difference_update(entries)
 
     def probe_result(self, entry: ModelEntry) -> ProbeResult | None:
         return self._probes.get(entry)
+
+    def probe_pending(self, entry: ModelEntry) -> bool:
+        """Whether `entry`'s probe is queued or running."""
+        return entry in self._pending
 
     # -- acquiring and releasing -------------------------------------------------------------
 
@@ -344,6 +393,8 @@ class ModelManager:
         pairing can never fit, ModelUnavailable when it fails to load.
         """
         t0 = time.perf_counter()
+        if entry in self._pending:  # probing: take its turn now rather than after the others
+            await self.probe(entry)
         probed = self._probes.get(entry)
         if probed is not None and not probed.ok:
             raise ModelUnavailable(f"model '{entry.name}' is unavailable: {probed.reason}")
@@ -647,6 +698,14 @@ class ModelManager:
         return [_status(m, now) for m in [*self._loaded.values(), *busy_leaving]]
 
     async def shutdown(self) -> None:
+        # A probe's thread runs MLX work that cannot be interrupted, and a process that exits
+        # while such a thread runs aborts: let the probe in progress end (no further one starts).
+        self._closing = True
+        try:
+            await asyncio.wait_for(self._probe_lock.acquire(), PROBE_SHUTDOWN_WAIT)
+            self._probe_lock.release()
+        except asyncio.TimeoutError:
+            log.warning("a probe still runs after %.0fs; exiting anyway", PROBE_SHUTDOWN_WAIT)
         if self._watchdog is not None:
             self._watchdog.cancel()
         for task in list(self._tasks):

@@ -56,6 +56,9 @@ class SamplingOptions:
     kv_bits: int | None = None  # quantize the KV cache (4 or 8), as OLLAMA_KV_CACHE_TYPE does
     kv_group_size: int = 64
     quantized_kv_start: int = 0
+    # not an Ollama option: the request's `logprobs`/`top_logprobs` (None: none; k: the k
+    # most likely tokens besides the chosen one's), set by the API after parsing
+    top_logprobs: int | None = None
 
     @property
     def greedy(self) -> bool:
@@ -157,6 +160,10 @@ def _parse_one(key: str, value: Any) -> Any:
     raise AssertionError(f"option {key} has no parser")  # every field has one (tested)
 
 
+# Fields the API sets from the request's own fields, never from `options`.
+NOT_OPTIONS = frozenset({"top_logprobs"})
+
+
 def parse_options(*layers: Mapping[str, Any] | None) -> SamplingOptions:
     """Merge option layers (registry defaults first, request last) into one value.
 
@@ -170,7 +177,7 @@ def parse_options(*layers: Mapping[str, Any] | None) -> SamplingOptions:
         if not isinstance(layer, Mapping):
             raise OptionsError("options must be an object")
         merged.update(layer)
-    known = {f.name for f in fields(SamplingOptions)}
+    known = {f.name for f in fields(SamplingOptions)} - NOT_OPTIONS
     values: dict[str, Any] = {}
     for key, value in merged.items():
         if key not in known:

@@ -17,8 +17,9 @@ from mlxd.engine.context import row_context
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.kvcache import make_cache, plain_kv, set_bucket
-from mlxd.engine.memory import computes_in_float32, head_dim
-from mlxd.engine.options import OptionsError, SamplingOptions, parse_options
+from mlxd.engine.kvquant import KvLayout, kv_layout
+from mlxd.engine.memory import computes_in_float32
+from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.prefill import CHUNK, feed, warm_shapes
 from mlxd.engine.prompt import FimFormat, detect_fim
 from mlxd.engine.sampling import Rng
@@ -55,6 +56,7 @@ class Pairing:
     revision: str = ""  # the target's files and compute dtype: part of every prefix-cache namespace
     draft_revision: str = ""
     history: SpecHistory = field(default_factory=SpecHistory)  # what speculation did lately
+    kv: KvLayout = field(default_factory=KvLayout)  # what quantizing its K/V depends on
 
     @property
     def eos_ids(self) -> set[int]:
@@ -71,14 +73,9 @@ class Pairing:
         return row_context(self.entry, self.config, opts)
 
     def check_options(self, opts: SamplingOptions) -> None:
-        """Refuse options this model cannot take: KV quantization groups must divide its head
-        size (MLX quantizes along it)."""
-        size = head_dim(self.config)
-        if opts.kv_bits and size % opts.kv_group_size:
-            raise OptionsError(
-                f"kv_group_size {opts.kv_group_size} does not divide this model's head size"
-                f" ({size}); use a group size that does, or no kv_bits"
-            )
+        """Refuse options this model cannot take (OptionsError: 400): KV quantization groups
+        must divide its K/V widths, and some caches cannot be quantized at all."""
+        self.kv.check(opts.kv_bits, opts.kv_group_size)
 
     @property
     def capabilities(self) -> list[str]:
@@ -240,13 +237,14 @@ def load_pairing(entry: ModelEntry, backend: Backend, costs: Costs | None = None
         draft, draft_tok, draft_config = load_model(draft_dir, backend)
         draft_revision = revision_of(draft_dir, draft_config, backend)
         check_tokenizers(tokenizer, draft_tok)
-    if costs is None:
-        try:
+    try:
+        kv = kv_layout(target)
+        if costs is None:
             costs = measure_costs(target, draft)
             context = row_context(entry, config, parse_options({}))
             warm_up(target, draft, costs, context=context)
-        except Exception as exc:
-            raise ModelUnavailable(f"a forward pass failed: {exc}") from exc
+    except Exception as exc:
+        raise ModelUnavailable(f"a forward pass failed: {exc}") from exc
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return Pairing(
         entry=entry,
@@ -260,4 +258,5 @@ def load_pairing(entry: ModelEntry, backend: Backend, costs: Costs | None = None
         fim=detect_fim(vocab),
         revision=revision_of(target_dir, config, backend),
         draft_revision=draft_revision,
+        kv=kv,
     )

@@ -113,13 +113,26 @@ def with_system(messages: Sequence[Mapping[str, Any]], system: str | None) -> li
     return out
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> str:
-    """The chat template with the assistant turn opened; a plain transcript when there is none."""
-    if getattr(tokenizer, "chat_template", None):
+_GO_FIELD = re.compile(r"{{[^}]*?(?<![\w\])])\.[A-Z]")
+
+
+def is_go_template(template: str) -> bool:
+    """Ollama's Go templates name fields (`{{ .Prompt }}`); anything else is Jinja, as the chat
+    template `/api/show` reports, which /api/generate's `template` therefore also takes."""
+    return bool(_GO_FIELD.search(template))
+
+
+def render_chat(
+    tokenizer: Any, messages: Sequence[Mapping[str, Any]], template: str | None = None
+) -> str:
+    """The chat template (or a Jinja `template` given instead) with the assistant turn opened;
+    a plain transcript when there is none."""
+    if template or getattr(tokenizer, "chat_template", None):
+        extra = {"chat_template": template} if template else {}
         try:
             return str(
                 tokenizer.apply_chat_template(
-                    list(messages), add_generation_prompt=True, tokenize=False
+                    list(messages), add_generation_prompt=True, tokenize=False, **extra
                 )
             )
         except Exception as exc:  # jinja errors carry the template's own message
@@ -140,13 +153,18 @@ def render_generate(
     if suffix:
         if fim is None:
             raise PromptError("does not support insert")
+        if template and not is_go_template(template):
+            raise PromptError("a template for a suffix must be a Go template ({{ .Suffix }})")
         if template:
             return render_go_template(template, {"Prompt": prompt, "Suffix": suffix})
         return fim.render(prompt, suffix)
-    if template:
+    if template and is_go_template(template):
         return render_go_template(
             template, {"System": system or "", "Prompt": prompt, "Response": ""}
         )
+    if template:  # Jinja: the chat template's language, as /api/show reports it
+        user = [{"role": "user", "content": prompt}]
+        return render_chat(tokenizer, with_system(user, system), template)
     if getattr(tokenizer, "chat_template", None):
         return render_chat(tokenizer, with_system([{"role": "user", "content": prompt}], system))
     return f"{system}\n\n{prompt}" if system else prompt

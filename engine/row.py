@@ -42,7 +42,7 @@ class Row:
 
     def push(self, tokens: list[int]) -> bool:
         """Stream committed tokens; True once the row is finished (then `finish` it)."""
-        return self.stream.push(tokens) or self.gen.done
+        return self.stream.push(tokens, self.gen.take_logprobs()) or self.gen.done
 
     def finish(self, reason: str | None = None) -> None:
         """Send the final event (the stream's own reason wins: stop string, EOS, cancel)."""

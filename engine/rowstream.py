@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from mlxd.engine.events import Done, Event, GenerationRequest, Metrics, TextChunk
+from mlxd.engine.logprobs import Logprob, TokenLogprob, readable
 from mlxd.engine.speculation import SpecStats
 from mlxd.engine.textstream import IncrementalDetokenizer, StopMatcher
 
@@ -32,6 +33,11 @@ class RowStream:
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.decode)
         self._stops = StopMatcher(self.request.options.stop)
+        self._logprobs: list[Logprob] = []  # of tokens whose text is held back
+
+    def _take_logprobs(self) -> tuple[Logprob, ...]:
+        taken, self._logprobs = tuple(self._logprobs), []
+        return taken
 
     @property
     def finished(self) -> bool:
@@ -41,20 +47,23 @@ class RowStream:
         """The prompt is in the cache: prompt evaluation ends, decoding starts."""
         self.t_first = time.perf_counter()
 
-    def push(self, tokens: Iterable[int]) -> bool:
-        """Stream new tokens; True once the row is finished (EOS, stop string, limit, cancel)."""
+    def push(self, tokens: Iterable[int], logprobs: Sequence[TokenLogprob] = ()) -> bool:
+        """Stream new tokens (with their log-probabilities, when asked for: they travel with
+        the next text sent); True once the row is finished (EOS, stop string, limit, cancel)."""
         if self.t_first is None:
             self.prefilled()
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             if self.finished:
                 break
             if tok in self.eos:
                 self.reason = "stop"
                 break
             self.output.append(tok)
+            if i < len(logprobs):
+                self._logprobs.append(readable(logprobs[i], self.decode))
             text = self._stops.feed(self._detok.add(tok))
             if text:
-                self.emit(TextChunk(text))
+                self.emit(TextChunk(text, self._take_logprobs()))
             if self._stops.stopped:
                 self.reason = "stop"
             elif len(self.output) >= self.limit:
@@ -71,8 +80,8 @@ class RowStream:
             return
         if not self._stops.stopped:
             tail = self._stops.feed(self._detok.flush()) + self._stops.flush()
-            if tail:
-                self.emit(TextChunk(tail))
+            if tail or self._logprobs:
+                self.emit(TextChunk(tail, self._take_logprobs()))
         now = time.perf_counter()
         first = self.t_first if self.t_first is not None else now
         req = self.request

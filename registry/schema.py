@@ -184,6 +184,17 @@ def resolve_target(raw: str, base_dir: Path) -> str:
     return raw
 
 
+def portable_ref(ref: str) -> str:
+    """The form of a resolved ``target``/``draft`` to write into another registry file: a
+    model shipped inside the package goes back to ``embedded:...``, so a copy names it rather
+    than a path into one installation (a virtual environment that may move or be rebuilt)."""
+    try:
+        inside = Path(ref).resolve().relative_to(EMBEDDED_DIR.resolve())
+    except (ValueError, OSError):
+        return ref
+    return EMBEDDED_PREFIX + inside.as_posix()
+
+
 # --- loading -----------------------------------------------------------------------------
 
 

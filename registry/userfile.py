@@ -36,6 +36,7 @@ from mlxd.registry.schema import (
     ModelEntry,
     RegistryError,
     load_registry_file,
+    portable_ref,
 )
 
 try:  # POSIX; MLX runs on macOS and Linux
@@ -119,9 +120,9 @@ def _plain(value: Any) -> Any:
 
 def entry_fields(entry: ModelEntry) -> dict[str, Any]:
     """The registry-file fields of ``entry`` (what ``mlxd cp`` copies), in schema order."""
-    fields: dict[str, Any] = {"target": entry.target}
+    fields: dict[str, Any] = {"target": portable_ref(entry.target)}
     if entry.draft is not None:
-        fields["draft"] = entry.draft
+        fields["draft"] = portable_ref(entry.draft)
     if entry.draft_tokens is not None:
         fields["draft_tokens"] = entry.draft_tokens
     if entry.options:

@@ -49,6 +49,8 @@ def test_broken_pairings_are_unavailable_and_others_serve(
         encoding="utf-8",
     )
     with ServerThread(registry) as srv:
+        # probes run in the background: wait until none is left
+        assert wait_for(lambda: all("status" not in m for m in tags(srv.base_url).values()), 120)
         listed = tags(srv.base_url)
         assert "unavailable" not in listed["good:latest"]
         assert "tokenizer" in listed["foreign:latest"]["unavailable"]

@@ -39,6 +39,8 @@ def test_pull_errors(mlxd: RunningServer, hub_env: HubEnv) -> None:
     assert result.stderr.splitlines() == [
         "pulling manifest",
         "Error: pull model manifest: file does not exist",
+        "  hint: no such model: `mlxd list` shows the registered names; any MLX repo on the hub"
+        " pulls as org/repo or hf.co/org/repo[:revision]",
     ]
 
 

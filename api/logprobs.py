@@ -1,0 +1,63 @@
+"""`logprobs` / `top_logprobs` on the wire: the request's ask, checked, and the engine's values
+in Ollama's shape (/api) and OpenAI's (/v1 chat and completions)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+from mlxd.api.errors import ApiError
+from mlxd.engine.logprobs import MAX_TOP_LOGPROBS, Logprob
+from mlxd.engine.options import SamplingOptions
+
+
+def asked(logprobs: bool | None, top: int | None) -> int | None:
+    """How many alternatives per token the request wants; None: no log-probabilities.
+    `top_logprobs` above 0 implies `logprobs`."""
+    if top is not None and not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+    if logprobs or (top or 0) > 0:
+        return top or 0
+    return None
+
+
+def with_logprobs(opts: SamplingOptions, top: int | None) -> SamplingOptions:
+    return opts if top is None else dataclasses.replace(opts, top_logprobs=top)
+
+
+def _one(p: Logprob) -> dict[str, Any]:
+    return {"token": p.token, "logprob": p.logprob, "bytes": list(p.bytes)}
+
+
+def ollama_json(entries: Sequence[Logprob]) -> list[dict[str, Any]] | None:
+    """Ollama's `logprobs`: one object per token; `top_logprobs` only when asked for."""
+    if not entries:
+        return None
+    out = []
+    for p in entries:
+        obj = _one(p)
+        if p.top:
+            obj["top_logprobs"] = [_one(t) for t in p.top]
+        out.append(obj)
+    return out
+
+
+def openai_chat_json(entries: Sequence[Logprob]) -> dict[str, Any]:
+    """A chat choice's `logprobs`: `{"content": [...]}`, `top_logprobs` always a list."""
+    return {"content": [{**_one(p), "top_logprobs": [_one(t) for t in p.top]} for p in entries]}
+
+
+def openai_completion_json(entries: Sequence[Logprob], offset: int = 0) -> dict[str, Any]:
+    """A text choice's legacy `logprobs`: parallel lists, `text_offset` counted from `offset`
+    (the characters of this choice sent before these tokens)."""
+    offsets = []
+    for p in entries:
+        offsets.append(offset)
+        offset += len(p.token)
+    return {
+        "tokens": [p.token for p in entries],
+        "token_logprobs": [p.logprob for p in entries],
+        "top_logprobs": [{t.token: t.logprob for t in p.top} for p in entries],
+        "text_offset": offsets,
+    }

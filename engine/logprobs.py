@@ -1,0 +1,79 @@
+"""Log-probabilities of the committed tokens, for `logprobs` / `top_logprobs`.
+
+A committed token's log-probability is read from the target's logits at the position it was
+committed at: the logits the plain decoding step or the verify forward already computed, so
+under speculation it is still the target's own distribution (never the draft's), and a
+position's value is the same whichever path (solo, batched, speculating or not) committed it.
+
+The distribution is the model's: the log-softmax of the target's raw logits, before the
+request's penalties, temperature, top-k, top-p and min-p, as Ollama's runners and OpenAI
+report log-probabilities (the same at any temperature, finite for every token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+MAX_TOP_LOGPROBS = 20  # Ollama's and OpenAI's bound on top_logprobs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One committed position: its token id, log-probability and the k most likely ids."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Logprob:
+    """A committed token's log-probability as the API writes it: the token's text and bytes."""
+
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+    top: tuple[Logprob, ...] = ()
+
+
+def _floats(a: mx.array) -> list[float]:
+    return [float(x) for x in a.reshape(-1).tolist()]  # type: ignore[union-attr, arg-type]
+
+
+def position_logprobs(logits: mx.array, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
+    """Row i of `logits` (L, V) is the distribution `tokens[i]` was committed from; one host
+    sync for all of them."""
+    if not tokens:
+        return []
+    rows = logits[: len(tokens)].astype(mx.float32)
+    rows = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    ids = mx.array(list(tokens), dtype=mx.uint32)[:, None]
+    chosen = mx.take_along_axis(rows, ids, axis=-1)[:, 0]
+    k = min(max(k, 0), int(rows.shape[-1]))
+    if k == 0:
+        mx.eval(chosen)
+        return [TokenLogprob(t, v) for t, v in zip(tokens, _floats(chosen), strict=True)]
+    top_ids = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
+    top_values = mx.take_along_axis(rows, top_ids, axis=-1)
+    mx.eval(chosen, top_ids, top_values)
+    all_ids = [int(x) for x in _floats(top_ids)]
+    all_values = _floats(top_values)
+    out = []
+    for n, (t, v) in enumerate(zip(tokens, _floats(chosen), strict=True)):
+        pairs = zip(all_ids[n * k : (n + 1) * k], all_values[n * k : (n + 1) * k], strict=True)
+        out.append(TokenLogprob(t, v, tuple(sorted(pairs, key=lambda p: -p[1]))))
+    return out
+
+
+def readable(entry: TokenLogprob, decode: Callable[[Sequence[int]], str]) -> Logprob:
+    """`entry` with its tokens as text (a token that is part of a character decodes to U+FFFD;
+    its bytes then say what it is)."""
+
+    def one(token: int, logprob: float, top: tuple[Logprob, ...] = ()) -> Logprob:
+        text = decode([token])
+        return Logprob(text, logprob, tuple(text.encode("utf-8", "surrogatepass")), top)
+
+    return one(entry.token, entry.logprob, tuple(one(t, v) for t, v in entry.top))

@@ -1,0 +1,111 @@
+"""A prompt longer than its row's context is cut as Ollama cuts it (the head and the most recent
+tokens kept, a warning logged) instead of refused or answered empty."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import ollama
+import openai
+import pytest
+from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+from mlxd.engine.truncation import Budget, fit
+from tests.conftest import RunningServer, ServerThread
+from tests.fixtures.tiny_models import SPECIAL_TOKENS, TinyPair
+
+CTX = 96
+SYSTEM = "You are a terse assistant who answers in one word."
+
+
+def test_budget_leaves_room_to_answer() -> None:
+    assert Budget.of(100, -1).prompt == 75  # a quarter when num_predict is unbounded
+    assert Budget.of(100, 10).prompt == 90
+    assert Budget.of(100, 500).prompt == 50  # never more than half
+    assert Budget.of(2, 0).prompt == 1
+
+
+def test_fit_keeps_the_head_and_the_end() -> None:
+    assert fit([1, 2], [3, 4, 5], 5) == [1, 2, 3, 4, 5]
+    assert fit([1, 2], list(range(10, 20)), 6) == [1, 2, 16, 17, 18, 19]
+    assert fit(list(range(10)), [50, 51], 6) == [0, 1, 2, 3, 50, 51]
+    assert fit(list(range(10)), [50, 51, 52, 53, 54], 6) == [0, 1, 2, 52, 53, 54]
+
+
+@pytest.fixture(scope="module")
+def short(tiny_pair: TinyPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+    registry: Path = tmp_path_factory.mktemp("trunc") / "models.yaml"
+    registry.write_text(
+        f"models:\n  short:\n    target: {tiny_pair.target}\n"
+        f"    options:\n      num_ctx: {CTX}\n      temperature: 0\n",
+        encoding="utf-8",
+    )
+    with ServerThread(registry) as info:
+        yield info
+
+
+def story(n: int) -> str:
+    return " ".join(f"line {i} of a long story." for i in range(n)) + " The end is here."
+
+
+def no_special_text(text: str) -> None:
+    for token in SPECIAL_TOKENS:
+        assert token not in text
+
+
+def test_generate_keeps_the_system_prompt_and_the_latest_tokens(
+    short: RunningServer, tiny_pair: TinyPair, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = ollama.Client(host=short.base_url)
+    with caplog.at_level(logging.WARNING, logger="mlxd.api.inference"):
+        out = client.generate(
+            "short", story(80), system=SYSTEM, options={"num_predict": 6}, stream=False
+        )
+    assert any("truncating input prompt" in r.getMessage() for r in caplog.records)
+    assert out.prompt_eval_count == CTX - 6
+    assert out.eval_count == 6 or out.done_reason == "stop"
+    no_special_text(out.response)
+    tokenizer = load_tokenizer(tiny_pair.target)
+    prompt = out.context[: out.prompt_eval_count]
+    kept = tokenizer.decode(prompt)
+    assert kept.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n")
+    assert kept.endswith("The end is here.<|im_end|>\n<|im_start|>assistant\n")
+    assert "line 0 of" not in kept
+
+
+def test_chat_keeps_the_system_message_and_the_last_turn(short: RunningServer) -> None:
+    client = ollama.Client(host=short.base_url)
+    history = [{"role": "system", "content": SYSTEM}]
+    for i in range(12):
+        history += [
+            {"role": "user", "content": story(3)},
+            {"role": "assistant", "content": f"answer {i}"},
+        ]
+    history.append({"role": "user", "content": "last question?"})
+    out = client.chat("short", history, options={"num_predict": 4}, stream=False)
+    assert out.prompt_eval_count == CTX - 4
+    no_special_text(out.message.content)
+
+
+def test_num_ctx_narrower_than_the_prompt_is_honoured(short: RunningServer) -> None:
+    r = httpx.post(
+        short.base_url + "/api/generate",
+        json={"model": "short", "prompt": story(20), "stream": False,
+              "options": {"num_ctx": 40, "num_predict": 8}},
+        timeout=120,
+    )  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.json()["prompt_eval_count"] == 32
+
+
+def test_v1_routes_cut_too(short: RunningServer) -> None:
+    client = openai.OpenAI(base_url=short.base_url + "/v1", api_key="x", max_retries=0)
+    chat = client.chat.completions.create(
+        model="short", messages=[{"role": "user", "content": story(60)}], max_tokens=3
+    )
+    assert chat.usage is not None and chat.usage.prompt_tokens == CTX - 3
+    text = client.completions.create(model="short", prompt=story(60), max_tokens=3)
+    assert text.usage is not None and text.usage.prompt_tokens == CTX - 3
