@@ -15,11 +15,10 @@ from mlxd.api.types import Message
 from mlxd.engine.manager import Loaded
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import ModelNotPulled, Pairing
-from mlxd.engine.prompt import encode, render_chat, with_system
+from mlxd.engine.prompt import encode
 from mlxd.registry.schema import ModelEntry
 
 ROLES = ("system", "user", "assistant", "tool")
-THINK_LEVELS = ("low", "medium", "high", "max")
 
 # No tokenizer mlxd serves has tokens longer than this many characters, so a prompt longer than
 # context * this cannot fit and is refused before it is tokenized (which costs time and memory
@@ -30,15 +29,6 @@ MAX_CHARS_PER_TOKEN = 64
 def request_options(entry: ModelEntry, options: dict[str, Any] | None) -> SamplingOptions:
     """The registry's defaults under the request's options (OptionsError: 400)."""
     return parse_options(entry.options, options)
-
-
-def check_think(think: bool | str | None, entry: ModelEntry) -> None:
-    """No model served today has a thinking mode: `think: true` or a level is refused."""
-    if think is None or think is False:
-        return
-    if not (think is True or think in THINK_LEVELS):
-        raise ApiError(400, "invalid think value")
-    raise ApiError(400, f'"{entry.name}" does not support thinking')
 
 
 def check_format(fmt: Any) -> None:
@@ -110,19 +100,6 @@ def tokenize(
             f"({context} tokens)",
         )
     return tokens
-
-
-def chat_renderer(
-    entry: ModelEntry, messages: list[dict[str, Any]], tools: list[Any] | None
-) -> Callable[[Pairing], str]:
-    """How a chat request becomes a prompt for a loaded pairing (native and /v1 alike)."""
-
-    def render(pairing: Pairing) -> str:
-        if tools and "tools" not in pairing.capabilities:
-            raise ApiError(400, f"{entry.name} does not support tools")
-        return render_chat(pairing.tokenizer, with_system(messages, entry.system))
-
-    return render
 
 
 async def prepare(

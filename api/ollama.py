@@ -12,21 +12,24 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
+from mlxd.api.chatformat import chat_format
+from mlxd.api.chatprompt import ChatPrompt, check_think_value, resolve_think, template_kwargs
 from mlxd.api.codec import NDJSON, json_response, ndjson_line, read_request
 from mlxd.api.durations import parse_keep_alive
 from mlxd.api.errors import ApiError
 from mlxd.api.inference import (
     acquire,
-    chat_renderer,
     check_format,
-    check_think,
     native_messages,
     prepare,
     request_options,
 )
 from mlxd.api.modelinfo import find_local, show_json, tag_json
 from mlxd.api.pump import collect, pump
+from mlxd.api.reply import Parser, Part, Plain, Reply, reply_parser
 from mlxd.api.state import ServerState, lookup, state_of
+from mlxd.api.thinking import THINKING
+from mlxd.api.tools import ToolCall
 from mlxd.api.types import (
     ChatRequest,
     ChatResponse,
@@ -36,6 +39,8 @@ from mlxd.api.types import (
     ModelRequest,
     ResponseMessage,
     TagsResponse,
+    ToolCallFunction,
+    ToolCallOut,
     VersionResponse,
 )
 from mlxd.engine.events import Done, GenerationRequest
@@ -124,19 +129,38 @@ def final_fields(done: Done) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class NdjsonWriter:
-    """A /api stream: `chunk` makes a partial object, `final` the last one."""
+    """A /api stream: the reply's text goes through `parser`; `chunk` makes a partial object of
+    each part (content, thinking or a tool call), `final` the last one."""
 
-    chunk: Callable[[str], Any]
+    chunk: Callable[[Part], Any]
     final: Callable[[Done], Any]
+    parser: Parser
+
+    def _lines(self, parts: list[Part]) -> bytes:
+        return b"".join(ndjson_line(self.chunk(part)) for part in parts)
 
     def text(self, text: str) -> bytes:
-        return ndjson_line(self.chunk(text))
+        return self._lines(self.parser.feed(text))
 
     def done(self, done: Done) -> Iterable[bytes]:
-        return (ndjson_line(self.final(done)),)
+        return (self._lines(self.parser.finish()), ndjson_line(self.final(done)))
 
     def failed(self, message: str) -> bytes:
         return ndjson_line(ErrorResponse(message))
+
+
+def tool_call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(call.id, ToolCallFunction(call.index, call.name, call.arguments))
+
+
+def chat_message(parts: Reply) -> ResponseMessage:
+    """A reply's parts as one assistant message; empty thinking and calls are left out."""
+    return ResponseMessage(
+        "assistant",
+        "".join(parts.content),
+        "".join(parts.thinking) or None,
+        [tool_call_out(c) for c in parts.calls] or None,
+    )
 
 
 async def _load_or_unload(
@@ -167,7 +191,7 @@ async def generate(request: Request) -> Response:
     if raw and (body.template or body.system or context):
         raise ApiError(400, "raw mode does not support template, system, or context")
     check_format(body.format)
-    check_think(body.think, entry)
+    check_think_value(body.think)
     opts = request_options(entry, body.options)
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
 
@@ -177,31 +201,51 @@ async def generate(request: Request) -> Response:
             lambda reason: GenerateResponse(name, now(), "", True, done_reason=reason),
         )  # fmt: skip
 
+    parsers: list[Callable[[], Parser]] = [Plain]
+
     def render(pairing: Pairing) -> str:
         if context:
             _check_ids(context, pairing)
+        fmt = chat_format(getattr(pairing.tokenizer, "chat_template", None))
+        think = resolve_think(body.think, fmt, entry.name)
         if raw:
             return prompt
         if suffix and pairing.fim is None:
             raise ApiError(400, f"{entry.name} does not support insert")
         system = body.system or entry.system
-        return render_generate(
-            pairing.tokenizer, prompt, system, body.template, suffix, pairing.fim
-        )
+        text = render_generate(
+            pairing.tokenizer, prompt, system, body.template, suffix, pairing.fim,
+            template_kwargs(fmt, think),
+        )  # fmt: skip
+        if not (suffix or body.template):
+            parsers[0] = lambda: reply_parser(fmt, text, think.on, None)
+        return text
 
     slot, load_seconds, prompt_tokens = await prepare(
         state, entry, keep, render, opts, list(context or []), templated=not raw
     )
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
 
-    def final(done: Done, text: str = "") -> GenerateResponse:
+    def final(done: Done, reply: Reply | None = None) -> GenerateResponse:
         tokens = None if raw else prompt_tokens + done.output_tokens
-        return GenerateResponse(name, now(), text, True, context=tokens, **final_fields(done))
+        text = "".join(reply.content) if reply else ""
+        thinking = ("".join(reply.thinking) or None) if reply else None
+        return GenerateResponse(
+            name, now(), text, True, thinking, context=tokens, **final_fields(done)
+        )
 
     if body.stream is False:
         answer = await collect(state.manager, slot, gen)
-        return json_response(final(answer.done, answer.text))
-    writer = NdjsonWriter(lambda text: GenerateResponse(name, now(), text, False), final)
+        return json_response(final(answer.done, Reply.of(parsers[0](), answer.text)))
+
+    def chunk(part: Part) -> GenerateResponse:
+        if isinstance(part, ToolCall):  # generate declares no tools: never produced
+            return GenerateResponse(name, now(), "", False)
+        if part.kind == THINKING:
+            return GenerateResponse(name, now(), "", False, part.text)
+        return GenerateResponse(name, now(), part.text, False)
+
+    writer = NdjsonWriter(chunk, final, parsers[0]())
     return StreamingResponse(pump(state.manager, slot, gen, writer), media_type=NDJSON)
 
 
@@ -224,25 +268,34 @@ async def chat(request: Request) -> Response:
     entry = lookup(state, name)
     messages = native_messages(body.messages or [])
     check_format(body.format)
-    check_think(body.think, entry)
     opts = request_options(entry, body.options)
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
+    prompt = ChatPrompt(entry, messages, body.tools, body.think)
 
-    def answer(content: str, done: bool, **extra: Any) -> ChatResponse:
-        return ChatResponse(name, now(), ResponseMessage("assistant", content), done, **extra)
+    def answer(message: ResponseMessage, done: bool, **extra: Any) -> ChatResponse:
+        return ChatResponse(name, now(), message, done, **extra)
+
+    def empty() -> ResponseMessage:
+        return ResponseMessage("assistant", "")
 
     if not messages:
         return await _load_or_unload(
-            state, entry, keep, lambda reason: answer("", True, done_reason=reason)
+            state, entry, keep, lambda reason: answer(empty(), True, done_reason=reason)
         )
 
-    render = chat_renderer(entry, messages, body.tools)
-    slot, load_seconds, prompt_tokens = await prepare(state, entry, keep, render, opts)
+    slot, load_seconds, prompt_tokens = await prepare(state, entry, keep, prompt, opts)
     gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
     if body.stream is False:
         whole = await collect(state.manager, slot, gen)
-        return json_response(answer(whole.text, True, **final_fields(whole.done)))
+        reply = Reply.of(prompt.parser(), whole.text)
+        return json_response(answer(chat_message(reply), True, **final_fields(whole.done)))
+
+    def chunk(part: Part) -> ChatResponse:
+        one = Reply()
+        one.add([part])
+        return answer(chat_message(one), False)
+
     writer = NdjsonWriter(
-        lambda text: answer(text, False), lambda done: answer("", True, **final_fields(done))
+        chunk, lambda done: answer(empty(), True, **final_fields(done)), prompt.parser()
     )
     return StreamingResponse(pump(state.manager, slot, gen, writer), media_type=NDJSON)

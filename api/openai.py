@@ -22,10 +22,10 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from mlxd.api.chatprompt import ChatPrompt
 from mlxd.api.codec import json_response, read_request, sse_event
 from mlxd.api.errors import ApiError, message_of, status_of
 from mlxd.api.inference import (
-    chat_renderer,
     check_format,
     native_messages,
     prepare,
@@ -33,7 +33,10 @@ from mlxd.api.inference import (
 )
 from mlxd.api.modelinfo import LocalModel, find_local
 from mlxd.api.pump import collect, pump
+from mlxd.api.reply import Parser, Part, Plain, Reply
 from mlxd.api.state import ServerState, lookup, state_of
+from mlxd.api.thinking import THINKING
+from mlxd.api.tools import ToolCall
 from mlxd.api.types import (
     ZERO_USAGE,
     ChatChoice,
@@ -43,12 +46,14 @@ from mlxd.api.types import (
     Completion,
     CompletionRequest,
     Delta,
+    FunctionOut,
     Message,
     ModelCard,
     ModelList,
     OpenAIError,
     OpenAIErrorDetail,
     OpenAIMessage,
+    OpenAIToolCall,
     TextChoice,
     Usage,
 )
@@ -149,13 +154,45 @@ def _response_format(body: ChatCompletionRequest) -> None:
     raise ApiError(400, f"invalid response_format type: {msgspec.json.encode(fmt.type).decode()}")
 
 
-def _reasoning(body: ChatCompletionRequest) -> None:
-    """Validated like Ollama; the engine has no thinking mode, so the value is not used."""
+def _reasoning(body: ChatCompletionRequest) -> bool | str | None:
+    """`reasoning_effort` (or `reasoning.effort`) as Ollama's `think`: none turns thinking off,
+    minimal is low, the levels above high are max."""
     effort = body.reasoning_effort
     if effort is None and body.reasoning is not None:
         effort = body.reasoning.effort
-    if effort is not None and effort not in REASONING_EFFORTS:
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
         raise ApiError(400, "invalid reasoning value")
+    mapped: dict[str, bool | str] = {
+        "none": False,
+        "minimal": "low",
+        "xhigh": "max",
+        "ultra": "max",
+    }
+    return mapped.get(effort, effort)
+
+
+def _chosen_tools(body: ChatCompletionRequest) -> list[Any] | None:
+    """The tools the model may call under `tool_choice`: none of them for "none", only the
+    named one for a named function."""
+    choice, tools = body.tool_choice, body.tools
+    if choice is None or choice in ("auto", "required"):
+        return tools
+    if choice == "none":
+        return None
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(400, "invalid tool_choice")
+    chosen = [
+        t
+        for t in tools or ()
+        if isinstance(t, dict) and (t.get("function") or {}).get("name") == name
+    ]
+    if not chosen:
+        raise ApiError(400, f"tool_choice names a function that is not in tools: {name}")
+    return chosen
 
 
 def _image(part: dict[str, Any]) -> str:
@@ -221,11 +258,16 @@ def _content_parts(content: list[Any]) -> list[tuple[str, list[str] | None]]:
 def _native_messages(raw: list[OpenAIMessage]) -> list[dict[str, Any]]:
     """OpenAI messages as native ones (then checked as the native route checks them)."""
     out: list[Message] = []
+    names: dict[str, str] = {}  # call id -> function name, for tool results that give only the id
     for msg in raw:
         role = "system" if msg.role == "developer" else msg.role
         tool_calls = _tool_calls(msg.tool_calls) if msg.tool_calls else None
-        tool_name = (msg.name or msg.tool_call_id) if (role or "").lower() == "tool" else None
-        thinking = msg.reasoning or None
+        for call in tool_calls or ():
+            if call.get("id") and isinstance(call["function"]["name"], str):
+                names[call["id"]] = call["function"]["name"]
+        is_tool = (role or "").lower() == "tool"
+        tool_name = (msg.name or names.get(msg.tool_call_id or "")) if is_tool else None
+        thinking = msg.reasoning or msg.reasoning_content or None
         content = msg.content
         parts = _content_parts(content) if isinstance(content, list) else [(content or "", None)]
         for i, (text, images) in enumerate(parts):
@@ -237,6 +279,7 @@ def _native_messages(raw: list[OpenAIMessage]) -> list[dict[str, Any]]:
                     images=images,
                     tool_calls=tool_calls if last else None,
                     tool_name=tool_name if last else None,
+                    tool_call_id=msg.tool_call_id if last and is_tool else None,
                     thinking=thinking if last else None,
                 )
             )
@@ -246,8 +289,29 @@ def _native_messages(raw: list[OpenAIMessage]) -> list[dict[str, Any]]:
 # -- responses ------------------------------------------------------------------------------
 
 
-def _finish_reason(done: Done) -> str:
-    return "length" if done.done_reason == "length" else "stop"
+def _finish_reason(done: Done, called: bool = False) -> str:
+    if done.done_reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
+
+
+def _openai_call(call: ToolCall, streamed: bool = False) -> OpenAIToolCall:
+    """A call as OpenAI writes it: arguments a JSON string; in a stream, with its index."""
+    args = msgspec.json.encode(call.arguments).decode()
+    index = call.index if streamed else None
+    return OpenAIToolCall(FunctionOut(call.name, args), call.id, "function", index)
+
+
+def _choice_message(reply: Reply) -> ChoiceMessage:
+    thinking = "".join(reply.thinking) or None
+    content = "".join(reply.content)
+    return ChoiceMessage(
+        "assistant",
+        None if reply.calls and not content else content,
+        thinking,
+        thinking,
+        [_openai_call(c) for c in reply.calls] or None,
+    )
 
 
 def _usage(done: Done) -> Usage:
@@ -275,28 +339,39 @@ def _envelope(prefix: str, kind: str, model: str) -> _Envelope:
 
 
 class _SseWriter:
-    """A /v1 stream: content chunks, the finish, the usage chunk when asked for, `[DONE]`."""
+    """A /v1 stream: the reply's text goes through `parser`, each part (content, reasoning, a
+    tool call) one chunk; then the finish, the usage chunk when asked for, `[DONE]`."""
 
     def __init__(
         self,
         env: _Envelope,
-        content: Callable[[str, bool], Completion],  # (text, first chunk?)
-        finish: Callable[[Done, bool], list[Completion]],  # (done, nothing sent yet?)
+        content: Callable[[Part, bool], Completion],  # (part, first chunk?)
+        finish: Callable[[Done, bool, bool], list[Completion]],  # (done, nothing sent, called)
         usage: bool,
+        parser: Parser,
     ) -> None:
         self.env = env
         self.content = content
         self.finish = finish
         self.usage = usage
+        self.parser = parser
         self.first = True
+        self.called = False
+
+    def _events(self, parts: list[Part]) -> bytes:
+        out = []
+        for part in parts:
+            out.append(sse_event(self.content(part, self.first)))
+            self.first = False
+            self.called = self.called or isinstance(part, ToolCall)
+        return b"".join(out)
 
     def text(self, text: str) -> bytes:
-        piece = sse_event(self.content(text, self.first))
-        self.first = False
-        return piece
+        return self._events(self.parser.feed(text))
 
     def done(self, done: Done) -> Iterable[bytes]:
-        out = [sse_event(obj) for obj in self.finish(done, self.first)]
+        out = [self._events(self.parser.finish())]
+        out += [sse_event(obj) for obj in self.finish(done, self.first, self.called)]
         if self.usage:
             out.append(sse_event(self.env.wrap([], _usage(done))))
         out.append(b"data: [DONE]\n\n")
@@ -333,19 +408,20 @@ async def chat_completions(request: Request) -> Response:
     name = _model_name(body.model)
     entry = lookup(state, name)
     messages = _native_messages(body.messages)
-    _reasoning(body)
+    think = _reasoning(body)
     _response_format(body)
     opts = request_options(entry, _sampling(body))
 
-    render = chat_renderer(entry, messages, body.tools)
-    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts)
+    prompt = ChatPrompt(entry, messages, _chosen_tools(body), think)
+    slot, load_seconds, tokens = await prepare(state, entry, None, prompt, opts)
     gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
 
     if not body.stream:
         env = _envelope("chatcmpl", "chat.completion", name)
         answer = await collect(state.manager, slot, gen)
-        message = ChoiceMessage("assistant", answer.text)
-        choice = ChatChoice(0, message, _finish_reason(answer.done))
+        reply = Reply.of(prompt.parser(), answer.text)
+        finish_reason = _finish_reason(answer.done, bool(reply.calls))
+        choice = ChatChoice(0, _choice_message(reply), finish_reason)
         return json_response(env.wrap([choice], _usage(answer.done)))
 
     env = _envelope("chatcmpl", "chat.completion.chunk", name)
@@ -353,14 +429,20 @@ async def chat_completions(request: Request) -> Response:
     def chunk(delta: Delta, finish: str | None = None) -> Completion:
         return env.wrap([ChunkChoice(0, delta, finish)])
 
-    def content(text: str, first: bool) -> Completion:
-        return chunk(Delta("assistant", text) if first else Delta(content=text))
+    def content(part: Part, first: bool) -> Completion:
+        role = "assistant" if first else None
+        if isinstance(part, ToolCall):
+            return chunk(Delta(role, tool_calls=[_openai_call(part, streamed=True)]))
+        if part.kind == THINKING:
+            return chunk(Delta(role, reasoning_content=part.text, reasoning=part.text))
+        return chunk(Delta(role, part.text))
 
-    def finish(done: Done, nothing_sent: bool) -> list[Completion]:
-        opening = [content("", True)] if nothing_sent else []
-        return [*opening, chunk(Delta(), _finish_reason(done))]
+    def finish(done: Done, nothing_sent: bool, called: bool) -> list[Completion]:
+        opening = [chunk(Delta("assistant", ""))] if nothing_sent else []
+        return [*opening, chunk(Delta(), _finish_reason(done, called))]
 
-    return _sse(state, slot, gen, _SseWriter(env, content, finish, _include_usage(body)))
+    writer = _SseWriter(env, content, finish, _include_usage(body), prompt.parser())
+    return _sse(state, slot, gen, writer)
 
 
 @openai_errors
@@ -397,11 +479,16 @@ async def completions(request: Request) -> Response:
         gen,
         _SseWriter(
             env,
-            content=lambda text, first: env.wrap([TextChoice(text, 0, None)], each),
-            finish=lambda done, _: [env.wrap([TextChoice("", 0, _finish_reason(done))], each)],
+            content=lambda part, first: env.wrap([TextChoice(_text(part), 0, None)], each),
+            finish=lambda done, *_: [env.wrap([TextChoice("", 0, _finish_reason(done))], each)],
             usage=usage,
+            parser=Plain(),
         ),
     )
+
+
+def _text(part: Part) -> str:
+    return "" if isinstance(part, ToolCall) else part.text
 
 
 def _model_card(local: LocalModel, model_id: str) -> ModelCard:

@@ -40,8 +40,9 @@ async def pump(
     try:
         async for event in manager.generate(slot, gen):
             if isinstance(event, TextChunk):
-                if event.text:
-                    yield writer.text(event.text)
+                piece = writer.text(event.text) if event.text else b""
+                if piece:  # a parser may hold text back (a tool call in progress)
+                    yield piece
             elif isinstance(event, Done):
                 for piece in writer.done(event):
                     yield piece

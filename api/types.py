@@ -81,6 +81,7 @@ class GenerateResponse(msgspec.Struct, omit_defaults=True):
     created_at: datetime
     response: str
     done: bool
+    thinking: str | None = None
     done_reason: str | None = None
     context: list[int] | None = None
     total_duration: int | None = None
@@ -101,9 +102,24 @@ class GenerateResponse(msgspec.Struct, omit_defaults=True):
     draft_disabled_reason: str | None = None
 
 
-class ResponseMessage(msgspec.Struct):
+class ToolCallFunction(msgspec.Struct):
+    index: int
+    name: str
+    arguments: dict[str, Any]
+
+
+class ToolCallOut(msgspec.Struct):
+    """A parsed call as Ollama writes it: `index` inside `function`, arguments an object."""
+
+    id: str
+    function: ToolCallFunction
+
+
+class ResponseMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str
+    thinking: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatResponse(msgspec.Struct, omit_defaults=True):
@@ -201,6 +217,7 @@ class OpenAIMessage(msgspec.Struct):
     tool_call_id: str | None = None
     tool_calls: list[Any] | None = None
     reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -231,6 +248,8 @@ class ChatCompletionRequest(msgspec.Struct):
     presence_penalty: float | None = None
     response_format: ResponseFormat | None = None
     tools: list[Any] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     reasoning: Reasoning | None = None
 
@@ -262,14 +281,34 @@ class Usage(msgspec.Struct):
 ZERO_USAGE = Usage(0, 0, 0)
 
 
-class ChoiceMessage(msgspec.Struct):
+class FunctionOut(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None  # a JSON string, as OpenAI sends it
+
+
+class OpenAIToolCall(msgspec.Struct, omit_defaults=True):
+    """A call in a message, or (with `index`) in a streamed delta."""
+
+    function: FunctionOut
+    id: str | None = None
+    type: str | None = None
+    index: int | None = None
+
+
+class ChoiceMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # Ollama's name for the same text
+    tool_calls: list[OpenAIToolCall] | None = None
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[OpenAIToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct):

@@ -113,13 +113,23 @@ def with_system(messages: Sequence[Mapping[str, Any]], system: str | None) -> li
     return out
 
 
-def render_chat(tokenizer: Any, messages: Sequence[Mapping[str, Any]]) -> str:
-    """The chat template with the assistant turn opened; a plain transcript when there is none."""
+def render_chat(
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+) -> str:
+    """The chat template with the assistant turn opened; a plain transcript when there is none.
+    `tools` and `extra` (e.g. `enable_thinking`) go to the template as it names them."""
     if getattr(tokenizer, "chat_template", None):
         try:
             return str(
                 tokenizer.apply_chat_template(
-                    list(messages), add_generation_prompt=True, tokenize=False
+                    list(messages),
+                    tools=list(tools) if tools else None,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                    **dict(extra or {}),
                 )
             )
         except Exception as exc:  # jinja errors carry the template's own message
@@ -135,6 +145,7 @@ def render_generate(
     template: str | None,
     suffix: str | None,
     fim: FimFormat | None,
+    extra: Mapping[str, Any] | None = None,
 ) -> str:
     """Ollama's /api/generate rendering (the raw case never reaches here)."""
     if suffix:
@@ -148,7 +159,8 @@ def render_generate(
             template, {"System": system or "", "Prompt": prompt, "Response": ""}
         )
     if getattr(tokenizer, "chat_template", None):
-        return render_chat(tokenizer, with_system([{"role": "user", "content": prompt}], system))
+        messages = with_system([{"role": "user", "content": prompt}], system)
+        return render_chat(tokenizer, messages, extra=extra)
     return f"{system}\n\n{prompt}" if system else prompt
 
 
