@@ -36,8 +36,8 @@ class ThinkSplitter:
     """Routes text between the tags to THINKING and the rest to CONTENT.
 
     Only a think block at the start of the output is reasoning (as Ollama's parser): once
-    content has started, a later `<think>` is content. Whitespace right after either tag is
-    dropped, as the templates put a newline there.
+    content has started, a later `<think>` is content. Whitespace around the tags is dropped,
+    as the templates put newlines there.
     """
 
     def __init__(self, tags: ThinkTags, inside: bool = False) -> None:
@@ -75,15 +75,17 @@ class ThinkSplitter:
             # thinking
             at = text.find(self.tags.close)
             if at >= 0:
-                if at:
-                    out.append(Piece(THINKING, text[:at]))
+                if text[:at].rstrip():
+                    out.append(Piece(THINKING, text[:at].rstrip()))
                 self._state, self._strip = "content", True
                 text = text[at + len(self.tags.close) :]
                 continue
-            keep = partial_tail(text, self.tags.close)
-            if len(text) > keep:
-                out.append(Piece(THINKING, text[: len(text) - keep]))
-            self._held = text[len(text) - keep :]
+            # hold a possible start of the closing tag, and whitespace that may precede it
+            body = text[: len(text) - partial_tail(text, self.tags.close)]
+            body = body.rstrip()
+            if body:
+                out.append(Piece(THINKING, body))
+            self._held = text[len(body) :]
             return out
         return out
 

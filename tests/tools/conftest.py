@@ -10,6 +10,7 @@ import pytest
 
 from tests.conftest import RunningServer, ServerThread
 from tests.fixtures.scripted_models import Script, build_scripted
+from tests.fixtures.tiny_models import TinyPair
 
 # litellm fetches a model cost map from the network at import unless told to use its own copy.
 os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"
@@ -71,7 +72,7 @@ MODELS: dict[str, tuple[str, Script]] = {
 
 
 @pytest.fixture(scope="session")
-def scripted(tmp_path_factory: pytest.TempPathFactory, tiny_pair) -> Path:  # type: ignore[no-untyped-def]
+def scripted(tmp_path_factory: pytest.TempPathFactory, tiny_pair: TinyPair) -> Path:
     """The registry of every scripted model (and the plain `tiny`, whose template has no
     tools)."""
     root = tmp_path_factory.mktemp("scripted")

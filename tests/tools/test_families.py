@@ -115,9 +115,7 @@ def test_malformed_tools_are_a_400(http: httpx.Client) -> None:
 
 @pytest.mark.parametrize("model", ["qwen3-badjson", "qwen3-unknown"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_malformed_calls_come_back_as_content(
-    http: httpx.Client, model: str, stream: bool
-) -> None:
+def test_malformed_calls_come_back_as_content(http: httpx.Client, model: str, stream: bool) -> None:
     body = {"model": model, "messages": USER, "tools": [WEATHER]}
     if stream:
         lines = ollama_stream(http, body)
