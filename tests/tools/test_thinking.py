@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from tests.conftest import RunningServer
+from tests.daemon.test_cli import err, mlxd, out
 from tests.tools.conftest import BLUE, THOUGHT
 
 SKY: list[Any] = [{"role": "user", "content": "Why is the sky blue?"}]
@@ -104,3 +105,11 @@ def test_openai_reasoning_content(server: RunningServer) -> None:
     )
     assert off.choices[0].message.model_extra is not None
     assert "reasoning_content" not in off.choices[0].message.model_extra
+
+
+def test_mlxd_run_think_shows_the_thinking_apart(server: RunningServer) -> None:
+    result = mlxd(["run", "r1", "2+2?", "--think"], server.port)
+    assert result.returncode == 0, err(result)
+    assert out(result) == (
+        "Thinking...\nTwo plus two is four.\n...done thinking.\n\nThe answer is 4.\n"
+    )
