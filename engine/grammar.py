@@ -1,0 +1,219 @@
+"""Structured outputs: a request's grammar, compiled once per tokenizer, and its per-row matcher.
+
+llguidance does the work: it turns a JSON schema, a Lark grammar or a regex into an Earley
+parser over the tokenizer's vocabulary, computes the set of tokens allowed next (a bitmask) and
+the tokens the grammar forces. A compiled grammar is cached by (spec, tokenizer); each row gets
+a cheap copy of the compiled matcher, so rows constrained alike never share parser state.
+
+The mask reaches sampling as an additive bias (0 allowed, -inf not) over the model's logits, so
+the same `choose` serves constrained and free decoding, greedy and sampled alike.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import llguidance
+import mlx.core as mx
+import numpy as np
+
+GrammarKind = Literal["json", "json_schema", "lark", "regex"]
+KINDS: tuple[str, ...] = ("json", "json_schema", "lark", "regex")
+
+# Any JSON object: what Ollama's `format: "json"` and OpenAI's `json_object` promise.
+ANY_OBJECT = '{"type": "object"}'
+CACHED_GRAMMARS = 64  # compiled grammars kept per process (least recently used dropped)
+_BITS = mx.arange(32, dtype=mx.uint32)
+
+
+class GrammarError(ValueError):
+    """A grammar llguidance cannot compile; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """What a request constrains its output to. `source` is the JSON text of the schema for
+    json_schema, the grammar text for lark, the pattern for regex, and ignored for json."""
+
+    kind: GrammarKind
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise GrammarError(f"unknown grammar kind {self.kind!r}")
+
+    @staticmethod
+    def schema(schema: Any) -> GrammarSpec:
+        """A json_schema spec from a schema object (its JSON text, keys in a stable order)."""
+        return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True))
+
+    def llguidance_grammar(self) -> str:
+        """The grammar in llguidance's own serialized form (GrammarError when malformed)."""
+        try:
+            if self.kind == "json":
+                return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT)
+            if self.kind == "json_schema":
+                return llguidance.LLMatcher.grammar_from_json_schema(self.source)
+            if self.kind == "lark":
+                return llguidance.LLMatcher.grammar_from_lark(self.source)
+            return llguidance.LLMatcher.grammar_from_regex(self.source)
+        except ValueError as exc:
+            raise GrammarError(f"invalid {self.kind.replace('_', ' ')}: {exc}") from exc
+
+
+def validate(spec: GrammarSpec) -> None:
+    """Compile `spec` without a tokenizer, raising GrammarError naming what is wrong (what the
+    API checks before it answers, so a bad schema is a 400 rather than a failed stream)."""
+    grammar = spec.llguidance_grammar()
+    error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
+    if error:
+        raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_clean(messages[0])}")
+
+
+def _clean(message: str) -> str:
+    return " ".join(message.split())
+
+
+# -- tokenizers and compiled grammars ----------------------------------------------------------
+
+
+def _hf_tokenizer(tokenizer: Any) -> Any:
+    """The Hugging Face fast tokenizer under mlx-lm's wrapper (or the tokenizer itself)."""
+    return getattr(tokenizer, "_tokenizer", tokenizer)
+
+
+_lock = threading.Lock()
+_tokenizers: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], Any]] = (
+    weakref.WeakKeyDictionary()
+)
+_compiled: OrderedDict[tuple[GrammarSpec, int], tuple[Any, Any]] = OrderedDict()
+
+
+def ll_tokenizer(tokenizer: Any, vocab: int, eos: Sequence[int]) -> Any:
+    """llguidance's view of `tokenizer` with `vocab` mask entries (the model's logits width,
+    which may exceed the tokenizer's) and the pairing's EOS ids; built once (about a second
+    for a large vocabulary) and kept as long as the tokenizer lives."""
+    hf = _hf_tokenizer(tokenizer)
+    key = (vocab, tuple(sorted(eos)))
+    with _lock:
+        per = _tokenizers.setdefault(hf, {})
+        found = per.get(key)
+    if found is not None:
+        return found
+    import llguidance.hf
+
+    built = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=sorted(eos) or None)
+    with _lock:
+        return per.setdefault(key, built)
+
+
+def compile_grammar(spec: GrammarSpec, lltok: Any) -> Any:
+    """A fresh matcher for `spec` over `lltok`, copied from the cached compiled one."""
+    key = (spec, id(lltok))
+    with _lock:
+        hit = _compiled.get(key)
+        if hit is not None and hit[0] is lltok:
+            _compiled.move_to_end(key)
+            return hit[1].deep_copy()
+    template = llguidance.LLMatcher(lltok, spec.llguidance_grammar(), log_level=0)
+    if template.is_error():
+        raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_clean(template.get_error())}")
+    with _lock:
+        _compiled[key] = (lltok, template)  # holding lltok keeps its id unique
+        while len(_compiled) > CACHED_GRAMMARS:
+            _compiled.popitem(last=False)
+    return template.deep_copy()
+
+
+# -- the per-row matcher -----------------------------------------------------------------------
+
+
+class Matcher:
+    """One row's parser state: which tokens may come next, and what the row committed.
+
+    `consume` and `rollback` move it with the committed tokens (and, inside a verify walk,
+    tentatively over drafts); `masks` and `bias` give the allowed set to sampling."""
+
+    def __init__(self, inner: Any, vocab: int) -> None:
+        self.inner = inner
+        self.vocab = vocab
+        self.words = (vocab + 31) // 32
+        self.mask_seconds = 0.0  # host time spent computing masks (bench and metrics)
+        self.masks_computed = 0
+
+    @staticmethod
+    def build(spec: GrammarSpec, tokenizer: Any, vocab: int, eos: Sequence[int]) -> Matcher:
+        return Matcher(compile_grammar(spec, ll_tokenizer(tokenizer, vocab, eos)), vocab)
+
+    # state
+
+    @property
+    def accepting(self) -> bool:
+        """The output so far is complete: EOS may end it here."""
+        return bool(self.inner.is_accepting())
+
+    @property
+    def stopped(self) -> bool:
+        """No token but EOS can follow (the grammar ended, or the parser failed)."""
+        return bool(self.inner.is_stopped())
+
+    @property
+    def error(self) -> str:
+        return str(self.inner.get_error()) if self.inner.is_error() else ""
+
+    # moving
+
+    def consume(self, tokens: Sequence[int]) -> int:
+        """Advance over the leading `tokens` the grammar allows; how many it took."""
+        if not tokens:
+            return 0
+        taken = int(self.inner.try_consume_tokens(list(tokens)))
+        return taken
+
+    def rollback(self, count: int) -> None:
+        if count > 0 and not self.inner.rollback(count):
+            raise RuntimeError(f"grammar rollback failed: {self.inner.get_error()}")
+
+    def forced(self) -> list[int]:
+        """The tokens the grammar allows as the only continuation from here (may be empty)."""
+        if self.inner.is_stopped():
+            return []
+        return [int(t) for t in self.inner.compute_ff_tokens()]
+
+    def allows(self, token: int) -> bool:
+        return int(self.inner.validate_tokens([token])) == 1
+
+    # masks
+
+    def mask_into(self, out: np.ndarray) -> None:
+        """Fill one int32 row of `(vocab + 31) // 32` words with the allowed-token bits."""
+        import time
+
+        t0 = time.perf_counter()
+        self.inner.unsafe_compute_mask_ptr(out.ctypes.data, out.size * out.itemsize)
+        self.mask_seconds += time.perf_counter() - t0
+        self.masks_computed += 1
+
+    def bits(self, rows: int = 1) -> np.ndarray:
+        """An (rows, words) int32 buffer for `mask_into`, every token allowed."""
+        return np.full((rows, self.words), -1, dtype=np.int32)
+
+    def bias(self) -> mx.array:
+        """(1, vocab) additive bias for the next token: 0 where allowed, -inf elsewhere."""
+        buf = self.bits()
+        self.mask_into(buf[0])
+        return bias_of(buf, self.vocab)
+
+
+def bias_of(bits: np.ndarray, vocab: int) -> mx.array:
+    """Bitmask rows (R, words) as an additive (R, vocab) float32 bias, unpacked lazily on the
+    device: only vocab/32 words cross from the host."""
+    words = mx.array(bits.view(np.uint32))
+    allowed = ((words[:, :, None] >> _BITS) & 1).reshape(bits.shape[0], -1)[:, :vocab]
+    return mx.where(allowed.astype(mx.bool_), 0.0, -mx.inf).astype(mx.float32)
