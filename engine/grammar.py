@@ -28,6 +28,14 @@ KINDS: tuple[str, ...] = ("json", "json_schema", "lark", "regex")
 
 # Any JSON object: what Ollama's `format: "json"` and OpenAI's `json_object` promise.
 ANY_OBJECT = '{"type": "object"}'
+# JSON is written in one canonical layout (no free whitespace): a model cannot pad the output
+# with whitespace forever, and more of every object is forced (free drafts). A schema's own
+# "x-guidance" options override these.
+JSON_LAYOUT: dict[str, Any] = {
+    "item_separator": ", ",
+    "key_separator": ": ",
+    "whitespace_flexible": False,
+}
 CACHED_GRAMMARS = 64  # compiled grammars kept per process (least recently used dropped)
 _BITS = mx.arange(32, dtype=mx.uint32)
 
@@ -57,9 +65,9 @@ class GrammarSpec:
         """The grammar in llguidance's own serialized form (GrammarError when malformed)."""
         try:
             if self.kind == "json":
-                return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT)
+                return llguidance.LLMatcher.grammar_from_json_schema(ANY_OBJECT, JSON_LAYOUT)  # type: ignore[arg-type]
             if self.kind == "json_schema":
-                return llguidance.LLMatcher.grammar_from_json_schema(self.source)
+                return llguidance.LLMatcher.grammar_from_json_schema(self.source, JSON_LAYOUT)  # type: ignore[arg-type]
             if self.kind == "lark":
                 return llguidance.LLMatcher.grammar_from_lark(self.source)
             return llguidance.LLMatcher.grammar_from_regex(self.source)
@@ -131,6 +139,23 @@ def compile_grammar(spec: GrammarSpec, lltok: Any) -> Any:
     return template.deep_copy()
 
 
+def logits_width(config: dict[str, Any], tokenizer: Any) -> int:
+    """How many logits the model produces: its configured vocabulary (text models and
+    multimodal ones alike), else the tokenizer's."""
+    for where in (config, config.get("text_config") or {}):
+        if isinstance(where.get("vocab_size"), int):
+            return int(where["vocab_size"])
+    return len(_hf_tokenizer(tokenizer))
+
+
+def row_grammar(pairing: Any, spec: GrammarSpec | None) -> Matcher | None:
+    """A fresh matcher for a request's grammar on `pairing` (None without one)."""
+    if spec is None:
+        return None
+    vocab = logits_width(pairing.config, pairing.tokenizer)
+    return Matcher.build(spec, pairing.tokenizer, vocab, sorted(pairing.eos_ids))
+
+
 # -- the per-row matcher -----------------------------------------------------------------------
 
 
@@ -146,6 +171,8 @@ class Matcher:
         self.words = (vocab + 31) // 32
         self.mask_seconds = 0.0  # host time spent computing masks (bench and metrics)
         self.masks_computed = 0
+        self._moves = 0  # bumped by every consume and rollback: keys the forced-token memo
+        self._forced: tuple[int, list[int]] = (-1, [])
 
     @staticmethod
     def build(spec: GrammarSpec, tokenizer: Any, vocab: int, eos: Sequence[int]) -> Matcher:
@@ -173,18 +200,23 @@ class Matcher:
         """Advance over the leading `tokens` the grammar allows; how many it took."""
         if not tokens:
             return 0
-        taken = int(self.inner.try_consume_tokens(list(tokens)))
-        return taken
+        self._moves += 1
+        return int(self.inner.try_consume_tokens(list(tokens)))
 
     def rollback(self, count: int) -> None:
-        if count > 0 and not self.inner.rollback(count):
+        if count <= 0:
+            return
+        self._moves += 1
+        if not self.inner.rollback(count):
             raise RuntimeError(f"grammar rollback failed: {self.inner.get_error()}")
 
     def forced(self) -> list[int]:
-        """The tokens the grammar allows as the only continuation from here (may be empty)."""
-        if self.inner.is_stopped():
-            return []
-        return [int(t) for t in self.inner.compute_ff_tokens()]
+        """The tokens the grammar allows as the only continuation from here (may be empty);
+        asked by the forced-token draft source, once per matcher state."""
+        if self._forced[0] != self._moves:
+            found = [] if self.inner.is_stopped() else self.inner.compute_ff_tokens()
+            self._forced = (self._moves, [int(t) for t in found])
+        return list(self._forced[1])
 
     def allows(self, token: int) -> bool:
         return int(self.inner.validate_tokens([token])) == 1
@@ -217,3 +249,40 @@ def bias_of(bits: np.ndarray, vocab: int) -> mx.array:
     words = mx.array(bits.view(np.uint32))
     allowed = ((words[:, :, None] >> _BITS) & 1).reshape(bits.shape[0], -1)[:, :vocab]
     return mx.where(allowed.astype(mx.bool_), 0.0, -mx.inf).astype(mx.float32)
+
+
+@dataclass(frozen=True)
+class Walk:
+    """A verify walk's masks: row i is the grammar's mask after the first i drafts, and
+    `consumed` drafts were taken into the matcher (the walk stops at the first draft the
+    grammar refuses, or where the grammar ends)."""
+
+    bias: mx.array  # (n + 1, vocab); rows past the stop allow everything (never decided on)
+    consumed: int
+
+
+def walk(matcher: Matcher, drafts: Sequence[int]) -> Walk:
+    """Advance `matcher` tentatively over `drafts`, masking each position before it: what the
+    verifier needs to choose the masked target's token at every drafted position. The caller
+    settles the matcher on the accepted count (`settle`)."""
+    buf = matcher.bits(len(drafts) + 1)
+    consumed = 0
+    for i in range(len(drafts) + 1):
+        matcher.mask_into(buf[i])
+        if i == len(drafts) or matcher.stopped:
+            break
+        tok = drafts[i]
+        if not (0 <= tok < matcher.vocab) or not (int(buf[i, tok >> 5]) >> (tok & 31)) & 1:
+            break
+        if matcher.consume([tok]) != 1:
+            break
+        consumed += 1
+    return Walk(bias_of(buf, matcher.vocab), consumed)
+
+
+def settle(matcher: Matcher, walked: Walk, accepted: int) -> int:
+    """Roll the matcher back over the walked drafts the verifier rejected; how many of the
+    accepted drafts it holds (the committed tokens after those are consumed one by one)."""
+    kept = min(accepted, walked.consumed)
+    matcher.rollback(walked.consumed - kept)
+    return kept
