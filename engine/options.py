@@ -16,7 +16,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-DRAFT_METHODS = ("auto", "model", "lookup", "off")
+DRAFT_METHODS = ("auto", "model", "lookup", "forced", "off")  # forced: a grammar's own
 MAX_DRAFT_TOKENS = 64  # options.draft_num_predict: drafts per round (verify cost grows with it)
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
