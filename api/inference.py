@@ -3,7 +3,6 @@ rendering and tokenizing the prompt."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -39,16 +38,6 @@ def check_think(think: bool | str | None, entry: ModelEntry) -> None:
     if not (think is True or think in THINK_LEVELS):
         raise ApiError(400, "invalid think value")
     raise ApiError(400, f'"{entry.name}" does not support thinking')
-
-
-def check_format(fmt: Any) -> None:
-    if fmt in (None, ""):
-        return
-    if fmt != "json" and not isinstance(fmt, dict):
-        raise ApiError(
-            400, f'invalid format: {json.dumps(fmt)}; expected "json" or a valid JSON Schema object'
-        )
-    raise ApiError(400, "structured outputs (format) are not supported by mlxd yet")
 
 
 def native_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:

@@ -18,7 +18,6 @@ from mlxd.api.errors import ApiError
 from mlxd.api.inference import (
     acquire,
     chat_renderer,
-    check_format,
     check_think,
     native_messages,
     prepare,
@@ -27,6 +26,7 @@ from mlxd.api.inference import (
 from mlxd.api.modelinfo import find_local, show_json, tag_json
 from mlxd.api.pump import collect, pump
 from mlxd.api.state import ServerState, lookup, state_of
+from mlxd.api.structured import request_grammar
 from mlxd.api.types import (
     ChatRequest,
     ChatResponse,
@@ -166,7 +166,7 @@ async def generate(request: Request) -> Response:
     raw = bool(body.raw)
     if raw and (body.template or body.system or context):
         raise ApiError(400, "raw mode does not support template, system, or context")
-    check_format(body.format)
+    grammar = await request_grammar(body.format, body.options)
     check_think(body.think, entry)
     opts = request_options(entry, body.options)
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
@@ -192,7 +192,9 @@ async def generate(request: Request) -> Response:
     slot, load_seconds, prompt_tokens = await prepare(
         state, entry, keep, render, opts, list(context or []), templated=not raw
     )
-    gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
+    gen = GenerationRequest(
+        prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
+    )
 
     def final(done: Done, text: str = "") -> GenerateResponse:
         tokens = None if raw else prompt_tokens + done.output_tokens
@@ -223,7 +225,7 @@ async def chat(request: Request) -> Response:
         raise ApiError(400, "model is required")
     entry = lookup(state, name)
     messages = native_messages(body.messages or [])
-    check_format(body.format)
+    grammar = await request_grammar(body.format, body.options)
     check_think(body.think, entry)
     opts = request_options(entry, body.options)
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
@@ -238,7 +240,9 @@ async def chat(request: Request) -> Response:
 
     render = chat_renderer(entry, messages, body.tools)
     slot, load_seconds, prompt_tokens = await prepare(state, entry, keep, render, opts)
-    gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
+    gen = GenerationRequest(
+        prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
+    )
     if body.stream is False:
         whole = await collect(state.manager, slot, gen)
         return json_response(answer(whole.text, True, **final_fields(whole.done)))

@@ -230,6 +230,7 @@ class ChatCompletionRequest(msgspec.Struct):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     response_format: ResponseFormat | None = None
+    format: Any = None  # the native routes' `format`, accepted here too (not with the above)
     tools: list[Any] | None = None
     reasoning_effort: str | None = None
     reasoning: Reasoning | None = None
@@ -248,6 +249,8 @@ class CompletionRequest(msgspec.Struct):
     top_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    response_format: ResponseFormat | None = None
+    format: Any = None
 
 
 # -- OpenAI: responses --------------------------------------------------------------------------

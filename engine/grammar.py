@@ -37,7 +37,6 @@ JSON_LAYOUT: dict[str, Any] = {
     "whitespace_flexible": False,
 }
 CACHED_GRAMMARS = 64  # compiled grammars kept per process (least recently used dropped)
-_BITS = mx.arange(32, dtype=mx.uint32)
 
 
 class GrammarError(ValueError):
@@ -247,7 +246,8 @@ def bias_of(bits: np.ndarray, vocab: int) -> mx.array:
     """Bitmask rows (R, words) as an additive (R, vocab) float32 bias, unpacked lazily on the
     device: only vocab/32 words cross from the host."""
     words = mx.array(bits.view(np.uint32))
-    allowed = ((words[:, :, None] >> _BITS) & 1).reshape(bits.shape[0], -1)[:, :vocab]
+    shifts = mx.arange(32, dtype=mx.uint32)  # built here: an array belongs to its thread's stream
+    allowed = ((words[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1)[:, :vocab]
     return mx.where(allowed.astype(mx.bool_), 0.0, -mx.inf).astype(mx.float32)
 
 

@@ -27,6 +27,7 @@ _IGNORED = frozenset(
         "num_keep", "typical_p", "num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread",
         "numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mlock", "embedding_only",
         "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta", "penalize_newline",
+        "grammar",  # mlxd's structured output: read by the API (api.structured)
     }
 )  # fmt: skip
 
