@@ -57,8 +57,9 @@ class GrammarSpec:
 
     @staticmethod
     def schema(schema: Any) -> GrammarSpec:
-        """A json_schema spec from a schema object (its JSON text, keys in a stable order)."""
-        return GrammarSpec("json_schema", json.dumps(schema, sort_keys=True))
+        """A json_schema spec from a schema object (its JSON text, keys in a stable order),
+        objects with listed properties closed (`closed`)."""
+        return GrammarSpec("json_schema", json.dumps(closed(schema), sort_keys=True))
 
     def llguidance_grammar(self) -> str:
         """The grammar in llguidance's own serialized form (GrammarError when malformed)."""
@@ -72,6 +73,41 @@ class GrammarSpec:
             return llguidance.LLMatcher.grammar_from_regex(self.source)
         except ValueError as exc:
             raise GrammarError(f"invalid {self.kind.replace('_', ' ')}: {exc}") from exc
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems")
+_SCHEMA_ONE = (
+    "items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+    "additionalItems", "unevaluatedProperties", "unevaluatedItems",
+)  # fmt: skip
+
+
+def closed(schema: Any) -> Any:
+    """`schema` with every object that lists `properties` but says nothing of
+    `additionalProperties` closed to those properties, as Ollama's (llama.cpp's) schema
+    grammars and OpenAI's strict mode read a schema: `format=Model.model_json_schema()` gets
+    the model's fields, not the extra keys JSON Schema's open default would let a model add.
+    Only subschemas are visited (never `enum`, `const` or `default` values)."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed(sub) for sub in out[key]]
+    for key in _SCHEMA_ONE:
+        if key in out:
+            out[key] = (
+                [closed(sub) for sub in out[key]]
+                if isinstance(out[key], list)
+                else closed(out[key])
+            )
+    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def validate(spec: GrammarSpec) -> None:
