@@ -202,7 +202,8 @@ class Generation:
             out.append(tok)
             self.tokens.append(tok)
             self.produced += 1
-            if tok in self.eos or (self.grammar is not None and self.grammar.stopped):
+            # the matcher stands after token i once past the walked tokens it already holds
+            if tok in self.eos or (g is not None and i + 1 >= walked and g.stopped):
                 self.finish = "stop"
                 break
         if self.grammar is not None and len(out) < walked:
