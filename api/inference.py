@@ -3,7 +3,6 @@ rendering and tokenizing the prompt."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,16 +28,6 @@ MAX_CHARS_PER_TOKEN = 64
 def request_options(entry: ModelEntry, options: dict[str, Any] | None) -> SamplingOptions:
     """The registry's defaults under the request's options (OptionsError: 400)."""
     return parse_options(entry.options, options)
-
-
-def check_format(fmt: Any) -> None:
-    if fmt in (None, ""):
-        return
-    if fmt != "json" and not isinstance(fmt, dict):
-        raise ApiError(
-            400, f'invalid format: {json.dumps(fmt)}; expected "json" or a valid JSON Schema object'
-        )
-    raise ApiError(400, "structured outputs (format) are not supported by mlxd yet")
 
 
 def native_messages(messages: Sequence[Message]) -> list[dict[str, Any]]:

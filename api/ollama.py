@@ -19,7 +19,6 @@ from mlxd.api.durations import parse_keep_alive
 from mlxd.api.errors import ApiError
 from mlxd.api.inference import (
     acquire,
-    check_format,
     native_messages,
     prepare,
     request_options,
@@ -28,6 +27,7 @@ from mlxd.api.modelinfo import find_local, show_json, tag_json
 from mlxd.api.pump import collect, pump
 from mlxd.api.reply import Parser, Part, Plain, Reply, reply_parser
 from mlxd.api.state import ServerState, lookup, state_of
+from mlxd.api.structured import request_grammar
 from mlxd.api.thinking import THINKING
 from mlxd.api.tools import ToolCall
 from mlxd.api.types import (
@@ -190,7 +190,7 @@ async def generate(request: Request) -> Response:
     raw = bool(body.raw)
     if raw and (body.template or body.system or context):
         raise ApiError(400, "raw mode does not support template, system, or context")
-    check_format(body.format)
+    grammar = await request_grammar(body.format, body.options)
     check_think_value(body.think)
     opts = request_options(entry, body.options)
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
@@ -224,7 +224,9 @@ async def generate(request: Request) -> Response:
     slot, load_seconds, prompt_tokens = await prepare(
         state, entry, keep, render, opts, list(context or []), templated=not raw
     )
-    gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
+    gen = GenerationRequest(
+        prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
+    )
 
     def final(done: Done, reply: Reply | None = None) -> GenerateResponse:
         tokens = None if raw else prompt_tokens + done.output_tokens
@@ -267,7 +269,7 @@ async def chat(request: Request) -> Response:
         raise ApiError(400, "model is required")
     entry = lookup(state, name)
     messages = native_messages(body.messages or [])
-    check_format(body.format)
+    grammar = await request_grammar(body.format, body.options)
     opts = request_options(entry, body.options)
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
     prompt = ChatPrompt(entry, messages, body.tools, body.think)
@@ -284,7 +286,9 @@ async def chat(request: Request) -> Response:
         )
 
     slot, load_seconds, prompt_tokens = await prepare(state, entry, keep, prompt, opts)
-    gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
+    gen = GenerationRequest(
+        prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
+    )
     if body.stream is False:
         whole = await collect(state.manager, slot, gen)
         reply = Reply.of(prompt.parser(), whole.text)

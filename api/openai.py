@@ -26,7 +26,6 @@ from mlxd.api.chatprompt import ChatPrompt
 from mlxd.api.codec import json_response, read_request, sse_event
 from mlxd.api.errors import ApiError, message_of, status_of
 from mlxd.api.inference import (
-    check_format,
     native_messages,
     prepare,
     request_options,
@@ -35,6 +34,7 @@ from mlxd.api.modelinfo import LocalModel, find_local
 from mlxd.api.pump import collect, pump
 from mlxd.api.reply import Parser, Part, Plain, Reply
 from mlxd.api.state import ServerState, lookup, state_of
+from mlxd.api.structured import checked, from_format, from_response_format, one_of
 from mlxd.api.thinking import THINKING
 from mlxd.api.tools import ToolCall
 from mlxd.api.types import (
@@ -58,6 +58,7 @@ from mlxd.api.types import (
     Usage,
 )
 from mlxd.engine.events import Done, GenerationRequest
+from mlxd.engine.grammar import GrammarSpec
 from mlxd.engine.manager import Loaded
 from mlxd.engine.pairing import Pairing
 from mlxd.engine.prompt import render_generate
@@ -141,17 +142,10 @@ def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-def _response_format(body: ChatCompletionRequest) -> None:
-    """Only plain text is supported; JSON modes get the native route's 400."""
-    fmt = body.response_format
-    if fmt is None or fmt.type == "text":
-        return
-    if fmt.type == "json_object":
-        check_format("json")
-    if fmt.type == "json_schema":
-        schema = (fmt.json_schema or {}).get("schema")
-        check_format(schema if isinstance(schema, dict) else {})
-    raise ApiError(400, f"invalid response_format type: {msgspec.json.encode(fmt.type).decode()}")
+async def _response_format(body: ChatCompletionRequest | CompletionRequest) -> GrammarSpec | None:
+    """`response_format` (or, as on the native routes, `format`: not both) as a grammar."""
+    spec = one_of(from_response_format(body.response_format), from_format(body.format))
+    return await checked(spec)
 
 
 def _reasoning(body: ChatCompletionRequest) -> bool | str | None:
@@ -409,12 +403,14 @@ async def chat_completions(request: Request) -> Response:
     entry = lookup(state, name)
     messages = _native_messages(body.messages)
     think = _reasoning(body)
-    _response_format(body)
+    grammar = await _response_format(body)
     opts = request_options(entry, _sampling(body))
 
     prompt = ChatPrompt(entry, messages, _chosen_tools(body), think)
     slot, load_seconds, tokens = await prepare(state, entry, None, prompt, opts)
-    gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
+    gen = GenerationRequest(
+        tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
+    )
 
     if not body.stream:
         env = _envelope("chatcmpl", "chat.completion", name)
@@ -454,6 +450,7 @@ async def completions(request: Request) -> Response:
     entry = lookup(state, name)
     prompt, suffix = body.prompt or "", body.suffix or ""
     usage = _include_usage(body)
+    grammar = await _response_format(body)
     opts = request_options(entry, _sampling(body))
 
     def render(pairing: Pairing) -> str:
@@ -464,7 +461,9 @@ async def completions(request: Request) -> Response:
         )
 
     slot, load_seconds, tokens = await prepare(state, entry, None, render, opts)
-    gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
+    gen = GenerationRequest(
+        tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
+    )
     env = _envelope("cmpl", "text_completion", name)
 
     if not body.stream:

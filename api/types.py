@@ -247,6 +247,7 @@ class ChatCompletionRequest(msgspec.Struct):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     response_format: ResponseFormat | None = None
+    format: Any = None  # the native routes' `format`, accepted here too (not with the above)
     tools: list[Any] | None = None
     tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: bool | None = None
@@ -267,6 +268,8 @@ class CompletionRequest(msgspec.Struct):
     top_p: float | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
+    response_format: ResponseFormat | None = None
+    format: Any = None
 
 
 # -- OpenAI: responses --------------------------------------------------------------------------

@@ -114,9 +114,19 @@ def sample(probs: mx.array, noise: mx.array) -> mx.array:
     return mx.argmax(mx.log(probs) + noise, axis=-1).astype(mx.uint32)
 
 
-def choose(logits: mx.array, opts: SamplingOptions, rng: Rng, position: int) -> mx.array:
+def choose(
+    logits: mx.array,
+    opts: SamplingOptions,
+    rng: Rng,
+    position: int,
+    bias: mx.array | None = None,
+) -> mx.array:
     """The token for each row of already penalized `logits` (L, V), row i sitting at
-    `position` + i: the argmax when greedy, else the position-keyed sample. Lazy."""
+    `position` + i: the argmax when greedy, else the position-keyed sample. Lazy. A grammar's
+    `bias` (L, V: 0 allowed, -inf not) masks the logits first, so the choice is the argmax or
+    an exact sample of the masked distribution."""
+    if bias is not None:
+        logits = logits.astype(mx.float32) + bias
     if opts.greedy:
         return mx.argmax(logits, axis=-1).astype(mx.uint32)
     probs = probabilities(logits, opts)
@@ -130,7 +140,8 @@ def next_tokens(
     opts: SamplingOptions,
     rng: Rng,
     position: int,
+    bias: mx.array | None = None,
 ) -> mx.array:
     """Choose one token per row of `logits` (the first at `position`); penalties see
-    `history + extra`."""
-    return choose(penalize(logits, history, extra, opts), opts, rng, position)
+    `history + extra`; a grammar's `bias` masks them."""
+    return choose(penalize(logits, history, extra, opts), opts, rng, position, bias)
