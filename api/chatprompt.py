@@ -12,10 +12,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxd.api.chatformat import MISTRAL, ChatFormat, chat_format
+from mlxd.api.chatformat import MISTRAL, ChatFormat, chat_format, opens_thinking
 from mlxd.api.errors import ApiError
 from mlxd.api.reply import Parser, Plain, reply_parser
+from mlxd.api.toolgrammar import AUTO, tool_grammar
 from mlxd.api.tools import mistral_id, template_calls, tool_names
+from mlxd.engine.grammar import GrammarError, GrammarSpec, validate
 from mlxd.engine.pairing import Pairing
 from mlxd.engine.prompt import render_chat, with_system
 from mlxd.registry.schema import ModelEntry
@@ -91,7 +93,8 @@ def template_messages(messages: Sequence[dict[str, Any]], fmt: ChatFormat) -> li
 
 class ChatPrompt:
     """Renders one chat request for a loaded pairing; afterwards `parser()` gives the parser
-    its reply goes through."""
+    its reply goes through and `grammar` the constraint on its tool calls (`choice`: AUTO,
+    REQUIRED, or the name of the one tool in `tools`)."""
 
     def __init__(
         self,
@@ -99,6 +102,7 @@ class ChatPrompt:
         messages: list[dict[str, Any]],
         tools: Sequence[Any] | None,
         think: bool | str | None,
+        choice: str = AUTO,
     ) -> None:
         check_think_value(think)
         tool_names(tools)  # a malformed tool is a 400 before the model is loaded
@@ -107,6 +111,8 @@ class ChatPrompt:
         self.tools = list(tools) if tools else None
         self.think_value = think
         self.think = Think(False)
+        self.choice = choice
+        self.grammar: GrammarSpec | None = None
         self._parser: Any = Plain
 
     def __call__(self, pairing: Pairing) -> str:
@@ -120,7 +126,20 @@ class ChatPrompt:
         )
         think, tools = self.think.on, self.tools
         self._parser = lambda: reply_parser(fmt, text, think, tools)
+        if tools:
+            inside = fmt.think is not None and think and opens_thinking(text, fmt.think)
+            self.grammar = tool_grammar(fmt, pairing.tokenizer, tools, self.choice, inside)
+            self._validate()
         return text
+
+    def _validate(self) -> None:
+        """A tool whose parameters are not a schema the grammar takes is the request's fault."""
+        if self.grammar is None:
+            return
+        try:
+            validate(self.grammar)
+        except GrammarError as exc:
+            raise ApiError(400, f"invalid tool parameters: {exc}") from exc
 
     def parser(self) -> Parser:
         """A fresh parser for the reply (each call starts from the beginning)."""

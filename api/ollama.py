@@ -287,8 +287,9 @@ async def chat(request: Request) -> Response:
 
     slot, load_seconds, prompt_tokens = await prepare(state, entry, keep, prompt, opts)
     gen = GenerationRequest(
-        prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
-    )
+        prompt_tokens, opts, started=started, load_duration=load_seconds,
+        grammar=grammar or prompt.grammar,
+    )  # fmt: skip
     if body.stream is False:
         whole = await collect(state.manager, slot, gen)
         reply = Reply.of(prompt.parser(), whole.text)

@@ -36,6 +36,7 @@ from mlxd.api.reply import Parser, Part, Plain, Reply
 from mlxd.api.state import ServerState, lookup, state_of
 from mlxd.api.structured import checked, from_format, from_response_format, one_of
 from mlxd.api.thinking import THINKING
+from mlxd.api.toolgrammar import AUTO, REQUIRED
 from mlxd.api.tools import ToolCall
 from mlxd.api.types import (
     ZERO_USAGE,
@@ -167,14 +168,15 @@ def _reasoning(body: ChatCompletionRequest) -> bool | str | None:
     return mapped.get(effort, effort)
 
 
-def _chosen_tools(body: ChatCompletionRequest) -> list[Any] | None:
-    """The tools the model may call under `tool_choice`: none of them for "none", only the
-    named one for a named function."""
+def _tool_choice(body: ChatCompletionRequest) -> tuple[list[Any] | None, str]:
+    """The tools the model may call under `tool_choice`, and how: none of them for "none"; all
+    of them, freely or at least one, for "auto" and "required"; only the named one, once, for
+    a named function."""
     choice, tools = body.tool_choice, body.tools
-    if choice is None or choice in ("auto", "required"):
-        return tools
+    if choice is None or choice in (AUTO, REQUIRED):
+        return tools, choice or AUTO
     if choice == "none":
-        return None
+        return None, AUTO
     fn = choice.get("function") if isinstance(choice, dict) else None
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
@@ -186,7 +188,7 @@ def _chosen_tools(body: ChatCompletionRequest) -> list[Any] | None:
     ]
     if not chosen:
         raise ApiError(400, f"tool_choice names a function that is not in tools: {name}")
-    return chosen
+    return chosen[:1], name
 
 
 def _image(part: dict[str, Any]) -> str:
@@ -406,11 +408,13 @@ async def chat_completions(request: Request) -> Response:
     grammar = await _response_format(body)
     opts = request_options(entry, _sampling(body))
 
-    prompt = ChatPrompt(entry, messages, _chosen_tools(body), think)
+    tools, tool_choice = _tool_choice(body)
+    prompt = ChatPrompt(entry, messages, tools, think, tool_choice)
     slot, load_seconds, tokens = await prepare(state, entry, None, prompt, opts)
     gen = GenerationRequest(
-        tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
-    )
+        tokens, opts, started=started, load_duration=load_seconds,
+        grammar=grammar or prompt.grammar,
+    )  # fmt: skip
 
     if not body.stream:
         env = _envelope("chatcmpl", "chat.completion", name)

@@ -28,6 +28,17 @@ WEATHER = {
         },
     },
 }
+CITY = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+        },
+    },
+}
 ANSWER = "It is 18 degrees in Paris."
 THOUGHT = "The user asks about the sky."
 BLUE = "It is blue."
@@ -36,14 +47,14 @@ BLUE = "It is blue."
 MODELS: dict[str, tuple[str, Script]] = {
     "qwen3-tools": ("qwen3", Script(
         "\n",
-        ("Let me check. ", "<tool_call>", '\n{"name": "get_weather", ',
-         '"arguments": {"city": "Paris"}}\n', "</tool_call>"),
+        ("Let me check. ", "<tool_call>", '\n{"name": "get_weather", ', '"arguments": ',
+         '{"city": ', '"Paris"}', "}\n", "</tool_call>"),
         (ANSWER,),
         "<tool_response>",
     )),
     "qwen25-tools": ("qwen2_5", Script(
-        "\n", ("<tool_call>", '\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n',
-               "</tool_call>"),
+        "\n", ("<tool_call>", '\n{"name": "get_weather", "arguments": ', '{"city": ', '"Paris"}',
+               "}\n", "</tool_call>"),
     )),
     "llama3-tools": ("llama3", Script(
         "\n", ("<|python_tag|>", '{"name": "get_weather", ', '"parameters": {"city": "Paris"}}'),
@@ -53,7 +64,7 @@ MODELS: dict[str, tuple[str, Script]] = {
     )),
     "mistral-tools": ("mistral", Script(
         "[/INST]", ("[TOOL_CALLS]", '[{"name": "get_weather", "arguments": ',
-                    '{"city": "Paris"}}]'),
+                    '{"city": ', '"Paris"}', "}]"),
     )),
     "generic-tools": ("generic", Script(
         "\n", ('{"name": "get_weather", ', '"arguments": {"city": "Paris"}}'),
@@ -62,12 +73,15 @@ MODELS: dict[str, tuple[str, Script]] = {
         "\n", ("<think>", "\n" + THOUGHT + "\n", "</think>", "\n\n" + BLUE),
     )),
     "r1": ("r1", Script("\n", ("Two plus two", " is four.", "</think>", "\n\nThe answer is 4."))),
-    "qwen3-badjson": ("qwen3", Script(
-        "\n", ("<tool_call>", '\n{"name": "get_weather", "arguments": {"city": ', "\n</tool_call>"),
+    # formats whose free replies are not constrained (no call marker): malformed calls happen
+    "llama3-badjson": ("llama3", Script(
+        "\n", ('{"name": "get_weather", ', '"parameters": {"city": '),
     )),
-    "qwen3-unknown": ("qwen3", Script(
-        "\n", ("<tool_call>", '\n{"name": "launch_rocket", "arguments": {}}\n', "</tool_call>"),
+    "generic-unknown": ("generic", Script(
+        "\n", ('{"name": "launch_rocket", ', '"arguments": {}}'),
     )),
+    # never calls on its own: tool_choice must force it
+    "talker": ("qwen2_5", Script("\n", ("I would rather chat.",))),
 }  # fmt: skip
 
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from tests.conftest import RunningServer
-from tests.tools.conftest import ANSWER, CALL_ARGS, WEATHER
+from tests.tools.conftest import ANSWER, CALL_ARGS, CITY, WEATHER
 
 pytestmark = pytest.mark.filterwarnings("ignore:Items? .*ReadOnly:UserWarning")
 QUESTION = "What is the weather in Paris?"
@@ -179,3 +179,35 @@ def test_litellm_ollama_chat(server: RunningServer) -> None:
     [call] = r.choices[0].message.tool_calls
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments) == CALL_ARGS
+
+
+# -- tool_choice forces a call through the grammar ----------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "choice", ["required", {"type": "function", "function": {"name": "get_weather"}}]
+)
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_choice_forces_a_call_on_a_model_that_would_not(
+    oai: openai.OpenAI, choice: Any, stream: bool
+) -> None:
+    messages: Any = [{"role": "user", "content": QUESTION}]
+    plain = oai.chat.completions.create(model="talker", messages=messages, tools=[CITY])
+    assert plain.choices[0].message.content == "I would rather chat."
+    if stream:
+        with oai.chat.completions.stream(
+            model="talker", messages=messages, tools=[CITY], tool_choice=choice
+        ) as s:
+            for _ in s:
+                pass
+            r = s.get_final_completion()
+    else:
+        r = oai.chat.completions.create(
+            model="talker", messages=messages, tools=[CITY], tool_choice=choice
+        )
+    assert r.choices[0].finish_reason == "tool_calls"
+    [call] = r.choices[0].message.tool_calls or []
+    assert call.function.name == "get_weather"
+    # the grammar chose for a model with no opinion: any value the schema allows
+    assert json.loads(call.function.arguments) in ({"city": "Paris"}, {"city": "Rome"})
+    assert not r.choices[0].message.content
