@@ -45,7 +45,8 @@ async def pump(
                     yield piece
             elif isinstance(event, Done):
                 for piece in writer.done(event):
-                    yield piece
+                    if piece:
+                        yield piece
                 finished = True
             elif isinstance(event, Failed):
                 yield writer.failed(event.message)
