@@ -11,6 +11,7 @@ the same `choose` serves constrained and free decoding, greedy and sampled alike
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import weakref
@@ -113,10 +114,20 @@ def closed(schema: Any) -> Any:
 def validate(spec: GrammarSpec) -> None:
     """Compile `spec` without a tokenizer, raising GrammarError naming what is wrong (what the
     API checks before it answers, so a bad schema is a 400 rather than a failed stream)."""
-    grammar = spec.llguidance_grammar()
+    problem = _problem(spec)
+    if problem:
+        raise GrammarError(problem)
+
+
+@functools.lru_cache(maxsize=CACHED_GRAMMARS)
+def _problem(spec: GrammarSpec) -> str:
+    """What is wrong with `spec` ("" when nothing); remembered, as clients repeat schemas."""
+    try:
+        grammar = spec.llguidance_grammar()
+    except GrammarError as exc:
+        return str(exc)
     error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar)
-    if error:
-        raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_clean(messages[0])}")
+    return f"invalid {spec.kind.replace('_', ' ')}: {_clean(messages[0])}" if error else ""
 
 
 def _clean(message: str) -> str:
@@ -151,7 +162,10 @@ def ll_tokenizer(tokenizer: Any, vocab: int, eos: Sequence[int]) -> Any:
         return found
     import llguidance.hf
 
-    built = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=sorted(eos) or None)
+    try:
+        built = llguidance.hf.from_tokenizer(hf, n_vocab=vocab, eos_token=sorted(eos) or None)
+    except Exception as exc:  # e.g. a slow (Python) tokenizer, which llguidance cannot read
+        raise GrammarError(f"structured outputs are not available for this model: {exc}") from exc
     with _lock:
         return per.setdefault(key, built)
 
