@@ -80,16 +80,6 @@ class Pairing:
                 f" ({size}); use a group size that does, or no kv_bits"
             )
 
-    @property
-    def capabilities(self) -> list[str]:
-        caps = ["completion"]
-        if self.fim is not None:
-            caps.append("insert")
-        template = getattr(self.tokenizer, "chat_template", None) or ""
-        if "tools" in template:
-            caps.append("tools")
-        return caps
-
 
 def locate(ref: str, what: str) -> Path:
     path = resolve_local(ref)
