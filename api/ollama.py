@@ -201,6 +201,7 @@ async def generate(request: Request) -> Response:
             lambda reason: GenerateResponse(name, now(), "", True, done_reason=reason),
         )  # fmt: skip
 
+    # how the reply is split (thinking): known once `render` has seen the model's template
     parsers: list[Callable[[], Parser]] = [Plain]
 
     def render(pairing: Pairing) -> str:
