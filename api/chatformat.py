@@ -11,6 +11,7 @@ import jinja2
 from jinja2 import meta
 
 HERMES = "hermes"  # Qwen2.5 / Qwen3 / Hermes: <tool_call>{json}</tool_call>
+QWEN_XML = "qwen_xml"  # Qwen3-Coder / Qwen3.5: <tool_call><function=f><parameter=p>...
 LLAMA3 = "llama3"  # Llama 3.1-3.3: a bare JSON object, or after <|python_tag|>
 MISTRAL = "mistral"  # [TOOL_CALLS] [{...}] (or v11's name[ARGS]{...})
 HARMONY = "harmony"  # gpt-oss: channels and recipients
@@ -75,7 +76,7 @@ def _tool_format(template: str) -> str | None:
     if "[TOOL_CALLS]" in template:
         return MISTRAL
     if "<tool_call>" in template:
-        return HERMES
+        return QWEN_XML if "<function=" in template else HERMES
     if "<|python_tag|>" in template or ('"parameters"' in template and "ipython" in template):
         return LLAMA3
     return JSON

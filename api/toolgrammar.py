@@ -12,8 +12,8 @@ The call text is exactly what the family's template renders in history (`{"name"
 "arguments": {...}}` for Qwen, `"parameters"` for Llama), so a forced call stays in the
 model's own distribution. Marker tokens are named by id (`<[id]>`): they are special tokens,
 which never match as text. Formats without a marker token (Llama's bare JSON, the generic
-JSON fallback) are constrained only when a call is required; gpt-oss's channels are not
-constrained.
+JSON fallback) are constrained only when a call is required; gpt-oss's channels and
+Qwen3-Coder's XML calls are not constrained.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxd.api.chatformat import HERMES, JSON, LLAMA3, MISTRAL
+from mlxd.api.chatformat import HERMES, JSON, LLAMA3, MISTRAL, QWEN_XML
 from mlxd.api.errors import ApiError
 from mlxd.api.thinking import CONTENT, Piece, partial_tail
 
@@ -68,6 +68,7 @@ class Markers:
 
 MARKERS = {
     HERMES: Markers("<tool_call>", "</tool_call>", False),
+    QWEN_XML: Markers("<tool_call>", "</tool_call>", False),
     LLAMA3: Markers("<|python_tag|>", None, True),
     MISTRAL: Markers("[TOOL_CALLS]", None, False),
     JSON: Markers(None, None, True),
@@ -122,9 +123,30 @@ def _mistral_v11(text: str) -> list[Any] | None:
     return out
 
 
+_XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.S)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+def _xml_calls(body: str) -> list[Any] | None:
+    """Qwen3-Coder's `<function=f><parameter=p>value</parameter></function>`; a value that is
+    JSON (a number, a list) is read as JSON, anything else is a string."""
+    calls = []
+    for fn in _XML_FUNCTION.finditer(body):
+        args: dict[str, Any] = {}
+        for param in _XML_PARAMETER.finditer(fn.group(2)):
+            value = param.group(2)
+            try:
+                args[param.group(1)] = json.loads(value)
+            except ValueError:
+                args[param.group(1)] = value
+        calls.append({"name": fn.group(1), "arguments": args})
+    leftover = _XML_FUNCTION.sub("", body).strip()
+    return calls if calls and not leftover else None
+
+
 def parse_calls(body: str, names: set[str]) -> list[tuple[str, dict[str, Any]]] | None:
     """The calls in a call body, or None when it is not calls to declared tools."""
-    items = _objects(body)
+    items = _xml_calls(body) if "<function=" in body else _objects(body)
     if items is None and "[ARGS]" in body:
         items = _mistral_v11(body)
     if not items:

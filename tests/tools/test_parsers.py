@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from mlxd.api.chatformat import HERMES, JSON, LLAMA3, MISTRAL, THINK, chat_format
+from mlxd.api.chatformat import HERMES, JSON, LLAMA3, MISTRAL, QWEN_XML, THINK, chat_format
 from mlxd.api.harmony import HarmonyParser
 from mlxd.api.reply import Parser, Reply, ReplyParser
 from mlxd.api.thinking import ThinkSplitter
@@ -61,6 +61,9 @@ CASES = [
     (MISTRAL, "[TOOL_CALLS] not json", "[TOOL_CALLS] not json", []),
     (JSON, '{"name": "get_weather", "arguments": {"city": "Paris"}}', "", [("get_weather", PARIS)]),
     (JSON, "Plain {text}", "Plain {text}", []),
+    (QWEN_XML, 'Ok <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+     '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>',
+     "Ok ", [("get_weather", {"city": "Paris", "days": 3})]),
 ]  # fmt: skip
 
 
@@ -133,6 +136,8 @@ def test_formats_detected_from_the_templates() -> None:
     r1 = fmt("deepseek_r1_distill.jinja")
     assert r1.tools is None and r1.think == THINK
     assert chat_format(None).capabilities == []
+    coder = "{% for tool in tools %}{{ tool | tojson }}{% endfor %}<tool_call>\n<function=name>"
+    assert chat_format(coder).tools == QWEN_XML
 
 
 def test_mistral_ids() -> None:
