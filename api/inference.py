@@ -4,7 +4,6 @@ rendering and tokenizing the prompt."""
 from __future__ import annotations
 
 import binascii
-import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -22,7 +21,6 @@ from mlxd.engine.truncation import Budget, fit
 from mlxd.registry.schema import ModelEntry
 
 ROLES = ("system", "user", "assistant", "tool")
-THINK_LEVELS = ("low", "medium", "high", "max")
 
 log = logging.getLogger(__name__)
 
@@ -30,25 +28,6 @@ log = logging.getLogger(__name__)
 def request_options(entry: ModelEntry, options: dict[str, Any] | None) -> SamplingOptions:
     """The registry's defaults under the request's options (OptionsError: 400)."""
     return parse_options(entry.options, options)
-
-
-def check_think(think: bool | str | None, entry: ModelEntry) -> None:
-    """No model served today has a thinking mode: `think: true` or a level is refused."""
-    if think is None or think is False:
-        return
-    if not (think is True or think in THINK_LEVELS):
-        raise ApiError(400, "invalid think value")
-    raise ApiError(400, f'"{entry.name}" does not support thinking')
-
-
-def check_format(fmt: Any) -> None:
-    if fmt in (None, ""):
-        return
-    if fmt != "json" and not isinstance(fmt, dict):
-        raise ApiError(
-            400, f'invalid format: {json.dumps(fmt)}; expected "json" or a valid JSON Schema object'
-        )
-    raise ApiError(400, "structured outputs (format) are not supported by mlxd yet")
 
 
 def check_images(images: Sequence[str] | None, model: str) -> None:
@@ -144,19 +123,6 @@ def chat_head(entry: ModelEntry, messages: list[dict[str, Any]]) -> Callable[[Pa
     """A chat's head: its system messages alone (what truncation keeps first)."""
     system = [m for m in with_system(messages, entry.system) if m["role"] == "system"]
     return lambda pairing: render_chat(pairing.tokenizer, system) if system else ""
-
-
-def chat_renderer(
-    entry: ModelEntry, messages: list[dict[str, Any]], tools: list[Any] | None
-) -> Callable[[Pairing], str]:
-    """How a chat request becomes a prompt for a loaded pairing (native and /v1 alike)."""
-
-    def render(pairing: Pairing) -> str:
-        if tools and "tools" not in pairing.capabilities:
-            raise ApiError(400, f"{entry.name} does not support tools")
-        return render_chat(pairing.tokenizer, with_system(messages, entry.system))
-
-    return render
 
 
 def _render_head(head: Callable[[Pairing], str] | None, pairing: Pairing) -> str:

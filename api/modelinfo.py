@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from mlxd.api.chatformat import chat_format
 from mlxd.api.errors import ApiError
 from mlxd.api.tokenizerinfo import tokenizer_info
 from mlxd.api.types import DraftInfo, ModelSummary, ShowResponse
@@ -138,9 +139,7 @@ def capabilities(m: LocalModel) -> list[str]:
     caps = ["completion"]
     if detect_fim(vocab) is not None:
         caps.append("insert")
-    if "tools" in chat_template(m):
-        caps.append("tools")
-    return caps
+    return caps + chat_format(chat_template(m)).capabilities
 
 
 def parameters_text(options: dict[str, Any]) -> str:

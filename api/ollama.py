@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -12,16 +12,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
+from mlxd.api.chatformat import chat_format
+from mlxd.api.chatprompt import ChatPrompt, check_think_value, resolve_think, template_kwargs
 from mlxd.api.codec import NDJSON, json_response, ndjson_line, read_request
 from mlxd.api.durations import parse_keep_alive
 from mlxd.api.errors import ApiError
 from mlxd.api.inference import (
     acquire,
     chat_head,
-    chat_renderer,
-    check_format,
     check_images,
-    check_think,
     native_messages,
     prepare,
     request_options,
@@ -29,7 +28,11 @@ from mlxd.api.inference import (
 from mlxd.api.logprobs import asked, ollama_json, with_logprobs
 from mlxd.api.modelinfo import find_local, show_json, tag_json
 from mlxd.api.pump import collect, pump
+from mlxd.api.reply import Parser, Part, Plain, Reply, reply_parser
 from mlxd.api.state import ServerState, lookup, state_of
+from mlxd.api.structured import request_grammar
+from mlxd.api.thinking import THINKING
+from mlxd.api.tools import ToolCall
 from mlxd.api.types import (
     ChatRequest,
     ChatResponse,
@@ -39,6 +42,8 @@ from mlxd.api.types import (
     ModelRequest,
     ResponseMessage,
     TagsResponse,
+    ToolCallFunction,
+    ToolCallOut,
     VersionResponse,
 )
 from mlxd.engine.events import Done, GenerationRequest
@@ -134,19 +139,45 @@ def final_fields(done: Done) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class NdjsonWriter:
-    """A /api stream: `chunk` makes a partial object, `final` the last one."""
+    """A /api stream: the reply's text goes through `parser`; `chunk` makes a partial object of
+    each part (content, thinking or a tool call), `final` the last one."""
 
-    chunk: Callable[[str, list[dict[str, Any]] | None], Any]  # (text, its logprobs)
+    chunk: Callable[[Part, list[dict[str, Any]] | None], Any]  # a part, its tokens' logprobs
     final: Callable[[Done], Any]
+    parser: Parser
+    pending: list[Logprob] = field(default_factory=list)  # tokens whose text is held back
+
+    def _lines(self, parts: list[Part]) -> bytes:
+        """The parts' objects; the tokens read since the last one go with the first."""
+        lines = []
+        for part in parts:
+            lines.append(ndjson_line(self.chunk(part, ollama_json(self.pending))))
+            self.pending.clear()
+        return b"".join(lines)
 
     def text(self, text: str, logprobs: tuple[Logprob, ...] = ()) -> bytes:
-        return ndjson_line(self.chunk(text, ollama_json(logprobs)))
+        self.pending.extend(logprobs)
+        return self._lines(self.parser.feed(text))
 
     def done(self, done: Done) -> Iterable[bytes]:
-        return (ndjson_line(self.final(done)),)
+        return (self._lines(self.parser.finish()), ndjson_line(self.final(done)))
 
     def failed(self, message: str) -> bytes:
         return ndjson_line(ErrorResponse(message))
+
+
+def tool_call_out(call: ToolCall) -> ToolCallOut:
+    return ToolCallOut(call.id, ToolCallFunction(call.index, call.name, call.arguments))
+
+
+def chat_message(parts: Reply) -> ResponseMessage:
+    """A reply's parts as one assistant message; empty thinking and calls are left out."""
+    return ResponseMessage(
+        "assistant",
+        "".join(parts.content),
+        "".join(parts.thinking) or None,
+        [tool_call_out(c) for c in parts.calls] or None,
+    )
 
 
 async def _load_or_unload(
@@ -176,8 +207,8 @@ async def generate(request: Request) -> Response:
     raw = bool(body.raw)
     if raw and (body.template or body.system or context):
         raise ApiError(400, "raw mode does not support template, system, or context")
-    check_format(body.format)
-    check_think(body.think, entry)
+    grammar = await request_grammar(body.format, body.options)
+    check_think_value(body.think)
     check_images(body.images, entry.name)
     opts = with_logprobs(
         request_options(entry, body.options), asked(body.logprobs, body.top_logprobs)
@@ -190,17 +221,26 @@ async def generate(request: Request) -> Response:
             lambda reason: GenerateResponse(name, now(), "", True, done_reason=reason),
         )  # fmt: skip
 
+    # how the reply is split (thinking): known once `render` has seen the model's template
+    parsers: list[Callable[[], Parser]] = [Plain]
+
     def render(pairing: Pairing) -> str:
         if context:
             _check_ids(context, pairing)
+        fmt = chat_format(getattr(pairing.tokenizer, "chat_template", None))
+        think = resolve_think(body.think, fmt, entry.name)
         if raw:
             return prompt
         if suffix and pairing.fim is None:
             raise ApiError(400, f"{entry.name} does not support insert")
         system = body.system or entry.system
-        return render_generate(
-            pairing.tokenizer, prompt, system, body.template, suffix, pairing.fim
-        )
+        text = render_generate(
+            pairing.tokenizer, prompt, system, body.template, suffix, pairing.fim,
+            template_kwargs(fmt, think),
+        )  # fmt: skip
+        if not (suffix or body.template):
+            parsers[0] = lambda: reply_parser(fmt, text, think.on, None)
+        return text
 
     def head(pairing: Pairing) -> str:  # what truncation keeps first: all but the prompt
         system = body.system or entry.system
@@ -210,20 +250,38 @@ async def generate(request: Request) -> Response:
         state, entry, keep, render, opts, list(context or []), templated=not raw,
         head=None if raw or suffix else head,
     )  # fmt: skip
-    gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
+    gen = GenerationRequest(
+        prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
+    )
 
-    def final(done: Done, text: str = "", logprobs: Any = None) -> GenerateResponse:
+    def final(done: Done, reply: Reply | None = None, logprobs: Any = None) -> GenerateResponse:
         tokens = None if raw else prompt_tokens + done.output_tokens
+        text = "".join(reply.content) if reply else ""
+        thinking = ("".join(reply.thinking) or None) if reply else None
         return GenerateResponse(
-            name, now(), text, True, logprobs=logprobs, context=tokens, **final_fields(done)
+            name,
+            now(),
+            text,
+            True,
+            thinking,
+            logprobs=logprobs,
+            context=tokens,
+            **final_fields(done),
         )
 
     if body.stream is False:
         answer = await collect(state.manager, slot, gen)
-        return json_response(final(answer.done, answer.text, ollama_json(answer.logprobs)))
-    writer = NdjsonWriter(
-        lambda text, lp: GenerateResponse(name, now(), text, False, logprobs=lp), final
-    )
+        reply = Reply.of(parsers[0](), answer.text)
+        return json_response(final(answer.done, reply, ollama_json(answer.logprobs)))
+
+    def chunk(part: Part, lp: list[dict[str, Any]] | None) -> GenerateResponse:
+        if isinstance(part, ToolCall):  # generate declares no tools: never produced
+            return GenerateResponse(name, now(), "", False, logprobs=lp)
+        if part.kind == THINKING:
+            return GenerateResponse(name, now(), "", False, part.text, logprobs=lp)
+        return GenerateResponse(name, now(), part.text, False, logprobs=lp)
+
+    writer = NdjsonWriter(chunk, final, parsers[0]())
     return StreamingResponse(pump(state.manager, slot, gen, writer), media_type=NDJSON)
 
 
@@ -245,35 +303,46 @@ async def chat(request: Request) -> Response:
         raise ApiError(400, "model is required")
     entry = lookup(state, name)
     messages = native_messages(body.messages or [], entry.name)
-    check_format(body.format)
-    check_think(body.think, entry)
+    grammar = await request_grammar(body.format, body.options)
     opts = with_logprobs(
         request_options(entry, body.options), asked(body.logprobs, body.top_logprobs)
     )
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
+    prompt = ChatPrompt(entry, messages, body.tools, body.think)
 
-    def answer(content: str, done: bool, **extra: Any) -> ChatResponse:
-        return ChatResponse(name, now(), ResponseMessage("assistant", content), done, **extra)
+    def answer(message: ResponseMessage, done: bool, **extra: Any) -> ChatResponse:
+        return ChatResponse(name, now(), message, done, **extra)
+
+    def empty() -> ResponseMessage:
+        return ResponseMessage("assistant", "")
 
     if not messages:
         return await _load_or_unload(
-            state, entry, keep, lambda reason: answer("", True, done_reason=reason)
+            state, entry, keep, lambda reason: answer(empty(), True, done_reason=reason)
         )
 
-    render = chat_renderer(entry, messages, body.tools)
     head = chat_head(entry, messages)
     slot, load_seconds, prompt_tokens = await prepare(
-        state, entry, keep, render, opts, what="chat", head=head
+        state, entry, keep, prompt, opts, what="chat", head=head
     )
-    gen = GenerationRequest(prompt_tokens, opts, started=started, load_duration=load_seconds)
+    gen = GenerationRequest(
+        prompt_tokens, opts, started=started, load_duration=load_seconds,
+        grammar=grammar or prompt.grammar,
+    )  # fmt: skip
     if body.stream is False:
         whole = await collect(state.manager, slot, gen)
+        reply = Reply.of(prompt.parser(), whole.text)
         logprobs = ollama_json(whole.logprobs)
         return json_response(
-            answer(whole.text, True, logprobs=logprobs, **final_fields(whole.done))
+            answer(chat_message(reply), True, logprobs=logprobs, **final_fields(whole.done))
         )
+
+    def chunk(part: Part, lp: list[dict[str, Any]] | None) -> ChatResponse:
+        one = Reply()
+        one.add([part])
+        return answer(chat_message(one), False, logprobs=lp)
+
     writer = NdjsonWriter(
-        lambda text, lp: answer(text, False, logprobs=lp),
-        lambda done: answer("", True, **final_fields(done)),
+        chunk, lambda done: answer(empty(), True, **final_fields(done)), prompt.parser()
     )
     return StreamingResponse(pump(state.manager, slot, gen, writer), media_type=NDJSON)

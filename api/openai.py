@@ -22,12 +22,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from mlxd.api.chatprompt import ChatPrompt
 from mlxd.api.codec import json_response, read_request, sse_event
 from mlxd.api.errors import ApiError, message_of, status_of
 from mlxd.api.inference import (
     chat_head,
-    chat_renderer,
-    check_format,
     native_messages,
     prepare,
     request_options,
@@ -35,7 +34,12 @@ from mlxd.api.inference import (
 from mlxd.api.logprobs import asked, openai_chat_json, openai_completion_json, with_logprobs
 from mlxd.api.modelinfo import LocalModel, find_local
 from mlxd.api.pump import collect, pump
+from mlxd.api.reply import Parser, Part, Plain, Reply
 from mlxd.api.state import ServerState, lookup, state_of
+from mlxd.api.structured import checked, from_format, from_response_format, one_of
+from mlxd.api.thinking import THINKING
+from mlxd.api.toolgrammar import AUTO, REQUIRED
+from mlxd.api.tools import ToolCall
 from mlxd.api.types import (
     ZERO_USAGE,
     ChatChoice,
@@ -45,16 +49,19 @@ from mlxd.api.types import (
     Completion,
     CompletionRequest,
     Delta,
+    FunctionOut,
     Message,
     ModelCard,
     ModelList,
     OpenAIError,
     OpenAIErrorDetail,
     OpenAIMessage,
+    OpenAIToolCall,
     TextChoice,
     Usage,
 )
 from mlxd.engine.events import Done, GenerationRequest
+from mlxd.engine.grammar import GrammarSpec
 from mlxd.engine.logprobs import Logprob
 from mlxd.engine.manager import Loaded
 from mlxd.engine.pairing import Pairing
@@ -139,26 +146,52 @@ def _include_usage(body: ChatCompletionRequest | CompletionRequest) -> bool:
     return bool(body.stream_options and body.stream_options.include_usage)
 
 
-def _response_format(body: ChatCompletionRequest) -> None:
-    """Only plain text is supported; JSON modes get the native route's 400."""
-    fmt = body.response_format
-    if fmt is None or fmt.type == "text":
-        return
-    if fmt.type == "json_object":
-        check_format("json")
-    if fmt.type == "json_schema":
-        schema = (fmt.json_schema or {}).get("schema")
-        check_format(schema if isinstance(schema, dict) else {})
-    raise ApiError(400, f"invalid response_format type: {msgspec.json.encode(fmt.type).decode()}")
+async def _response_format(body: ChatCompletionRequest | CompletionRequest) -> GrammarSpec | None:
+    """`response_format` (or, as on the native routes, `format`: not both) as a grammar."""
+    spec = one_of(from_response_format(body.response_format), from_format(body.format))
+    return await checked(spec)
 
 
-def _reasoning(body: ChatCompletionRequest) -> None:
-    """Validated like Ollama; the engine has no thinking mode, so the value is not used."""
+def _reasoning(body: ChatCompletionRequest) -> bool | str | None:
+    """`reasoning_effort` (or `reasoning.effort`) as Ollama's `think`: none turns thinking off,
+    minimal is low, the levels above high are max."""
     effort = body.reasoning_effort
     if effort is None and body.reasoning is not None:
         effort = body.reasoning.effort
-    if effort is not None and effort not in REASONING_EFFORTS:
+    if effort is None:
+        return None
+    if effort not in REASONING_EFFORTS:
         raise ApiError(400, "invalid reasoning value")
+    mapped: dict[str, bool | str] = {
+        "none": False,
+        "minimal": "low",
+        "xhigh": "max",
+        "ultra": "max",
+    }
+    return mapped.get(effort, effort)
+
+
+def _tool_choice(body: ChatCompletionRequest) -> tuple[list[Any] | None, str]:
+    """The tools the model may call under `tool_choice`, and how: none of them for "none"; all
+    of them, freely or at least one, for "auto" and "required"; only the named one, once, for
+    a named function."""
+    choice, tools = body.tool_choice, body.tools
+    if choice is None or choice in (AUTO, REQUIRED):
+        return tools, choice or AUTO
+    if choice == "none":
+        return None, AUTO
+    fn = choice.get("function") if isinstance(choice, dict) else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise ApiError(400, "invalid tool_choice")
+    chosen = [
+        t
+        for t in tools or ()
+        if isinstance(t, dict) and (t.get("function") or {}).get("name") == name
+    ]
+    if not chosen:
+        raise ApiError(400, f"tool_choice names a function that is not in tools: {name}")
+    return chosen[:1], name
 
 
 def _image(part: dict[str, Any]) -> str:
@@ -224,11 +257,16 @@ def _content_parts(content: list[Any]) -> list[tuple[str, list[str] | None]]:
 def _native_messages(raw: list[OpenAIMessage], model: str) -> list[dict[str, Any]]:
     """OpenAI messages as native ones (then checked as the native route checks them)."""
     out: list[Message] = []
+    names: dict[str, str] = {}  # call id -> function name, for tool results that give only the id
     for msg in raw:
         role = "system" if msg.role == "developer" else msg.role
         tool_calls = _tool_calls(msg.tool_calls) if msg.tool_calls else None
-        tool_name = (msg.name or msg.tool_call_id) if (role or "").lower() == "tool" else None
-        thinking = msg.reasoning or None
+        for call in tool_calls or ():
+            if call.get("id") and isinstance(call["function"]["name"], str):
+                names[call["id"]] = call["function"]["name"]
+        is_tool = (role or "").lower() == "tool"
+        tool_name = (msg.name or names.get(msg.tool_call_id or "")) if is_tool else None
+        thinking = msg.reasoning or msg.reasoning_content or None
         content = msg.content
         parts = _content_parts(content) if isinstance(content, list) else [(content or "", None)]
         for i, (text, images) in enumerate(parts):
@@ -240,6 +278,7 @@ def _native_messages(raw: list[OpenAIMessage], model: str) -> list[dict[str, Any
                     images=images,
                     tool_calls=tool_calls if last else None,
                     tool_name=tool_name if last else None,
+                    tool_call_id=msg.tool_call_id if last and is_tool else None,
                     thinking=thinking if last else None,
                 )
             )
@@ -249,8 +288,29 @@ def _native_messages(raw: list[OpenAIMessage], model: str) -> list[dict[str, Any
 # -- responses ------------------------------------------------------------------------------
 
 
-def _finish_reason(done: Done) -> str:
-    return "length" if done.done_reason == "length" else "stop"
+def _finish_reason(done: Done, called: bool = False) -> str:
+    if done.done_reason == "length":
+        return "length"
+    return "tool_calls" if called else "stop"
+
+
+def _openai_call(call: ToolCall, streamed: bool = False) -> OpenAIToolCall:
+    """A call as OpenAI writes it: arguments a JSON string; in a stream, with its index."""
+    args = msgspec.json.encode(call.arguments).decode()
+    index = call.index if streamed else None
+    return OpenAIToolCall(FunctionOut(call.name, args), call.id, "function", index)
+
+
+def _choice_message(reply: Reply) -> ChoiceMessage:
+    thinking = "".join(reply.thinking) or None
+    content = "".join(reply.content)
+    return ChoiceMessage(
+        "assistant",
+        None if reply.calls and not content else content,
+        thinking,
+        thinking,
+        [_openai_call(c) for c in reply.calls] or None,
+    )
 
 
 def _usage(done: Done) -> Usage:
@@ -278,28 +338,43 @@ def _envelope(prefix: str, kind: str, model: str) -> _Envelope:
 
 
 class _SseWriter:
-    """A /v1 stream: content chunks, the finish, the usage chunk when asked for, `[DONE]`."""
+    """A /v1 stream: the reply's text goes through `parser`, each part (content, reasoning, a
+    tool call) one chunk; then the finish, the usage chunk when asked for, `[DONE]`."""
 
     def __init__(
         self,
         env: _Envelope,
-        content: Callable[[str, bool, tuple[Logprob, ...]], Completion],  # (text, first?, lps)
-        finish: Callable[[Done, bool], list[Completion]],  # (done, nothing sent yet?)
+        content: Callable[[Part, bool, tuple[Logprob, ...]], Completion],  # (part, first?, lps)
+        finish: Callable[[Done, bool, bool], list[Completion]],  # (done, nothing sent, called)
         usage: bool,
+        parser: Parser,
     ) -> None:
         self.env = env
         self.content = content
         self.finish = finish
         self.usage = usage
+        self.parser = parser
         self.first = True
+        self.called = False
+        self.pending: tuple[Logprob, ...] = ()  # tokens whose text the parser holds back
+
+    def _events(self, parts: list[Part]) -> bytes:
+        """A chunk per part; the tokens read since the last chunk go with the first."""
+        out = []
+        for part in parts:
+            out.append(sse_event(self.content(part, self.first, self.pending)))
+            self.pending = ()
+            self.first = False
+            self.called = self.called or isinstance(part, ToolCall)
+        return b"".join(out)
 
     def text(self, text: str, logprobs: tuple[Logprob, ...] = ()) -> bytes:
-        piece = sse_event(self.content(text, self.first, logprobs))
-        self.first = False
-        return piece
+        self.pending += logprobs
+        return self._events(self.parser.feed(text))
 
     def done(self, done: Done) -> Iterable[bytes]:
-        out = [sse_event(obj) for obj in self.finish(done, self.first)]
+        out = [self._events(self.parser.finish())]
+        out += [sse_event(obj) for obj in self.finish(done, self.first, self.called)]
         if self.usage:
             out.append(sse_event(self.env.wrap([], _usage(done))))
         out.append(b"data: [DONE]\n\n")
@@ -336,24 +411,29 @@ async def chat_completions(request: Request) -> Response:
     name = _model_name(body.model)
     entry = lookup(state, name)
     messages = _native_messages(body.messages, entry.name)
-    _reasoning(body)
-    _response_format(body)
+    think = _reasoning(body)
+    grammar = await _response_format(body)
     top = asked(body.logprobs, body.top_logprobs)
     opts = with_logprobs(request_options(entry, _sampling(body)), top)
 
-    render = chat_renderer(entry, messages, body.tools)
+    tools, tool_choice = _tool_choice(body)
+    prompt = ChatPrompt(entry, messages, tools, think, tool_choice)
     head = chat_head(entry, messages)
     slot, load_seconds, tokens = await prepare(
-        state, entry, None, render, opts, what="chat", head=head
+        state, entry, None, prompt, opts, what="chat", head=head
     )
-    gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
+    gen = GenerationRequest(
+        tokens, opts, started=started, load_duration=load_seconds,
+        grammar=grammar or prompt.grammar,
+    )  # fmt: skip
 
     if not body.stream:
         env = _envelope("chatcmpl", "chat.completion", name)
         answer = await collect(state.manager, slot, gen)
-        message = ChoiceMessage("assistant", answer.text)
+        reply = Reply.of(prompt.parser(), answer.text)
+        finish_reason = _finish_reason(answer.done, bool(reply.calls))
         logprobs = openai_chat_json(answer.logprobs) if top is not None else None
-        choice = ChatChoice(0, message, _finish_reason(answer.done), logprobs)
+        choice = ChatChoice(0, _choice_message(reply), finish_reason, logprobs)
         return json_response(env.wrap([choice], _usage(answer.done)))
 
     env = _envelope("chatcmpl", "chat.completion.chunk", name)
@@ -361,15 +441,23 @@ async def chat_completions(request: Request) -> Response:
     def chunk(delta: Delta, finish: str | None = None, lps: Any = None) -> Completion:
         return env.wrap([ChunkChoice(0, delta, finish, lps)])
 
-    def content(text: str, first: bool, lps: tuple[Logprob, ...] = ()) -> Completion:
-        delta = Delta("assistant", text) if first else Delta(content=text)
-        return chunk(delta, None, openai_chat_json(lps) if lps else None)
+    def content(part: Part, first: bool, lps: tuple[Logprob, ...] = ()) -> Completion:
+        role = "assistant" if first else None
+        logprobs = openai_chat_json(lps) if lps else None
+        if isinstance(part, ToolCall):
+            delta = Delta(role, tool_calls=[_openai_call(part, streamed=True)])
+        elif part.kind == THINKING:
+            delta = Delta(role, reasoning_content=part.text, reasoning=part.text)
+        else:
+            delta = Delta(role, part.text)
+        return chunk(delta, None, logprobs)
 
-    def finish(done: Done, nothing_sent: bool) -> list[Completion]:
-        opening = [content("", True)] if nothing_sent else []
-        return [*opening, chunk(Delta(), _finish_reason(done))]
+    def finish(done: Done, nothing_sent: bool, called: bool) -> list[Completion]:
+        opening = [chunk(Delta("assistant", ""))] if nothing_sent else []
+        return [*opening, chunk(Delta(), _finish_reason(done, called))]
 
-    return _sse(state, slot, gen, _SseWriter(env, content, finish, _include_usage(body)))
+    writer = _SseWriter(env, content, finish, _include_usage(body), prompt.parser())
+    return _sse(state, slot, gen, writer)
 
 
 @openai_errors
@@ -382,6 +470,7 @@ async def completions(request: Request) -> Response:
     prompt, suffix = body.prompt or "", body.suffix or ""
     usage = _include_usage(body)
     top = asked(True, body.logprobs) if body.logprobs is not None else None
+    grammar = await _response_format(body)
     opts = with_logprobs(request_options(entry, _sampling(body)), top)
 
     def render(pairing: Pairing) -> str:
@@ -397,7 +486,9 @@ async def completions(request: Request) -> Response:
     slot, load_seconds, tokens = await prepare(
         state, entry, None, render, opts, head=None if suffix else head
     )
-    gen = GenerationRequest(tokens, opts, started=started, load_duration=load_seconds)
+    gen = GenerationRequest(
+        tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
+    )
     env = _envelope("cmpl", "text_completion", name)
 
     if not body.stream:
@@ -409,7 +500,8 @@ async def completions(request: Request) -> Response:
     each = ZERO_USAGE if usage else None
     sent = [0]  # characters of this choice sent so far: the next text_offset
 
-    def piece(text: str, first: bool, lps: tuple[Logprob, ...] = ()) -> Completion:
+    def piece(part: Part, first: bool, lps: tuple[Logprob, ...] = ()) -> Completion:
+        text = _text(part)
         logprobs = openai_completion_json(lps, sent[0]) if lps else None
         sent[0] += len(text)
         return env.wrap([TextChoice(text, 0, None, logprobs)], each)
@@ -421,10 +513,15 @@ async def completions(request: Request) -> Response:
         _SseWriter(
             env,
             content=piece,
-            finish=lambda done, _: [env.wrap([TextChoice("", 0, _finish_reason(done))], each)],
+            finish=lambda done, *_: [env.wrap([TextChoice("", 0, _finish_reason(done))], each)],
             usage=usage,
+            parser=Plain(),
         ),
     )
+
+
+def _text(part: Part) -> str:
+    return "" if isinstance(part, ToolCall) else part.text
 
 
 def _model_card(local: LocalModel, model_id: str) -> ModelCard:

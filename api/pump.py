@@ -41,11 +41,13 @@ async def pump(
     try:
         async for event in manager.generate(slot, gen):
             if isinstance(event, TextChunk):
-                if event.text or event.logprobs:
-                    yield writer.text(event.text, event.logprobs)
+                piece = writer.text(event.text, event.logprobs)
+                if piece:  # a parser may hold text back (a tool call in progress)
+                    yield piece
             elif isinstance(event, Done):
                 for piece in writer.done(event):
-                    yield piece
+                    if piece:
+                        yield piece
                 finished = True
             elif isinstance(event, Failed):
                 yield writer.failed(event.message)

@@ -85,6 +85,7 @@ class GenerateResponse(msgspec.Struct, omit_defaults=True):
     created_at: datetime
     response: str
     done: bool
+    thinking: str | None = None
     done_reason: str | None = None
     logprobs: list[dict[str, Any]] | None = None
     context: list[int] | None = None
@@ -106,9 +107,24 @@ class GenerateResponse(msgspec.Struct, omit_defaults=True):
     draft_disabled_reason: str | None = None
 
 
-class ResponseMessage(msgspec.Struct):
+class ToolCallFunction(msgspec.Struct):
+    index: int
+    name: str
+    arguments: dict[str, Any]
+
+
+class ToolCallOut(msgspec.Struct):
+    """A parsed call as Ollama writes it: `index` inside `function`, arguments an object."""
+
+    id: str
+    function: ToolCallFunction
+
+
+class ResponseMessage(msgspec.Struct, omit_defaults=True):
     role: str
     content: str
+    thinking: str | None = None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatResponse(msgspec.Struct, omit_defaults=True):
@@ -208,6 +224,7 @@ class OpenAIMessage(msgspec.Struct):
     tool_call_id: str | None = None
     tool_calls: list[Any] | None = None
     reasoning: str | None = None
+    reasoning_content: str | None = None
 
 
 class StreamOptions(msgspec.Struct):
@@ -237,7 +254,10 @@ class ChatCompletionRequest(msgspec.Struct):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     response_format: ResponseFormat | None = None
+    format: Any = None  # the native routes' `format`, accepted here too (not with the above)
     tools: list[Any] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None
     reasoning_effort: str | None = None
     reasoning: Reasoning | None = None
     logprobs: bool | None = None
@@ -258,6 +278,8 @@ class CompletionRequest(msgspec.Struct):
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     logprobs: int | None = None  # the legacy API's count of alternatives per token
+    response_format: ResponseFormat | None = None
+    format: Any = None
 
 
 # -- OpenAI: responses --------------------------------------------------------------------------
@@ -272,14 +294,34 @@ class Usage(msgspec.Struct):
 ZERO_USAGE = Usage(0, 0, 0)
 
 
-class ChoiceMessage(msgspec.Struct):
+class FunctionOut(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None  # a JSON string, as OpenAI sends it
+
+
+class OpenAIToolCall(msgspec.Struct, omit_defaults=True):
+    """A call in a message, or (with `index`) in a streamed delta."""
+
+    function: FunctionOut
+    id: str | None = None
+    type: str | None = None
+    index: int | None = None
+
+
+class ChoiceMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # Ollama's name for the same text
+    tool_calls: list[OpenAIToolCall] | None = None
 
 
 class Delta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[OpenAIToolCall] | None = None
 
 
 class ChatChoice(msgspec.Struct, omit_defaults=True):

@@ -314,12 +314,14 @@ def _stream_text(
 ) -> tuple[str, dict[str, Any]]:
     text: list[str] = []
     final: dict[str, Any] = {}
+    thoughts = ThinkingPrinter(sys.stdout)
     try:
         for obj in client.stream(path, body):
-            piece = (
-                obj["response"] if key == "response" else obj.get("message", {}).get("content", "")
-            )
+            fields = obj if key == "response" else obj.get("message", {})
+            thoughts.write(fields.get("thinking") or "")
+            piece = fields.get("response" if key == "response" else "content") or ""
             if piece:
+                thoughts.end()
                 text.append(piece)
                 sys.stdout.write(piece)
                 sys.stdout.flush()
@@ -327,7 +329,32 @@ def _stream_text(
                 final = obj
     except KeyboardInterrupt:
         pass
+    thoughts.end()
     return "".join(text), final
+
+
+class ThinkingPrinter:
+    """A reply's thinking before its answer, as Ollama's CLI shows it: dimmed on a terminal,
+    between `Thinking...` and `...done thinking.` lines otherwise."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.tty = out.isatty()
+        self.open = False
+
+    def write(self, text: str) -> None:
+        if not text:
+            return
+        if not self.open:
+            self.out.write("\x1b[2m" if self.tty else "Thinking...\n")
+            self.open = True
+        self.out.write(text)
+        self.out.flush()
+
+    def end(self) -> None:
+        if self.open:
+            self.out.write("\x1b[0m\n\n" if self.tty else "\n...done thinking.\n\n")
+            self.open = False
 
 
 def _read_multiline(first: str) -> str:

@@ -141,11 +141,14 @@ class RowBatch:
             pad = mx.full((width - 1 - d.count,), g.tokens[-1], dtype=mx.uint32)
             rows.append(mx.concatenate([pending, d.tokens.astype(mx.uint32), pad]))
         logits = self.target(mx.stack(rows), cache=self.cache)
+        walks = [g.walk(d, logits) for g, d in zip(gens, drafts, strict=True)]  # grammar rows
         chosen, hosts = [], []
         for i, (g, d) in enumerate(zip(gens, drafts, strict=True)):
             host = to_ints(d.tokens) if d.count and g.opts.has_penalties else []
             hosts.append(host)
-            chosen.append(choices(logits[i, : 1 + d.count], host, g.tokens, g.opts, g.rng))
+            w = walks[i]
+            bias = w.bias if w is not None else None
+            chosen.append(choices(logits[i, : 1 + d.count], host, g.tokens, g.opts, g.rng, bias))
         mx.eval(chosen, [d.tokens for d in drafts])  # one host sync for the whole batch
         verdicts = [
             decide(to_ints(d.tokens) if d.count else [], to_ints(c))
@@ -153,8 +156,8 @@ class RowBatch:
         ]
         self.keep([1 + v.accepted for v in verdicts], width)
         return [
-            Committed(g, g.absorb(d, v, logits[i]))
-            for i, (g, d, v) in enumerate(zip(gens, drafts, verdicts, strict=True))
+            Committed(g, g.absorb(d, v, w, logits[i]))
+            for i, (g, d, v, w) in enumerate(zip(gens, drafts, verdicts, walks, strict=True))
         ]
 
     def keep(self, kept: list[int], width: int) -> None:

@@ -123,6 +123,9 @@ class ModelDraftSource(DraftSource):
         fed = to_ints(self._drafts[: self._fed]) if self._drafts is not None and self._fed else []
         have = self.cached + fed
         keep = len(self.cached)
+        if list(tokens[:keep]) != self.cached:  # it read drafts ahead (forced tokens) refused
+            pairs = enumerate(zip(self.cached, tokens, strict=False))
+            keep = next((i for i, (a, b) in pairs if a != b), min(keep, len(tokens)))
         while keep < len(have) and keep < len(tokens) and have[keep] == tokens[keep]:
             keep += 1
         trimmed = trim_prompt_cache(self.cache, len(have) - keep)

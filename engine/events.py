@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from mlxd.engine.grammar import GrammarSpec
 from mlxd.engine.logprobs import Logprob
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.speculation import SpecStats
@@ -22,6 +23,7 @@ class GenerationRequest:
     cancel: threading.Event = field(default_factory=threading.Event)
     load_duration: float = 0.0  # seconds spent loading the model for this request
     on_start: Callable[[], None] | None = None  # called once when it stops waiting in the queue
+    grammar: GrammarSpec | None = None  # structured output: the tokens the output must follow
 
     def started_now(self) -> None:
         if self.on_start is not None:

@@ -8,6 +8,11 @@ steps one token may be in flight (`settle` commits it: its value is already fixe
 position-keyed sampling). In a batch (`engine.batch`) the same state is stepped with other
 rows through `draft` and `absorb`. When a draft source fails or a cache cannot be trimmed, the
 generation carries on with plain decoding; the client sees an ordinary stream.
+
+A grammar (`engine.grammar`) masks every choice: plain steps mask the next token (the mask is
+computed on the host while the forward runs); speculative rounds walk the drafts, masking each
+drafted position as the grammar stands after the drafts before it, and the matcher keeps only
+what was accepted. The grammar ending ends the generation ("stop").
 """
 
 from __future__ import annotations
@@ -24,11 +29,12 @@ from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from mlxd.engine.drafting import Draft, DraftSource
+from mlxd.engine.grammar import Matcher, Walk, settle, walk
 from mlxd.engine.kvcache import make_cache, plain_kv
 from mlxd.engine.logprobs import TokenLogprob, position_logprobs
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.prefill import feed
-from mlxd.engine.sampling import Rng, next_tokens, to_int
+from mlxd.engine.sampling import Rng, next_tokens, to_int, to_ints
 from mlxd.engine.specstate import Mode, Speculation
 from mlxd.engine.speculation import DraftLengthController, SpecStats
 from mlxd.engine.verify import Verdict, verify
@@ -52,9 +58,10 @@ class Generation:
         controller: DraftLengthController | None = None,
         stats: SpecStats | None = None,
         cache: list[Any] | None = None,
+        grammar: Matcher | None = None,
     ) -> None:
         """`cache`, when given, already holds K/V for a prefix of `prompt` (a prefix-cache hit);
-        prefill computes only the rest."""
+        prefill computes only the rest. `grammar` constrains every token (structured output)."""
         if not prompt:
             raise ValueError("a generation needs at least one prompt token")
         self.target = target
@@ -62,6 +69,7 @@ class Generation:
         self.eos = eos
         self.limit = limit
         self.rng = rng
+        self.grammar = grammar
         self.tokens: list[int] = list(prompt)
         self.cache: list[Any] = cache if cache is not None else make_cache(target)
         self.stats = stats or SpecStats()
@@ -184,18 +192,25 @@ class Generation:
     def _has_draft(self) -> bool:
         return self.source is not None and self.source.has_draft(self.tokens)
 
-    def _commit(self, new: list[int]) -> list[int]:
-        """Append new tokens up to EOS (kept, so callers see why it ended) and the limit."""
+    def _commit(self, new: list[int], walked: int = 0) -> list[int]:
+        """Append new tokens up to EOS (kept, so callers see why it ended), the limit, and the
+        grammar's end. The grammar already holds the first `walked` (a verify walk's)."""
         out: list[int] = []
-        for tok in new:
+        for i, tok in enumerate(new):
             if self.produced >= self.limit:
                 break
+            g = self.grammar
+            if g is not None and i >= walked and tok not in self.eos and g.consume([tok]) != 1:
+                raise RuntimeError(f"the grammar refused token {tok}: {g.error}")
             out.append(tok)
             self.tokens.append(tok)
             self.produced += 1
-            if tok in self.eos:
+            # the matcher stands after token i once past the walked tokens it already holds
+            if tok in self.eos or (g is not None and i + 1 >= walked and g.stopped):
                 self.finish = "stop"
                 break
+        if self.grammar is not None and len(out) < walked:
+            self.grammar.rollback(walked - len(out))  # cut by the limit or the grammar's end
         if self.finish is None and self.produced >= self.limit:
             self.finish = "length"
         return out
@@ -205,7 +220,11 @@ class Generation:
         logits = self.target(tok.reshape(1, 1), cache=self.cache)[0, -1:, :]
         if self.opts.top_logprobs is not None:
             self._step_logits = logits
-        return next_tokens(logits, self.tokens, [], self.opts, self.rng, position)[0]
+        bias = None
+        if self.grammar is not None:
+            mx.async_eval(logits)  # the mask is computed while the forward runs
+            bias = self.grammar.bias()
+        return next_tokens(logits, self.tokens, [], self.opts, self.rng, position, bias)[0]
 
     def _plain_step(self, ahead: Any) -> list[int]:
         """Commit one token decoded plainly. Pipelined (the next forward queued before the
@@ -216,8 +235,10 @@ class Generation:
         if y is None:
             y = self._forward_one(mx.array([self.tokens[-1]], dtype=mx.uint32), len(self.tokens))
             mx.async_eval(y)
-        plain = not self.opts.has_penalties and self.opts.top_logprobs is None
-        if plain and self.produced + 1 < self.limit and ahead():
+        # penalties, a grammar and logprobs need y on the host first
+        plain = self.opts.top_logprobs is None and self.grammar is None
+        queue = plain and not self.opts.has_penalties
+        if queue and self.produced + 1 < self.limit and ahead():
             self._inflight = self._forward_one(y, len(self.tokens) + 1)
             mx.async_eval(self._inflight)
         new = self._commit([to_int(y)])
@@ -240,12 +261,14 @@ class Generation:
         pending = mx.array([self.tokens[-1]], dtype=mx.uint32)
         inputs = mx.concatenate([pending, draft.tokens]) if draft.count else pending
         logits = self.target(inputs[None], cache=self.cache)[0]
-        verdict = verify(logits, draft, self.tokens, self.opts, self.rng)
+        walked = self.walk(draft, logits)
+        bias = walked.bias if walked is not None else None
+        verdict = verify(logits, draft, self.tokens, self.opts, self.rng, bias)
         rejected = draft.count - verdict.accepted
         if rejected and trim_prompt_cache(self.cache, rejected) != rejected:
             self._rebuild_cache(len(self.tokens) - 1 + verdict.accepted)
             self.spec.stop("the target cache could not be trimmed")
-        return self.absorb(draft, verdict, logits)
+        return self.absorb(draft, verdict, walked, logits)
 
     def _record(self, logits: mx.array | None, new: list[int]) -> None:
         """Keep the committed tokens' log-probabilities when the request asked for them."""
@@ -269,9 +292,24 @@ class Generation:
             self.spec.stop(f"draft source failed: {exc}")
             return Draft.empty()
 
-    def absorb(self, draft: Draft, verdict: Verdict, logits: mx.array | None = None) -> list[int]:
-        """Commit a verified round (the caller trimmed the target cache to match); `logits`:
-        the verify forward's for this row, read when the request wants logprobs."""
+    def walk(self, draft: Draft, logits: mx.array) -> Walk | None:
+        """The grammar's masks over this round's drafted positions (None without a grammar).
+        The verify forward is queued first: the host walks the grammar while it runs."""
+        if self.grammar is None:
+            return None
+        mx.async_eval(logits, draft.tokens)
+        return walk(self.grammar, to_ints(draft.tokens) if draft.count else [])
+
+    def absorb(
+        self,
+        draft: Draft,
+        verdict: Verdict,
+        walked: Walk | None = None,
+        logits: mx.array | None = None,
+    ) -> list[int]:
+        """Commit a verified round (the caller trimmed the target cache to match); with a
+        grammar, its matcher keeps only the accepted drafts of the walk. `logits`: the verify
+        forward's for this row, read when the request wants logprobs."""
         if draft.count and self.controller is not None:
             self.stats.observe(draft.count, verdict.accepted)
             self.controller.observe(draft.count, verdict.accepted)
@@ -280,7 +318,10 @@ class Generation:
                 "spec round: source=%s drafted=%d accepted=%d",
                 draft.source, draft.count, verdict.accepted,
             )  # fmt: skip
-        new = self._commit(verdict.tokens)
+        held = 0
+        if self.grammar is not None and walked is not None:
+            held = settle(self.grammar, walked, verdict.accepted)
+        new = self._commit(verdict.tokens, held)
         self._record(logits, new)
         if not draft.count:
             self.spec.committed_plainly(len(new))

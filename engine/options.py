@@ -16,7 +16,7 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
-DRAFT_METHODS = ("auto", "model", "lookup", "off")
+DRAFT_METHODS = ("auto", "model", "lookup", "forced", "off")  # forced: a grammar's own
 MAX_DRAFT_TOKENS = 64  # options.draft_num_predict: drafts per round (verify cost grows with it)
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -27,6 +27,7 @@ _IGNORED = frozenset(
         "num_keep", "typical_p", "num_batch", "num_gpu", "main_gpu", "use_mmap", "num_thread",
         "numa", "low_vram", "f16_kv", "logits_all", "vocab_only", "use_mlock", "embedding_only",
         "tfs_z", "mirostat", "mirostat_tau", "mirostat_eta", "penalize_newline",
+        "grammar",  # mlxd's structured output: read by the API (api.structured)
     }
 )  # fmt: skip
 

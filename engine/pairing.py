@@ -77,16 +77,6 @@ class Pairing:
         must divide its K/V widths, and some caches cannot be quantized at all."""
         self.kv.check(opts.kv_bits, opts.kv_group_size)
 
-    @property
-    def capabilities(self) -> list[str]:
-        caps = ["completion"]
-        if self.fim is not None:
-            caps.append("insert")
-        template = getattr(self.tokenizer, "chat_template", None) or ""
-        if "tools" in template:
-            caps.append("tools")
-        return caps
-
 
 def locate(ref: str, what: str) -> Path:
     path = resolve_local(ref)

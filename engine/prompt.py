@@ -123,16 +123,26 @@ def is_go_template(template: str) -> bool:
 
 
 def render_chat(
-    tokenizer: Any, messages: Sequence[Mapping[str, Any]], template: str | None = None
+    tokenizer: Any,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    template: str | None = None,
 ) -> str:
     """The chat template (or a Jinja `template` given instead) with the assistant turn opened;
-    a plain transcript when there is none."""
+    a plain transcript when there is none. `tools` and `extra` (e.g. `enable_thinking`) go to
+    the template as it names them."""
     if template or getattr(tokenizer, "chat_template", None):
-        extra = {"chat_template": template} if template else {}
+        chosen = {"chat_template": template} if template else {}
         try:
             return str(
                 tokenizer.apply_chat_template(
-                    list(messages), add_generation_prompt=True, tokenize=False, **extra
+                    list(messages),
+                    tools=list(tools) if tools else None,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                    **chosen,
+                    **dict(extra or {}),
                 )
             )
         except Exception as exc:  # jinja errors carry the template's own message
@@ -148,6 +158,7 @@ def render_generate(
     template: str | None,
     suffix: str | None,
     fim: FimFormat | None,
+    extra: Mapping[str, Any] | None = None,
 ) -> str:
     """Ollama's /api/generate rendering (the raw case never reaches here)."""
     if suffix:
@@ -164,9 +175,10 @@ def render_generate(
         )
     if template:  # Jinja: the chat template's language, as /api/show reports it
         user = [{"role": "user", "content": prompt}]
-        return render_chat(tokenizer, with_system(user, system), template)
+        return render_chat(tokenizer, with_system(user, system), extra=extra, template=template)
     if getattr(tokenizer, "chat_template", None):
-        return render_chat(tokenizer, with_system([{"role": "user", "content": prompt}], system))
+        messages = with_system([{"role": "user", "content": prompt}], system)
+        return render_chat(tokenizer, messages, extra=extra)
     return f"{system}\n\n{prompt}" if system else prompt
 
 

@@ -144,9 +144,19 @@ def sampler(how: Shaping, compiled: bool) -> Callable[[mx.array, mx.array], mx.a
     return mx.compile(run) if compiled else run
 
 
-def choose(logits: mx.array, opts: SamplingOptions, rng: Rng, position: int) -> mx.array:
+def choose(
+    logits: mx.array,
+    opts: SamplingOptions,
+    rng: Rng,
+    position: int,
+    bias: mx.array | None = None,
+) -> mx.array:
     """The token for each row of already penalized `logits` (L, V), row i sitting at
-    `position` + i: the argmax when greedy, else the position-keyed sample. Lazy."""
+    `position` + i: the argmax when greedy, else the position-keyed sample. Lazy. A grammar's
+    `bias` (L, V: 0 allowed, -inf not) masks the logits first, so the choice is the argmax or
+    an exact sample of the masked distribution."""
+    if bias is not None:
+        logits = logits.astype(mx.float32) + bias
     if opts.greedy:
         return mx.argmax(logits, axis=-1).astype(mx.uint32)
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
@@ -160,7 +170,8 @@ def next_tokens(
     opts: SamplingOptions,
     rng: Rng,
     position: int,
+    bias: mx.array | None = None,
 ) -> mx.array:
     """Choose one token per row of `logits` (the first at `position`); penalties see
-    `history + extra`."""
-    return choose(penalize(logits, history, extra, opts), opts, rng, position)
+    `history + extra`; a grammar's `bias` masks them."""
+    return choose(penalize(logits, history, extra, opts), opts, rng, position, bias)

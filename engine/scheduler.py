@@ -24,7 +24,9 @@ from mlxd.engine.batch import RowBatch, warm_rounds
 from mlxd.engine.cache_use import namespace_for, offer_final, offer_prompt, restore
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Failed
+from mlxd.engine.forced import ForcedDraftSource
 from mlxd.engine.generation import Generation
+from mlxd.engine.grammar import Matcher, row_grammar
 from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import Pairing, warm_up
@@ -59,23 +61,29 @@ class Prefilling:
 
 
 def make_draft_source(
-    pairing: Pairing, opts: SamplingOptions, rng: Rng
+    pairing: Pairing, opts: SamplingOptions, rng: Rng, grammar: Matcher | None = None
 ) -> tuple[DraftSource | None, DraftLengthController | None]:
-    """The draft source and controller a request asks for (none when speculation is off)."""
+    """The draft source and controller a request asks for (none when speculation is off).
+    With a grammar, its forced tokens are drafted first, free, ahead of the source's own."""
     max_k = opts.draft_num_predict
     if max_k is None:
         max_k = pairing.default_draft_tokens
     method = opts.draft_method
-    if max_k <= 0 or method == "off":
+    if max_k <= 0 or method == "off" or (method == "forced" and grammar is None):
         return None, None
     source: DraftSource
     draft_cost = pairing.costs.draft_step
-    if method == "lookup" or pairing.draft is None:
+    if method == "forced":
+        assert grammar is not None
+        source, draft_cost = ForcedDraftSource(grammar), 0.0
+    elif method == "lookup" or pairing.draft is None:
         source, draft_cost = LookupDraftSource(), 0.0
     elif method == "model":
         source = ModelDraftSource(pairing.draft, opts, rng)
     else:
         source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(pairing.draft, opts, rng))
+    if grammar is not None and method != "forced":
+        source = ForcedDraftSource(grammar, source)
     controller = DraftLengthController(
         pairing.costs, max_k, draft_cost, history=pairing.history, source=source.name,
         regime=opts.regime,
@@ -199,7 +207,8 @@ class Scheduler:
         req.started_now()
         opts = req.options
         rng = Rng(opts.seed)
-        source, controller = make_draft_source(pairing, opts, rng)
+        grammar = row_grammar(pairing, req.grammar)
+        source, controller = make_draft_source(pairing, opts, rng, grammar)
         limit = generation_limit(opts, len(req.prompt_tokens), pairing.row_context(opts))
         stream = RowStream(req, job.emit, pairing.tokenizer.decode, pairing.eos_ids, limit)
         ns = namespace_for(pairing, opts)
@@ -210,7 +219,7 @@ class Scheduler:
             )
         gen = Generation(
             pairing.target, req.prompt_tokens, opts, pairing.eos_ids, limit, rng,
-            source, controller, stream.stats, cache=restored,
+            source, controller, stream.stats, cache=restored, grammar=grammar,
         )  # fmt: skip
         hit, prompt = stream.cached_tokens, req.prompt_tokens
         row = Row(job, stream, gen, ns)

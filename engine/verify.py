@@ -36,11 +36,14 @@ def choices(
     history: Sequence[int],
     opts: SamplingOptions,
     rng: Rng,
+    bias: mx.array | None = None,
 ) -> mx.array:
     """The target's token at each of the (n + 1) positions of `logits`, lazily; `history`
-    ends with the pending token, `drafts` are the n drafted tokens on the host."""
+    ends with the pending token, `drafts` are the n drafted tokens on the host. A grammar's
+    `bias` (n + 1, V) masks each position as the grammar stands after the drafts before it
+    (`grammar.walk`): the choice there is the masked target's, so acceptance stays lossless."""
     logits = penalize(logits, history, drafts, opts)
-    return choose(logits, opts, rng, len(history))
+    return choose(logits, opts, rng, len(history), bias)
 
 
 def decide(drafts: Sequence[int], chosen: Sequence[int]) -> Verdict:
@@ -57,6 +60,7 @@ def verify(
     history: Sequence[int],
     opts: SamplingOptions,
     rng: Rng,
+    bias: mx.array | None = None,
 ) -> Verdict:
     """`logits` is (n + 1, V) for [pending] + n drafts; `history` ends with the pending token.
     The draft chain, the verify forward and the choices run as one graph with one host sync:
@@ -64,8 +68,8 @@ def verify(
     tokens = draft.tokens if draft.count else mx.array([], dtype=mx.uint32)
     if opts.has_penalties and draft.count:  # penalties need the drafts on the host first
         host = to_ints(tokens)
-        chosen = choices(logits, host, history, opts, rng)
+        chosen = choices(logits, host, history, opts, rng, bias)
         return decide(host, to_ints(chosen))
-    chosen = choices(logits, [], history, opts, rng)
+    chosen = choices(logits, [], history, opts, rng, bias)
     mx.eval(tokens, chosen)
     return decide(to_ints(tokens) if draft.count else [], to_ints(chosen))

@@ -8,6 +8,7 @@ cold and no other test's requests can warm it. Prompts are raw, long enough for 
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -184,6 +185,22 @@ def test_repeated_prompt_hits(shared: CacheServer, model: str, method: str) -> N
     assert warm["prompt_cache_tokens"] == all_but_last(n)
     assert warm["response"] == cold["response"]
     assert cold["eval_count"] == warm["eval_count"] == GREEDY["num_predict"]
+
+
+def test_grammar_requests_share_the_prefix_cache(shared: CacheServer) -> None:
+    """A grammar does not change K/V: constrained and free requests hit each other's entries."""
+    prompt = prompt_text("grammar")
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}}}
+    body = {"model": "pair", "prompt": prompt, "raw": True, "stream": False, "format": schema,
+            "options": {"temperature": 0, "num_predict": 40}}  # fmt: skip
+    cold = httpx.post(f"{shared.base_url}/api/generate", json=body, timeout=120).json()
+    warm = httpx.post(f"{shared.base_url}/api/generate", json=body, timeout=120).json()
+    n = cold["prompt_eval_count"]
+    assert cold["prompt_cache_tokens"] == 0 and warm["prompt_cache_tokens"] == all_but_last(n)
+    assert warm["response"] == cold["response"] and cold["done_reason"] == "stop"
+    assert json.loads(warm["response"]).keys() <= {"n"}
+    free = generate(shared.base_url, "pair", prompt)
+    assert free["prompt_cache_tokens"] == all_but_last(n)
 
 
 def test_longer_prompt_reuses_the_shared_prefix(shared: CacheServer) -> None:

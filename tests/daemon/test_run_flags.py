@@ -4,6 +4,7 @@ every subcommand, then `mlxd run` with flags before and after the prompt against
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 import httpx
@@ -126,6 +127,18 @@ def test_flags_after_the_prompt(server: RunningServer) -> None:
     assert "eval count:" in err(result)
 
 
+def test_format_json_prints_a_json_object(server: RunningServer) -> None:
+    schema = '{"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}},'
+    schema += ' "required": ["n"], "additionalProperties": false}'
+    for flags in (["--format", "json"], ["--format", schema]):
+        result = mlxd(["run", "tiny", "hi", *flags], server.port)
+        assert result.returncode == 0, err(result)
+        value = json.loads(out(result))
+        assert isinstance(value, dict)
+        if flags[1] != "json":
+            assert set(value) == {"n"} and isinstance(value["n"], int)
+
+
 def test_keepalive_after_the_prompt_reaches_the_server(server: RunningServer) -> None:
     result = mlxd(["run", "tiny", "hi", "--keepalive", "0"], server.port)
     assert result.returncode == 0, err(result)
@@ -136,7 +149,7 @@ def test_keepalive_after_the_prompt_reaches_the_server(server: RunningServer) ->
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--format", "json"], "structured outputs (format) are not supported"),
+        (["--format", '{"type": "nope"}'], "invalid json schema: Invalid type: nope"),
         (["--think"], '"sys:latest" does not support thinking'),
         (["--think=sometimes"], "invalid think value"),
     ],

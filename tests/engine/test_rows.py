@@ -14,6 +14,7 @@ from mlxd.engine.cache_use import namespace_for, restore
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Done, Event, GenerationRequest
 from mlxd.engine.generation import Generation
+from mlxd.engine.grammar import GrammarSpec
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import Pairing, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
@@ -57,9 +58,11 @@ def serve(
     start_after: dict[int, tuple[int, int]] | None = None,
     num_parallel: int = 8,
     prefix: PrefixCache | None = None,
+    grammars: list[GrammarSpec | None] | None = None,
 ) -> list[Done]:
     """Run requests through one scheduler. `start_after[i] = (j, n)` queues request i once
-    request j has streamed n events (a row joining mid-stream); others are queued at once."""
+    request j has streamed n events (a row joining mid-stream); others are queued at once.
+    `grammars[i]` constrains request i."""
     start_after = start_after or {}
     jobs: queue.Queue[Job | None] = queue.Queue()
     done: dict[int, Done] = {}
@@ -68,7 +71,9 @@ def serve(
 
     def job(i: int) -> Job:
         prompt, opts = specs[i]
-        return Job(GenerationRequest(prompt, opts), emitter(i), lambda i=i: finished(i))
+        grammar = grammars[i] if grammars else None
+        request = GenerationRequest(prompt, opts, grammar=grammar)
+        return Job(request, emitter(i), lambda i=i: finished(i))
 
     def emitter(i: int) -> Callable[[Event], None]:
         def emit(event: Event) -> None:

@@ -129,9 +129,9 @@ def test_completions_without_usage_and_system_prompt(http: httpx.Client) -> None
         ("/v1/chat/completions", {"model": "bad name!", "messages": MESSAGES}, 400, "invalid model name"),
         (
             "/v1/chat/completions",
-            {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "object"}}}},
+            {"model": "tiny", "messages": MESSAGES, "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "wat"}}}},
             400,
-            "structured outputs (format) are not supported by mlxd yet",
+            "invalid json schema: Invalid type: wat",
         ),
         (
             "/v1/chat/completions",

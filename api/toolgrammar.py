@@ -1,0 +1,93 @@
+"""Tool calls constrained by a grammar, in the model's own format.
+
+A Lark grammar (llguidance) per request, built from the declared tools:
+
+- `auto`: free text, and wherever the model opens a call (its marker token: `<tool_call>`,
+  `[TOOL_CALLS]`) the call must name a declared tool and its arguments must match that tool's
+  JSON schema, so they always parse;
+- `required`: the reply is calls, one or more (after an optional think block);
+- a named function: the reply is one call of that function.
+
+The call text is exactly what the family's template renders in history (`{"name": "f",
+"arguments": {...}}` for Qwen, `"parameters"` for Llama), so a forced call stays in the
+model's own distribution. Marker tokens are named by id (`<[id]>`): they are special tokens,
+which never match as text. Formats without a marker token (Llama's bare JSON, the generic
+JSON fallback) are constrained only when a call is required; gpt-oss's channels and
+Qwen3-Coder's XML calls are not constrained.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from mlxd.api.chatformat import HERMES, JSON, LLAMA3, MISTRAL, ChatFormat
+from mlxd.engine.grammar import JSON_LAYOUT, GrammarSpec, closed
+
+AUTO, REQUIRED = "auto", "required"
+TEXT = "TEXT: /(.|\\n)*/"
+WS = "/[ \\t\\n]*/"
+
+
+def _token(tokenizer: Any, text: str) -> str:
+    """A marker as a grammar item: its token by id when it is one token, else its text."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
+
+
+def _schema(tool: dict[str, Any]) -> str:
+    params = tool["function"].get("parameters")
+    if not isinstance(params, dict) or not params:
+        params = {"type": "object"}
+    return json.dumps({**closed(params), "x-guidance": JSON_LAYOUT})
+
+
+def _body(tool: dict[str, Any], key: str) -> str:
+    """`{"name": "f", "<key>": <arguments>}` with the arguments held to the tool's schema."""
+    head = json.dumps(f'{{"name": {json.dumps(tool["function"]["name"])}, "{key}": ')
+    return f'{head} %json {_schema(tool)} "}}"'
+
+
+def tool_grammar(
+    fmt: ChatFormat,
+    tokenizer: Any,
+    tools: Sequence[dict[str, Any]],
+    choice: str,
+    opens_thinking: bool,
+) -> GrammarSpec | None:
+    """The grammar for `choice` (AUTO, REQUIRED, or a function name whose tool is the only one
+    in `tools`), or None where the format is left unconstrained."""
+    if not tools or fmt.harmony or fmt.tools is None:
+        return None
+    forced = choice != AUTO
+    key = "parameters" if fmt.tools == LLAMA3 else "arguments"
+    bodies = " | ".join(f"call_{i}" for i in range(len(tools)))
+    rules = [f"call_{i}: {_body(tool, key)}" for i, tool in enumerate(tools)]
+    think = ""
+    if fmt.think is not None:
+        start, end = _token(tokenizer, fmt.think.open), _token(tokenizer, fmt.think.close)
+        think = "think " if opens_thinking else "think? "
+        opener = "" if opens_thinking else f"{start} "
+        rules.append(f"think: {opener}TEXT {end} {WS}")
+    many = "+" if choice == REQUIRED else ""
+
+    if fmt.tools == HERMES:
+        open_, close = _token(tokenizer, "<tool_call>"), _token(tokenizer, "</tool_call>")
+        rules.append(f'call: {open_} "\\n" ({bodies}) "\\n" {close}')
+        start = f"{think}(call {WS}){many}" if forced else f"{think}(TEXT call)* TEXT"
+    elif fmt.tools == MISTRAL:
+        marker = _token(tokenizer, "[TOOL_CALLS]")
+        more = f' (", " ({bodies}))*' if many or not forced else ""
+        rules.append(f'calls: {marker} " "? "[" ({bodies}){more} "]"')
+        start = f"{think}calls" if forced else f"{think}TEXT calls?"
+    elif fmt.tools in (LLAMA3, JSON):
+        if not forced:
+            return None
+        tag = f"{_token(tokenizer, '<|python_tag|>')}? " if fmt.tools == LLAMA3 else ""
+        sep = '"; "' if fmt.tools == LLAMA3 else WS
+        rest = f" ({sep} ({bodies}))*" if many else ""
+        start = f"{think}{tag}({bodies}){rest}"
+    else:
+        return None
+    return GrammarSpec("lark", "\n".join(["%llguidance {}", f"start: {start}", *rules, TEXT]))

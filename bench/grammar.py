@@ -1,0 +1,279 @@
+"""Structured outputs, side by side in one run: unconstrained plain decoding, grammar alone, and
+grammar x speculation (draft model, prompt lookup, forced tokens alone), on a JSON-extraction
+workload of 24 schemas; plus the mask cost per token as a share of a decode step.
+
+    python bench/grammar.py [--pair /work/shared/models/code-pair] [--tokens 160] [--temps 0,0.7]
+
+Every method decodes the same prompts; constrained methods stop where the grammar completes
+(or at --tokens), and unconstrained plain decoding runs exactly as many tokens as grammar alone
+committed for that prompt, so the rates (committed tokens per second, prompt prefill included)
+compare like with like. At temperature 0 the run checks that every grammar x
+speculation output is token-identical to grammar alone. The mask cost is the host time the
+matcher spends computing masks (plain decoding overlaps it with the forward, so the end-to-end
+cost is the grammar-alone / plain ratio, not the mask share).
+"""
+
+# ruff: noqa: E402  (the backend is configured before MLX is imported)
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlxd.engine.backend import configure_backend
+
+BACKEND = configure_backend()  # first, as `mlxd serve` does: the CPU BLAS goes under MLX
+
+# isort: split
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
+from mlxd.engine.forced import ForcedDraftSource
+from mlxd.engine.generation import Generation
+from mlxd.engine.grammar import GrammarSpec, Matcher, logits_width
+from mlxd.engine.options import SamplingOptions, parse_options
+from mlxd.engine.pairing import load_model, measure_costs, warm_up
+from mlxd.engine.prompt import render_chat
+from mlxd.engine.sampling import Rng
+from mlxd.engine.speculation import Costs, DraftLengthController, SpecHistory
+
+S = {"type": "string", "maxLength": 24}
+I = {"type": "integer", "minimum": 0, "maximum": 100000}  # noqa: E741
+N = {"type": "number", "minimum": 0, "maximum": 100000}
+B = {"type": "boolean"}
+DATE = {"type": "string", "pattern": r"^[0-9]{4}-[0-9]{2}-[0-9]{2}$"}
+
+
+def obj(**props: Any) -> dict[str, Any]:
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def arr(items: dict[str, Any], most: int = 4) -> dict[str, Any]:
+    return {"type": "array", "items": items, "maxItems": most}
+
+
+def enum(*values: str) -> dict[str, Any]:
+    return {"enum": list(values)}
+
+
+# (what to extract, the text, the schema): a typical extraction workload's shapes.
+SCHEMAS: list[tuple[str, str, dict[str, Any]]] = [
+    ("person", "Ada Lovelace, 36, mathematician in London.", obj(name=S, age=I, city=S, job=S)),
+    ("address", "221B Baker Street, London NW1 6XE, UK", obj(street=S, city=S, postcode=S, country=S)),
+    ("invoice", "Invoice 1042 from Acme, 3 items, total 99.50 EUR, due 2024-05-01.",
+     obj(number=I, vendor=S, items=I, total=N, currency=enum("EUR", "USD", "GBP"), due=DATE)),
+    ("event", "PyCon 2024 runs May 15-23 in Pittsburgh.", obj(name=S, start=DATE, end=DATE, city=S)),
+    ("product", "Widget X, $19.99, in stock, colors red and blue.",
+     obj(name=S, price=N, in_stock=B, colors=arr(enum("red", "blue", "green", "black")))),
+    ("contact", "Call Bob at 555-0101 or bob@example.com.", obj(name=S, phone=S, email=S)),
+    ("sentiment", "The update broke my build. Terrible.",
+     obj(sentiment=enum("positive", "negative", "neutral"), confidence=N)),
+    ("flight", "UA 925 SFO to LHR departs 2024-07-02, seat 31C.",
+     obj(airline=S, number=I, origin=S, destination=S, date=DATE, seat=S)),
+    ("recipe", "Pancakes: flour, eggs, milk. 20 minutes.", obj(title=S, ingredients=arr(S), minutes=I)),
+    ("weather", "Berlin: 21C, cloudy, wind 12 km/h.",
+     obj(city=S, celsius=N, sky=enum("sunny", "cloudy", "rain", "snow"), wind_kmh=N)),
+    ("order", "Order 77: 2x mug, 1x tee, shipped.",
+     obj(id=I, lines=arr(obj(sku=S, qty=I), 3), status=enum("pending", "shipped", "delivered"))),
+    ("meeting", "Standup with Ana and Li at 09:30 on 2024-03-04.",
+     obj(title=S, people=arr(S), date=DATE, time=S)),
+    ("bug", "Crash on save when the path has spaces; severity high.",
+     obj(title=S, severity=enum("low", "medium", "high"), component=S, reproducible=B)),
+    ("book", "Dune by Frank Herbert, 1965, 412 pages.", obj(title=S, author=S, year=I, pages=I)),
+    ("company", "Globex, founded 1989, 1200 staff, HQ Springfield.",
+     obj(name=S, founded=I, employees=I, hq=S)),
+    ("transaction", "Paid 42.10 to Corner Cafe by card on 2024-02-11.",
+     obj(amount=N, payee=S, method=enum("card", "cash", "transfer"), date=DATE)),
+    ("movie", "Alien (1979), directed by Ridley Scott, rated R, 117 min.",
+     obj(title=S, year=I, director=S, rating=enum("G", "PG", "PG-13", "R"), minutes=I)),
+    ("job", "Senior Python dev, remote, 120k-150k USD.",
+     obj(title=S, remote=B, salary=obj(low=I, high=I, currency=enum("USD", "EUR")))),
+    ("medication", "Ibuprofen 200 mg twice daily for 5 days.",
+     obj(drug=S, dose_mg=I, per_day=I, days=I)),
+    ("geo", "Eiffel Tower at 48.8584 N, 2.2945 E.", obj(name=S, lat=N, lon=N)),
+    ("review", "4 stars: fast shipping, poor packaging.",
+     obj(stars=I, pros=arr(S, 3), cons=arr(S, 3))),
+    ("tasks", "Todo: fix login (high), write docs (low).",
+     obj(tasks=arr(obj(title=S, priority=enum("low", "medium", "high")), 4))),
+    ("citation", "Vaswani et al. 2017, Attention Is All You Need, NeurIPS.",
+     obj(authors=arr(S, 3), year=I, title=S, venue=S)),
+    ("classify", "Ticket: cannot reset password.",
+     obj(category=enum("billing", "account", "bug", "feature"), urgent=B, summary=S)),
+]  # fmt: skip
+
+
+@dataclass
+class Row:
+    method: str
+    temperature: float
+    tokens: int = 0
+    seconds: float = 0.0
+    drafted: int = 0
+    accepted: int = 0
+    masks: int = 0
+    mask_seconds: float = 0.0
+    valid: int = 0
+    requests: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds else 0.0
+
+
+# grammar alone first: unconstrained plain decoding then runs as many tokens as it committed
+METHODS = ["grammar", "plain", "grammar+model", "grammar+lookup", "grammar+forced", "grammar+auto"]
+
+
+def source_for(
+    method: str, m: Matcher | None, draft: nn.Module, opts: SamplingOptions, rng: Rng
+) -> tuple[DraftSource | None, float]:
+    """The method's draft source and its per-token draft cost (0 for free sources)."""
+    if m is None or method == "grammar":
+        return None, 0.0
+    arm = method.split("+")[1]
+    if arm == "forced":
+        return ForcedDraftSource(m), 0.0
+    if arm == "lookup":
+        return ForcedDraftSource(m, LookupDraftSource()), 0.0
+    if arm == "model":
+        return ForcedDraftSource(m, ModelDraftSource(draft, opts, rng)), -1.0
+    hybrid = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft, opts, rng))
+    return ForcedDraftSource(m, hybrid), -1.0
+
+
+def run_one(
+    method: str, target: nn.Module, draft: nn.Module, tokenizer: Any, prompt: list[int],
+    schema: dict[str, Any], opts: SamplingOptions, limit: int, costs: Costs, max_k: int,
+    history: SpecHistory, vocab: int, eos: set[int],
+) -> tuple[list[int], Generation, Matcher | None]:  # fmt: skip
+    m = None
+    if method != "plain":
+        m = Matcher.build(GrammarSpec.schema(schema), tokenizer, vocab, sorted(eos))
+    rng = Rng(opts.seed)
+    source, cost = source_for(method, m, draft, opts, rng)
+    controller = None
+    if source is not None:
+        draft_cost = costs.draft_step if cost < 0 else 0.0
+        controller = DraftLengthController(
+            costs, max_k, draft_cost, history=history, source=source.name, regime=opts.regime
+        )
+    stops = eos if m is not None else set()  # unconstrained: exactly `limit` tokens
+    gen = Generation(target, prompt, opts, stops, limit, rng, source, controller, grammar=m)
+    try:
+        gen.prefill()
+        out = [t for new in gen for t in new]
+        return out, gen, m
+    finally:
+        gen.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--pair", type=Path, default=Path("/work/shared/models/code-pair"))
+    ap.add_argument("--tokens", type=int, default=160, help="the most new tokens per request")
+    ap.add_argument("--temps", default="0,0.7")
+    ap.add_argument("--schemas", type=int, default=len(SCHEMAS))
+    ap.add_argument("--max-k", type=int, default=6, help="draft_num_predict")
+    ap.add_argument("--json", type=Path, default=None)
+    args = ap.parse_args()
+
+    target, tokenizer, config = load_model(args.pair / "target", BACKEND)
+    draft = load_model(args.pair / "draft", BACKEND)[0]
+    vocab = logits_width(config, tokenizer)
+    eos = set(tokenizer.eos_token_ids)
+    costs = measure_costs(target, draft)
+    warm_up(target, draft, costs, args.max_k)
+    work = SCHEMAS[: args.schemas]
+    prompts = []
+    for what, text, schema in work:
+        ask = f"Extract the {what} from this text as JSON matching {json.dumps(schema)}:\n{text}"
+        prompts.append(
+            list(tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": ask}])))
+        )
+    print(f"device: {mx.default_device()}  schemas: {len(work)}  max new tokens: {args.tokens}"
+          f"  plain decoding: {costs.plain * 1e3:.2f} ms/token")  # fmt: skip
+    temps = [float(t) for t in args.temps.split(",")]
+    table = {(t, m): Row(m, t) for t in temps for m in METHODS}
+    history = SpecHistory()
+    for temp in temps:
+        mismatches = 0
+        for i, (prompt, (_, _, schema)) in enumerate(zip(prompts, work, strict=True)):
+            opts = parse_options({"temperature": temp, "top_k": 0, "top_p": 1.0, "seed": i})
+            alone: list[int] = []
+            for method in METHODS:  # methods take turns on each prompt: a slow spell hits all
+                row = table[temp, method]
+                limit = max(len(alone), 1) if method == "plain" else args.tokens
+                t0 = time.perf_counter()
+                out, gen, m = run_one(
+                    method, target, draft, tokenizer, prompt, schema, opts, limit,
+                    costs, args.max_k, history, vocab, eos,
+                )  # fmt: skip
+                row.seconds += time.perf_counter() - t0
+                row.tokens += len(out)
+                row.requests += 1
+                row.drafted += gen.stats.drafted
+                row.accepted += gen.stats.accepted
+                if m is not None:
+                    row.masks += m.masks_computed
+                    row.mask_seconds += m.mask_seconds
+                    row.valid += int(gen.finish == "stop" and valid_json(tokenizer, out))
+                if method == "grammar":
+                    alone = out
+                elif m is not None and temp == 0 and out != alone:
+                    mismatches += 1
+        report([table[temp, m] for m in METHODS], temp, costs, mismatches)
+        print(f"temperature {temp} done", flush=True)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) | {"rate": r.rate} for r in table.values()]))
+
+
+def valid_json(tokenizer: Any, out: list[int]) -> bool:
+    try:
+        json.loads(tokenizer.decode([t for t in out if t not in tokenizer.eos_token_ids]))
+        return True
+    except ValueError:
+        return False
+
+
+def report(rows: list[Row], temp: float, costs: Costs, mismatches: int) -> None:
+    """One table; the mask share is against the measured plain decode step (`costs.plain`)."""
+    rows = [rows[1], rows[0], *rows[2:]]  # plain first
+    plain = rows[0].rate
+    alone = rows[1].rate
+    step = costs.plain
+    print(f"\ntemperature {temp}")
+    head = f"{'method':<16}{'tok/s':>8}{'vs plain':>10}{'vs grammar':>12}{'accept':>8}"
+    print(head + f"{'masks/tok':>11}{'mask ms/tok':>13}{'mask/step':>11}{'complete':>10}")
+    for r in rows:
+        acc = f"{r.accepted / r.drafted:.2f}" if r.drafted else "-"
+        per_tok = r.masks / r.tokens if r.tokens and r.masks else 0.0
+        mask_ms = r.mask_seconds / r.tokens * 1e3 if r.tokens and r.masks else 0.0
+        share = f"{mask_ms / 1e3 / step:.1%}" if r.masks else "-"
+        done = f"{r.valid}/{r.requests}" if r.masks else "-"
+        print(
+            f"{r.method:<16}{r.rate:>8.1f}{r.rate / plain:>9.2f}x{r.rate / alone:>11.2f}x{acc:>8}"
+            f"{per_tok:>11.2f}{mask_ms:>13.3f}{share:>11}{done:>10}"
+        )
+    best = max(rows[2:], key=lambda r: r.rate)
+    floor = min(rows[2:], key=lambda r: r.rate)
+    print(
+        f"grammar alone / plain: {alone / plain:.2f}x   best grammar x spec ({best.method}) /"
+        f" grammar alone: {best.rate / alone:.2f}x   slowest ({floor.method}): "
+        f"{floor.rate / alone:.2f}x"
+    )
+    if temp == 0:
+        print(f"token identity with grammar alone: {'yes' if not mismatches else 'NO'}"
+              f" ({mismatches} mismatching outputs)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""Thinking: split into message.thinking (never content) for <think> models, including a
+template that opens the block in the prompt; `think` and `reasoning_effort` honoured."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import ollama
+import openai
+import pytest
+
+from tests.conftest import RunningServer
+from tests.daemon.test_cli import err, mlxd, out
+from tests.tools.conftest import BLUE, THOUGHT
+
+SKY: list[Any] = [{"role": "user", "content": "Why is the sky blue?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server: RunningServer) -> ollama.Client:
+    return ollama.Client(host=server.base_url, timeout=120)
+
+
+@pytest.mark.parametrize("think", [None, True, "high"])
+def test_thinking_arrives_in_message_thinking(client: ollama.Client, think: Any) -> None:
+    r = client.chat(model="qwen3-think", messages=SKY, think=think)
+    assert r.message.thinking == THOUGHT
+    assert r.message.content == BLUE
+
+
+def test_thinking_stream_never_reaches_content(client: ollama.Client) -> None:
+    parts = list(client.chat(model="qwen3-think", messages=SKY, think=True, stream=True))
+    content = "".join(p.message.content or "" for p in parts)
+    thinking = "".join(p.message.thinking or "" for p in parts)
+    assert content == BLUE
+    assert thinking == THOUGHT
+    assert all("think>" not in (p.message.content or "") for p in parts)
+
+
+def test_think_false_renders_the_switch_and_keeps_what_the_model_writes(
+    client: ollama.Client,
+) -> None:
+    """Qwen3's template closes an empty think block when thinking is off; a model that thinks
+    anyway keeps its words in the content, as Ollama does (nothing dropped silently)."""
+    on = client.chat(model="qwen3-think", messages=SKY, think=True)
+    off = client.chat(model="qwen3-think", messages=SKY, think=False)
+    assert not off.message.thinking
+    # `<think>\n\n</think>\n\n`: two tag tokens and four newlines more
+    assert off.prompt_eval_count == (on.prompt_eval_count or 0) + 6
+    assert THOUGHT in off.message.content and BLUE in off.message.content
+
+
+def test_a_prompt_that_opens_the_block(client: ollama.Client) -> None:
+    """R1 distills' template ends the prompt with `<think>\\n`: the output starts inside."""
+    r = client.chat(model="r1", messages=[{"role": "user", "content": "2+2?"}])
+    assert r.message.thinking == "Two plus two is four."
+    assert r.message.content == "The answer is 4."
+    parts = list(
+        client.chat(model="r1", messages=[{"role": "user", "content": "2+2?"}], stream=True)
+    )
+    assert "".join(p.message.content or "" for p in parts) == "The answer is 4."
+
+
+def test_generate_has_top_level_thinking(server: RunningServer) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        r = http.post("/api/generate", json={"model": "r1", "prompt": "2+2?", "stream": False})
+        assert r.status_code == 200
+        assert r.json()["thinking"] == "Two plus two is four."
+        assert r.json()["response"] == "The answer is 4."
+        with http.stream("POST", "/api/generate", json={"model": "r1", "prompt": "2+2?"}) as s:
+            lines = [json.loads(line) for line in s.iter_lines() if line]
+        assert "".join(x["response"] for x in lines) == "The answer is 4."
+        assert "".join(x.get("thinking", "") for x in lines) == "Two plus two is four."
+
+
+def test_think_on_a_model_that_cannot_is_a_400(server: RunningServer) -> None:
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        body = {"model": "qwen25-tools", "messages": SKY, "think": True}
+        r = http.post("/api/chat", json=body)
+        assert r.status_code == 400 and "does not support thinking" in r.json()["error"]
+        r = http.post("/api/chat", json={**body, "think": "sideways"})
+        assert r.status_code == 400 and r.json()["error"] == "invalid think value"
+        r = http.post("/api/chat", json={**body, "think": False, "stream": False})
+        assert r.status_code == 200
+
+
+def test_openai_reasoning_content(server: RunningServer) -> None:
+    oai = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=120)
+    r = oai.chat.completions.create(model="qwen3-think", messages=SKY)
+    message = r.choices[0].message
+    assert message.content == BLUE
+    assert message.model_extra is not None
+    assert message.model_extra["reasoning_content"] == THOUGHT
+    chunks = list(oai.chat.completions.create(model="qwen3-think", messages=SKY, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    reasoning = "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas)
+    assert reasoning == THOUGHT
+    assert "".join(d.content or "" for d in deltas) == BLUE
+    off = oai.chat.completions.create(
+        model="qwen3-think",
+        messages=SKY,
+        reasoning_effort="none",
+    )
+    assert off.choices[0].message.model_extra is not None
+    assert "reasoning_content" not in off.choices[0].message.model_extra
+
+
+def test_mlxd_run_think_shows_the_thinking_apart(server: RunningServer) -> None:
+    result = mlxd(["run", "r1", "2+2?", "--think"], server.port)
+    assert result.returncode == 0, err(result)
+    assert out(result) == (
+        "Thinking...\nTwo plus two is four.\n...done thinking.\n\nThe answer is 4.\n"
+    )
