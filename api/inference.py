@@ -11,6 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from mlxd.api.errors import ApiError
 from mlxd.api.state import ServerState
 from mlxd.api.types import Message
+from mlxd.engine.grammar import GrammarError, GrammarSpec, row_grammar
 from mlxd.engine.manager import Loaded
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import ModelNotPulled, Pairing
@@ -101,6 +102,13 @@ def tokenize(
     return tokens
 
 
+def compile_for(pairing: Pairing, grammar: GrammarSpec) -> None:
+    try:
+        row_grammar(pairing, grammar)
+    except GrammarError as exc:
+        raise ApiError(400, str(exc)) from exc
+
+
 def chat_renderer(
     entry: ModelEntry, messages: list[dict[str, Any]], tools: list[Any] | None
 ) -> Callable[[Pairing], str]:
@@ -122,9 +130,11 @@ async def prepare(
     opts: SamplingOptions,
     before: list[int] | None = None,
     templated: bool = True,
+    grammar: GrammarSpec | None = None,
 ) -> tuple[Loaded, float, list[int]]:
     """Acquire the model, render and tokenize the prompt, which must leave room in its row's
-    context; the slot is released if that fails."""
+    context; the slot is released if that fails. A grammar is compiled for the model's
+    tokenizer here, off the model's thread (which then only copies it)."""
     slot, load_seconds = await acquire(state, entry, keep_alive)
     try:
         pairing = state.manager.pairing(slot)
@@ -132,6 +142,8 @@ async def prepare(
         pairing.check_options(opts)
         check_length(pairing, opts, len(before or ()), text)
         tokens = await run_in_threadpool(tokenize, pairing, opts, before or [], text, templated)
+        if grammar is not None:
+            await run_in_threadpool(compile_for, pairing, grammar)
     except BaseException:
         state.manager.release(slot)
         raise

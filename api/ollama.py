@@ -190,7 +190,7 @@ async def generate(request: Request) -> Response:
         )
 
     slot, load_seconds, prompt_tokens = await prepare(
-        state, entry, keep, render, opts, list(context or []), templated=not raw
+        state, entry, keep, render, opts, list(context or []), templated=not raw, grammar=grammar
     )
     gen = GenerationRequest(
         prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
@@ -239,7 +239,9 @@ async def chat(request: Request) -> Response:
         )
 
     render = chat_renderer(entry, messages, body.tools)
-    slot, load_seconds, prompt_tokens = await prepare(state, entry, keep, render, opts)
+    slot, load_seconds, prompt_tokens = await prepare(
+        state, entry, keep, render, opts, grammar=grammar
+    )
     gen = GenerationRequest(
         prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
     )

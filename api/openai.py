@@ -332,7 +332,7 @@ async def chat_completions(request: Request) -> Response:
     opts = request_options(entry, _sampling(body))
 
     render = chat_renderer(entry, messages, body.tools)
-    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts)
+    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts, grammar=grammar)
     gen = GenerationRequest(
         tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
     )
@@ -378,7 +378,7 @@ async def completions(request: Request) -> Response:
             pairing.tokenizer, prompt, entry.system, None, suffix or None, pairing.fim
         )
 
-    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts)
+    slot, load_seconds, tokens = await prepare(state, entry, None, render, opts, grammar=grammar)
     gen = GenerationRequest(
         tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
     )
