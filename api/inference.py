@@ -13,6 +13,7 @@ from starlette.concurrency import run_in_threadpool
 from mlxd.api.errors import ApiError
 from mlxd.api.state import ServerState
 from mlxd.api.types import Message
+from mlxd.engine.grammar import GrammarError, GrammarSpec, row_grammar
 from mlxd.engine.manager import Loaded
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import ModelNotPulled, Pairing
@@ -125,6 +126,13 @@ def chat_head(entry: ModelEntry, messages: list[dict[str, Any]]) -> Callable[[Pa
     return lambda pairing: render_chat(pairing.tokenizer, system) if system else ""
 
 
+def compile_for(pairing: Pairing, grammar: GrammarSpec) -> None:
+    try:
+        row_grammar(pairing, grammar)
+    except GrammarError as exc:
+        raise ApiError(400, str(exc)) from exc
+
+
 def _render_head(head: Callable[[Pairing], str] | None, pairing: Pairing) -> str:
     """The head's rendering; a template that cannot render it keeps no head."""
     if head is None:
@@ -145,11 +153,13 @@ async def prepare(
     templated: bool = True,
     what: str = "generate",
     head: Callable[[Pairing], str] | None = None,
+    grammar: GrammarSpec | None = None,
 ) -> tuple[Loaded, float, list[int]]:
     """Acquire the model, render and tokenize the prompt (cut to leave room in its row's
     context; `head` renders what of it is kept first: the request without its content); the
     slot is released if that fails. `what` ("generate", "chat") names the task an embedding
-    model refuses."""
+    model refuses. A grammar is compiled for the model's tokenizer here, off the model's
+    thread (which then only copies it)."""
     slot, load_seconds = await acquire(state, entry, keep_alive)
     try:
         pairing = state.manager.pairing(slot, what)  # an embedding model: 400
@@ -159,6 +169,8 @@ async def prepare(
             tokenize, pairing, opts, before or [], text, templated,
             lambda: _render_head(head, pairing), entry.name,
         )  # fmt: skip
+        if grammar is not None:
+            await run_in_threadpool(compile_for, pairing, grammar)
     except BaseException:
         state.manager.release(slot)
         raise

@@ -248,7 +248,7 @@ async def generate(request: Request) -> Response:
 
     slot, load_seconds, prompt_tokens = await prepare(
         state, entry, keep, render, opts, list(context or []), templated=not raw,
-        head=None if raw or suffix else head,
+        head=None if raw or suffix else head, grammar=grammar,
     )  # fmt: skip
     gen = GenerationRequest(
         prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
@@ -323,7 +323,7 @@ async def chat(request: Request) -> Response:
 
     head = chat_head(entry, messages)
     slot, load_seconds, prompt_tokens = await prepare(
-        state, entry, keep, prompt, opts, what="chat", head=head
+        state, entry, keep, prompt, opts, what="chat", head=head, grammar=grammar
     )
     gen = GenerationRequest(
         prompt_tokens, opts, started=started, load_duration=load_seconds,

@@ -420,7 +420,7 @@ async def chat_completions(request: Request) -> Response:
     prompt = ChatPrompt(entry, messages, tools, think, tool_choice)
     head = chat_head(entry, messages)
     slot, load_seconds, tokens = await prepare(
-        state, entry, None, prompt, opts, what="chat", head=head
+        state, entry, None, prompt, opts, what="chat", head=head, grammar=grammar
     )
     gen = GenerationRequest(
         tokens, opts, started=started, load_duration=load_seconds,
@@ -484,7 +484,7 @@ async def completions(request: Request) -> Response:
         return render_generate(pairing.tokenizer, "", entry.system, None, None, None)
 
     slot, load_seconds, tokens = await prepare(
-        state, entry, None, render, opts, head=None if suffix else head
+        state, entry, None, render, opts, head=None if suffix else head, grammar=grammar
     )
     gen = GenerationRequest(
         tokens, opts, started=started, load_duration=load_seconds, grammar=grammar

@@ -77,6 +77,9 @@ class Generation:
         self.produced = 0
         self._source_behind = False  # the source has not yet read the committed tokens
         self._inflight: mx.array | None = None  # the next token, queued; its input is cached
+        # with a grammar, the forward is queued but the choice waits for the mask: the logits
+        # after the last committed token (whose K/V are then in the cache)
+        self._queued: mx.array | None = None
         self.finish: str | None = None  # "stop" after EOS, "length" at the limit
         self.logprobs: list[TokenLogprob] = []  # committed, not yet taken (top_logprobs set)
         self._step_logits: mx.array | None = None  # the last plain step's, when logprobs wanted
@@ -121,7 +124,7 @@ class Generation:
 
     def close(self) -> None:
         self.spec.close(self.produced)
-        self._inflight = None
+        self._inflight = self._queued = None
         self.cache = []
 
     @property
@@ -159,7 +162,7 @@ class Generation:
         if self.done:
             return []
         k = self.draft_length()
-        if self.spec.on and (k == 0 or self._inflight is not None):
+        if self.spec.on and (k == 0 or self._in_flight):
             # no draft this time (e.g. prompt lookup found no match): decode plainly, queueing
             # the next token only while the source still has nothing to propose
             return self._plain_step(lambda: not self._has_draft())
@@ -215,11 +218,20 @@ class Generation:
             self.finish = "length"
         return out
 
+    @property
+    def _in_flight(self) -> bool:
+        return self._inflight is not None or self._queued is not None
+
     def _forward_one(self, tok: mx.array, position: int) -> mx.array:
         """Feed `tok`; the token chosen after it, which sits at `position`."""
-        logits = self.target(tok.reshape(1, 1), cache=self.cache)[0, -1:, :]
+        return self._choose(self._feed(tok), position)
+
+    def _feed(self, tok: mx.array) -> mx.array:
+        return self.target(tok.reshape(1, 1), cache=self.cache)[0, -1:, :]
+
+    def _choose(self, logits: mx.array, position: int) -> mx.array:
         if self.opts.top_logprobs is not None:
-            self._step_logits = logits
+            self._step_logits = logits  # read once the token is committed (`_record`)
         bias = None
         if self.grammar is not None:
             mx.async_eval(logits)  # the mask is computed while the forward runs
@@ -229,22 +241,27 @@ class Generation:
     def _plain_step(self, ahead: Any) -> list[int]:
         """Commit one token decoded plainly. Pipelined (the next forward queued before the
         host reads this token) while `ahead()` says the next step is plain as well and no
-        penalty needs this token on the host first."""
-        y = self._inflight
-        self._inflight = None
+        penalty needs this token on the host first. With a grammar only the next forward is
+        queued: its choice waits for the mask after this token (computed as that forward runs)."""
+        y, queued = self._inflight, self._queued
+        self._inflight = self._queued = None
         if y is None:
-            y = self._forward_one(mx.array([self.tokens[-1]], dtype=mx.uint32), len(self.tokens))
+            if queued is None:
+                queued = self._feed(mx.array([self.tokens[-1]], dtype=mx.uint32))
+            y = self._choose(queued, len(self.tokens))
             mx.async_eval(y)
-        # penalties, a grammar and logprobs need y on the host first
-        plain = self.opts.top_logprobs is None and self.grammar is None
-        queue = plain and not self.opts.has_penalties
-        if queue and self.produced + 1 < self.limit and ahead():
-            self._inflight = self._forward_one(y, len(self.tokens) + 1)
-            mx.async_eval(self._inflight)
+        if self.produced + 1 < self.limit and ahead():
+            if self.grammar is not None or self.opts.top_logprobs is not None:
+                # the choice waits: for the mask after y, or for y's logprobs to be read first
+                self._queued = self._feed(y)
+                mx.async_eval(self._queued)
+            elif not self.opts.has_penalties:  # penalties need y on the host first
+                self._inflight = self._forward_one(y, len(self.tokens) + 1)
+                mx.async_eval(self._inflight)
         new = self._commit([to_int(y)])
         self._record(self._step_logits, new)
         if self.done:
-            self._inflight = None  # queued past the end: never committed
+            self._inflight = self._queued = None  # queued past the end: never committed
         self.spec.committed_plainly(len(new))
         self._maybe_quantize()
         return new
@@ -252,7 +269,7 @@ class Generation:
     def settle(self) -> list[int]:
         """Commit the token in flight, if any: afterwards the cache holds every committed
         token but the last (what a round, a batch or the prefix cache expects)."""
-        if self._inflight is None:
+        if not self._in_flight:
             return []
         return self._plain_step(lambda: False)
 

@@ -111,7 +111,7 @@ KNOWN_OPTIONS: Mapping[str, str] = MappingProxyType(
     }
 )
 OPTION_CHOICES: Mapping[str, tuple[str, ...]] = MappingProxyType(
-    {"draft_method": ("auto", "model", "lookup", "off")}
+    {"draft_method": ("auto", "model", "lookup", "forced", "off")}
 )
 
 # Hugging Face repo ids: ``name`` or ``namespace/name``.

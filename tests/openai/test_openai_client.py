@@ -179,7 +179,9 @@ def test_bad_requests_are_invalid_request_errors(client: openai.OpenAI) -> None:
         "param": None,
         "code": None,
     }
-    with pytest.raises(openai.BadRequestError, match="not supported"):
+    with pytest.raises(openai.BadRequestError, match="Invalid type"):
         client.chat.completions.create(
-            model="tiny", messages=MESSAGES, response_format={"type": "json_object"}
+            model="tiny",
+            messages=MESSAGES,
+            response_format={"type": "json_schema", "json_schema": {"schema": {"type": "x"}}},
         )

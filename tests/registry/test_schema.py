@@ -294,7 +294,7 @@ BAD_CASES = [
         5,
         "coder",
         "options.draft_method",
-        "expected one of auto, model, lookup, off, got 'fast'",
+        "expected one of auto, model, lookup, forced, off, got 'fast'",
     ),
     (
         "models:\n  coder:\n    target: x/y\n    options:\n      stop: [a, 1]\n",
