@@ -20,10 +20,11 @@ log = logging.getLogger(__name__)
 
 
 def changed_entries(before: Registry, after: Registry) -> tuple[list[str], list[ModelEntry]]:
-    """(names whose loaded pairing is stale, entries to probe)."""
+    """(names whose loaded pairing is stale, entries to probe). A change of adapters, options
+    or system prompt leaves the loaded base in place (adapters mount on it per request)."""
     old = {e.key: e for e in before.entries()}
     new = {e.key: e for e in after.entries()}
-    stale = [old[k].name for k in old if k not in new or new[k] != old[k]]
+    stale = [old[k].name for k in old if k not in new or new[k].load_key != old[k].load_key]
     fresh = [new[k] for k in new if k not in old or new[k] != old[k]]
     return stale, fresh
 

@@ -27,6 +27,7 @@ from mlxd.registry.adapterfiles import (
     ADAPTER_WEIGHTS,
     AdapterFileError,
     adapter_revision,
+    check_fits,
     read_adapter,
 )
 from mlxd.registry.schema import AdapterRef
@@ -42,6 +43,7 @@ __all__ = [
     "AdapterError",
     "AdapterSet",
     "Mount",
+    "check_entry_adapters",
     "locate_adapters",
     "selecting",
 ]
@@ -266,3 +268,27 @@ class AdapterSet:
                 wrap(self.model, module, self.selection).put(mount.slot, None)
             del self._mounts[revision]
             log.info("dropped adapter %s (least recently used)", revision[:12])
+
+
+def check_entry_adapters(
+    adapters: Sequence[AdapterRef],
+    base: Path,
+    draft_adapters: Sequence[AdapterRef] = (),
+    draft: Path | None = None,
+) -> None:
+    """Refuse (AdapterError) adapters that are missing, broken, or shaped for another base;
+    reads only files, so it runs before anything is loaded or registered."""
+    groups = [(adapters, base), (draft_adapters, draft)]
+    for refs, model_dir in groups:
+        if not refs:
+            continue
+        if model_dir is None:
+            raise AdapterError("draft_adapters name adapters for a draft, but there is no draft")
+        for ref, path in zip(refs, locate_adapters(refs), strict=True):
+            try:
+                info = read_adapter(path)
+                check_fits(info, model_dir)
+            except AdapterFileError as exc:
+                raise AdapterError(str(exc)) from None
+            if info.dora and len(refs) > 1:
+                raise AdapterError(f"adapter {ref.ref}: DoRA adapters cannot be combined")

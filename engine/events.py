@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.speculation import SpecStats
+from mlxd.registry.schema import AdapterRef
 
 
 @dataclass
@@ -21,6 +22,8 @@ class GenerationRequest:
     cancel: threading.Event = field(default_factory=threading.Event)
     load_duration: float = 0.0  # seconds spent loading the model for this request
     on_start: Callable[[], None] | None = None  # called once when it stops waiting in the queue
+    adapters: tuple[AdapterRef, ...] = ()  # mounted on the target for this request's row
+    draft_adapters: tuple[AdapterRef, ...] = ()  # mounted on the draft model for it
 
     def started_now(self) -> None:
         if self.on_start is not None:

@@ -1,4 +1,5 @@
-"""Which pairings are loaded: load on demand, keep_alive expiry, a cap on loaded models, a memory
+"""Which pairings are loaded: one per base (entries that differ only in adapters, options or
+system prompt share it, `ModelEntry.load_key`), load on demand, keep_alive expiry, a cap on loaded models, a memory
 budget checked before every load, a bounded count of requests waiting to run, and a watchdog
 that reloads a pairing whose runner stopped making progress.
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlxd.engine.adapters import AdapterError, check_entry_adapters
 from mlxd.engine.backend import Backend
 from mlxd.engine.counts import EVICTION, LOAD, LOAD_FAILURE, RUNNER_RESTART, LifecycleCounts
 from mlxd.engine.events import Done, Event, Failed, GenerationRequest
@@ -69,6 +71,19 @@ def files_present(entry: ModelEntry) -> bool:
     return resolve_local(entry.target) is not None and (
         entry.draft is None or resolve_local(entry.draft) is not None
     )
+
+
+def _check_adapters(entry: ModelEntry) -> str | None:
+    """Why the entry's adapters cannot be mounted on its base (None: they can)."""
+    if not entry.adapters and not entry.draft_adapters:
+        return None
+    try:
+        target = locate(entry.target, "target")
+        draft = locate(entry.draft, "draft") if entry.draft else None
+        check_entry_adapters(entry.adapters, target, entry.draft_adapters, draft)
+    except (AdapterError, ModelUnavailable) as exc:
+        return str(exc)
+    return None
 
 
 def _probe_blocking(entry: ModelEntry, backend: Backend) -> ProbeResult:
@@ -153,7 +168,7 @@ class Ticket:
 class Resident:
     """A pairing loaded (or loading) on its runner, and what keeps it there."""
 
-    entry: ModelEntry
+    entry: ModelEntry  # the first entry it was loaded for (all of `names` share its base)
     runner: PairingRunner
     need: MemoryNeed
     keep_alive: float  # seconds; inf = forever, 0 = unload when idle
@@ -165,6 +180,11 @@ class Resident:
     stopped: bool = False  # its runner was told to stop
     abandoned: bool = False  # its runner got stuck in a step: out of service and accounts
     timer: asyncio.TimerHandle | None = None
+    names: set[str] = field(default_factory=set)  # entries served on this base
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        return self.entry.load_key
 
     @property
     def loading(self) -> bool:
@@ -187,6 +207,11 @@ class Loaded:
     model: Resident
     ticket: Ticket
     released: bool = False
+    entry: ModelEntry | None = None  # what the request asked for (its adapters, its name)
+
+    @property
+    def name(self) -> str:
+        return (self.entry or self.model.entry).name
 
     @property
     def runner(self) -> PairingRunner:
@@ -255,9 +280,10 @@ class ModelManager:
         self.num_parallel = max(1, num_parallel)  # rows per pairing: the KV budget, the scheduler
         self.queue = WaitCounter(max_queue)
         self.budget: Budget = resolve_budget(memory_budget)
-        self._loaded: dict[str, Resident] = {}
+        self._loaded: dict[tuple[object, ...], Resident] = {}  # by `ModelEntry.load_key`
         self._retiring: list[Resident] = []  # unloaded, but still holding memory
         self._probes: dict[ModelEntry, ProbeResult] = {}
+        self._base_probes: dict[tuple[object, ...], ProbeResult] = {}  # by load key
         self._probe_lock = asyncio.Lock()
         self._load_lock = asyncio.Lock()  # one load decision at a time, as Ollama's scheduler
         self._waiters: list[asyncio.Future[None]] = []
@@ -277,9 +303,16 @@ class ModelManager:
         async with self._probe_lock:
             if entry in self._probes:
                 return self._probes[entry]
-            result = await run_in_mlx_thread(
-                lambda: _probe_blocking(entry, self.backend), f"probe:{entry.name}"
-            )
+            result = self._base_probes.get(entry.load_key)
+            if result is None:
+                result = await run_in_mlx_thread(
+                    lambda: _probe_blocking(entry, self.backend), f"probe:{entry.name}"
+                )
+                self._base_probes[entry.load_key] = result
+            if result.ok:
+                problem = await asyncio.to_thread(_check_adapters, entry)
+                if problem is not None:
+                    result = ProbeResult(False, problem, None, result.seconds)
             self._probes[entry] = result
         if result.ok:
             log.info("probe %s: ok in %.2fs", entry.name, result.seconds)
@@ -313,6 +346,8 @@ class ModelManager:
                 lease = self._attach(model, keep_alive, ticket)
             else:
                 lease = await self._load(entry, keep_alive, ticket)
+            lease.entry = entry
+            lease.model.names.add(entry.name)
         except BaseException:
             ticket.start()
             raise
@@ -339,11 +374,14 @@ class ModelManager:
 
     async def generate(self, slot: Loaded, request: GenerationRequest) -> AsyncIterator[Event]:
         request.on_start = slot.ticket.start  # the scheduler calls it when the request starts
+        if slot.entry is not None and not (request.adapters or request.draft_adapters):
+            request.adapters = slot.entry.adapters  # an adapter entry's rows run on its adapters
+            request.draft_adapters = slot.entry.draft_adapters
         try:
             async for event in slot.runner.generate(request):
                 slot.ticket.start()  # (idempotent) no longer waiting once the runner answers
                 if isinstance(event, Done | Failed):
-                    self._finished(slot.model.entry.name, event)
+                    self._finished(slot.name, event)  # per entry: acceptance per adapter
                 yield event
         finally:
             slot.ticket.start()
@@ -366,8 +404,7 @@ class ModelManager:
         return pairing
 
     def _ready(self, entry: ModelEntry) -> Resident | None:
-        model = self._loaded.get(entry.name)
-        return model if model is not None and model.entry == entry else None
+        return self._loaded.get(entry.load_key)
 
     def _attach(self, model: Resident, keep_alive: float | None, ticket: Ticket) -> Loaded:
         if keep_alive is not None:
@@ -384,8 +421,8 @@ class ModelManager:
             model = lease.model
             if not model.retired:  # once per load, however many requests waited for it
                 self.counts.note(LOAD_FAILURE, model.entry.name)
-            if self._loaded.get(model.entry.name) is model:
-                del self._loaded[model.entry.name]
+            if self._loaded.get(model.key) is model:
+                del self._loaded[model.key]
             model.retired = True
         self.release(lease)
 
@@ -395,9 +432,6 @@ class ModelManager:
         async with self._load_lock:
             model = self._ready(entry)
             if model is None:
-                current = self._loaded.get(entry.name)
-                if current is not None:  # the registry entry changed: reload
-                    self._retire(current)
                 need = await asyncio.to_thread(
                     estimate_need, entry, self.num_parallel, self.backend
                 )
@@ -406,11 +440,11 @@ class ModelManager:
             return self._attach(model, keep_alive, ticket)
 
     def _start(self, entry: ModelEntry, need: MemoryNeed) -> Resident:
-        probed = self._probes.get(entry)
+        probed = self._base_probes.get(entry.load_key)
         costs = probed.costs if probed is not None else None
         runner = PairingRunner(entry, self.backend, costs, self.prefix, self.num_parallel)
         model = Resident(entry, runner, need, self.default_keep_alive)
-        self._loaded[entry.name] = model
+        self._loaded[entry.load_key] = model
         self.counts.note(LOAD, entry.name)
         log.info("loading %s (%s)", entry.name, human_bytes(need.total))
         self._start_watchdog()
@@ -451,8 +485,8 @@ class ModelManager:
         self.runner_restarted(name)
         model.abandoned = model.retired = model.stopped = True
         model.cancel_timer()
-        if self._loaded.get(name) is model:
-            del self._loaded[name]
+        if self._loaded.get(model.key) is model:
+            del self._loaded[model.key]
         if model in self._retiring:
             self._retiring.remove(model)
         self._notify()
@@ -466,7 +500,7 @@ class ModelManager:
         entry = stuck.entry
         try:
             async with self._load_lock:
-                if entry.name in self._loaded:
+                if entry.load_key in self._loaded:
                     return  # a request loaded it meanwhile
                 await self._make_room(stuck.need)
                 model = self._start(entry, stuck.need)
@@ -535,15 +569,15 @@ class ModelManager:
 
     def _expire(self, model: Resident) -> None:
         model.timer = None
-        if model.users == 0 and self._loaded.get(model.entry.name) is model:
+        if model.users == 0 and self._loaded.get(model.key) is model:
             log.info("keep_alive expired for %s", model.entry.name)
             self._retire(model)
 
     def _retire(self, model: Resident) -> None:
         """Take `model` out of service; it stops now if idle, else when its last user leaves."""
         model.cancel_timer()
-        if self._loaded.get(model.entry.name) is model:
-            del self._loaded[model.entry.name]
+        if self._loaded.get(model.key) is model:
+            del self._loaded[model.key]
         if model not in self._retiring and not model.abandoned:
             self._retiring.append(model)
         model.retired = True
@@ -566,16 +600,16 @@ class ModelManager:
 
     def unload(self, name: str) -> bool:
         """Unload now if idle, else as soon as its requests finish; never waits."""
-        model = self._loaded.get(name)
-        if model is None:
-            return False
-        model.keep_alive = 0
-        if model.users == 0:
-            self._retire(model)
-        return True
+        found = [m for m in self._loaded.values() if m.entry.name == name or name in m.names]
+        for model in found:
+            model.keep_alive = 0
+            if model.users == 0:
+                self._retire(model)
+        return bool(found)
 
     def loaded(self) -> dict[str, Resident]:
-        return dict(self._loaded)
+        """Loaded bases by the name of the entry each was loaded for."""
+        return {m.entry.name: m for m in self._loaded.values()}
 
     def status(self) -> list[ModelStatus]:
         """Every model in service, plus busy ones on their way out."""

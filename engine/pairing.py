@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
+from mlxd.engine.adapters import DEFAULT_ADAPTER_BYTES, AdapterSet
 from mlxd.engine.backend import Backend
 from mlxd.engine.context import row_context
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
@@ -55,6 +56,15 @@ class Pairing:
     revision: str = ""  # the target's files and compute dtype: part of every prefix-cache namespace
     draft_revision: str = ""
     history: SpecHistory = field(default_factory=SpecHistory)  # what speculation did lately
+    adapters: AdapterSet = field(init=False)  # mounted on the target, chosen per row
+    draft_adapters: AdapterSet | None = field(init=False)  # mounted on the draft
+    adapter_bytes: int = DEFAULT_ADAPTER_BYTES  # resident adapters' budget, per model
+
+    def __post_init__(self) -> None:
+        self.adapters = AdapterSet(self.target, self.adapter_bytes)
+        self.draft_adapters = (
+            AdapterSet(self.draft, self.adapter_bytes) if self.draft is not None else None
+        )
 
     @property
     def eos_ids(self) -> set[int]:
@@ -196,7 +206,12 @@ def check_tokenizers(target_tok: Any, draft_tok: Any) -> None:
         raise ModelUnavailable("draft and target disagree on end-of-sequence tokens")
 
 
-def load_pairing(entry: ModelEntry, backend: Backend, costs: Costs | None = None) -> Pairing:
+def load_pairing(
+    entry: ModelEntry,
+    backend: Backend,
+    costs: Costs | None = None,
+    adapter_bytes: int = DEFAULT_ADAPTER_BYTES,
+) -> Pairing:
     """Open and check a pairing on `backend`. Without `costs` (from an earlier probe in this
     process) the forwards are measured and every round shape is run once, which also proves
     both models compute."""
@@ -229,4 +244,5 @@ def load_pairing(entry: ModelEntry, backend: Backend, costs: Costs | None = None
         fim=detect_fim(vocab),
         revision=revision_of(target_dir, config, backend),
         draft_revision=draft_revision,
+        adapter_bytes=adapter_bytes,
     )
