@@ -120,7 +120,8 @@ def chat_renderer(
     def render(pairing: Pairing) -> str:
         if tools and "tools" not in pairing.capabilities:
             raise ApiError(400, f"{entry.name} does not support tools")
-        return render_chat(pairing.tokenizer, with_system(messages, entry.system))
+        seeded = [dict(m) for m in entry.messages] + messages  # the model's MESSAGE lines first
+        return render_chat(pairing.tokenizer, with_system(seeded, entry.system))
 
     return render
 

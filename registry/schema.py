@@ -63,6 +63,7 @@ ENTRY_KEYS: tuple[str, ...] = (
     "description",
     "adapters",
     "draft_adapters",
+    "messages",
 )
 # What decides a loaded pairing: entries equal on these share one loaded base (adapters, options
 # and the system prompt are per request).
@@ -151,6 +152,7 @@ class ModelEntry:
     description: str | None = None
     adapters: tuple[AdapterRef, ...] = ()  # mounted on the target, selected per request
     draft_adapters: tuple[AdapterRef, ...] = ()  # mounted on the draft model
+    messages: tuple[Mapping[str, str], ...] = field(default=(), hash=False)  # chats start so
     source: Path = field(default_factory=lambda: Path("<memory>"))
     line: int | None = None
 
@@ -381,6 +383,7 @@ def _load_entry(
         "description": _check_str,
         "adapters": lambda v: _check_adapters(v, base_dir),
         "draft_adapters": lambda v: _check_adapters(v, base_dir),
+        "messages": _check_messages,
     }
     for key, key_node, value_node in ctx.pairs(vnode, name):
         if key == "options":
@@ -418,6 +421,23 @@ def _check_ref(value: Any, base_dir: Path) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"expected a hub repo id or a directory path, got {_describe(value)}")
     return resolve_target(value.strip(), base_dir)
+
+
+def _check_messages(value: Any) -> tuple[Mapping[str, str], ...]:
+    """`messages:` a list of `{role, content}` every chat starts with (Ollama's MESSAGE)."""
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list of {{role, content}} messages, got {_describe(value)}")
+    out = []
+    for item in value:
+        if (
+            not isinstance(item, Mapping)
+            or set(item) != {"role", "content"}
+            or item["role"] not in ("system", "user", "assistant")
+            or not isinstance(item["content"], str)
+        ):
+            raise ValueError(f"expected a {{role, content}} message, got {_describe(item)}")
+        out.append(MappingProxyType({"role": item["role"], "content": item["content"]}))
+    return tuple(out)
 
 
 def _check_adapters(value: Any, base_dir: Path) -> tuple[AdapterRef, ...]:

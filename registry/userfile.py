@@ -132,6 +132,8 @@ def entry_fields(entry: ModelEntry) -> dict[str, Any]:
         value = getattr(entry, key)
         if value is not None:
             fields[key] = value
+    if entry.messages:
+        fields["messages"] = [dict(m) for m in entry.messages]
     for key in ("adapters", "draft_adapters"):
         refs = getattr(entry, key)
         if refs:
