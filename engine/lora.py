@@ -131,7 +131,7 @@ class RowLoRA(nn.Module):
         rows = self._selection.rows
         stacks = self._slots.stacks
         if rows is None or stacks is None:
-            return self.base(x)  # type: ignore[no-any-return]
+            return self.base(x)
         size = stacks.a.shape[0]
         idx = mx.where(rows < size, rows, mx.zeros_like(rows))  # a slot not on this layer: 0
         if idx.shape[0] not in (1, x.shape[0]):  # rows padded in after the selected ones: base
@@ -140,7 +140,7 @@ class RowLoRA(nn.Module):
         z = mx.gather_mm(mx.gather_mm(x, stacks.a, rhs_indices=idx), stacks.b, rhs_indices=idx)
         lora = (stacks.scale[idx][:, None, None] * z).astype(x.dtype)
         if stacks.ratio is None:
-            return self.base(x) + lora  # type: ignore[no-any-return]
+            return self.base(x) + lora
         y = self._plain(x) + lora
         y = stacks.ratio[idx][:, None, :].astype(x.dtype) * y
         if self.has_bias:
@@ -151,7 +151,7 @@ class RowLoRA(nn.Module):
         """The base projection without its bias (DoRA scales that part only)."""
         base = self.base
         if not self.has_bias:
-            return base(x)  # type: ignore[no-any-return]
+            return base(x)
         if isinstance(base, nn.QuantizedLinear):
             return mx.quantized_matmul(
                 x, base.weight, base.scales, base.get("biases"), transpose=True,
