@@ -1,5 +1,6 @@
-"""Which pairings are loaded: one per base (entries that differ only in adapters, options or
-system prompt share it, `ModelEntry.load_key`), load on demand, keep_alive expiry, a cap on loaded models, a memory
+"""Which pairings are loaded: load on demand (an entry with adapters mounts them on a loaded
+base of the same `ModelEntry.load_key`, whichever entry loaded it, and loads one shared base
+only when there is none; a plain entry keeps its own, or uses a shared base already there), keep_alive expiry, a cap on loaded models, a memory
 budget checked before every load, a bounded count of requests waiting to run, and a watchdog
 that reloads a pairing whose runner stopped making progress.
 
@@ -181,10 +182,7 @@ class Resident:
     abandoned: bool = False  # its runner got stuck in a step: out of service and accounts
     timer: asyncio.TimerHandle | None = None
     names: set[str] = field(default_factory=set)  # entries served on this base
-
-    @property
-    def key(self) -> tuple[object, ...]:
-        return self.entry.load_key
+    key: tuple[object, ...] = ()  # where the manager keeps it (`_key_for`)
 
     @property
     def loading(self) -> bool:
@@ -251,6 +249,15 @@ def _status(model: Resident, now: float) -> ModelStatus:
     )
 
 
+def _adapted(entry: ModelEntry) -> bool:
+    return bool(entry.adapters or entry.draft_adapters)
+
+
+def _key_for(entry: ModelEntry) -> tuple[object, ...]:
+    """A plain entry's pairing is its own (its name); adapter entries share one per base."""
+    return ("base", entry.load_key) if _adapted(entry) else ("name", entry.name)
+
+
 def _eviction_order(model: Resident) -> tuple[float, float]:
     """Shortest keep_alive first, then least recently used."""
     return (model.keep_alive, model.last_used)
@@ -280,7 +287,7 @@ class ModelManager:
         self.num_parallel = max(1, num_parallel)  # rows per pairing: the KV budget, the scheduler
         self.queue = WaitCounter(max_queue)
         self.budget: Budget = resolve_budget(memory_budget)
-        self._loaded: dict[tuple[object, ...], Resident] = {}  # by `ModelEntry.load_key`
+        self._loaded: dict[tuple[object, ...], Resident] = {}  # by `_key_for` its entry
         self._retiring: list[Resident] = []  # unloaded, but still holding memory
         self._probes: dict[ModelEntry, ProbeResult] = {}
         self._base_probes: dict[tuple[object, ...], ProbeResult] = {}  # by load key
@@ -404,7 +411,17 @@ class ModelManager:
         return pairing
 
     def _ready(self, entry: ModelEntry) -> Resident | None:
-        return self._loaded.get(entry.load_key)
+        """The loaded pairing `entry` can run on now, if any."""
+        shared = self._loaded.get(("base", entry.load_key))
+        if not _adapted(entry):
+            own = self._loaded.get(("name", entry.name))
+            if own is not None:
+                return own if own.entry == entry else None
+            return shared
+        if shared is not None:
+            return shared
+        same = [m for m in self._loaded.values() if m.entry.load_key == entry.load_key]
+        return same[0] if same else None
 
     def _attach(self, model: Resident, keep_alive: float | None, ticket: Ticket) -> Loaded:
         if keep_alive is not None:
@@ -432,6 +449,9 @@ class ModelManager:
         async with self._load_lock:
             model = self._ready(entry)
             if model is None:
+                current = self._loaded.get(_key_for(entry))
+                if current is not None:  # the registry entry changed: reload
+                    self._retire(current)
                 need = await asyncio.to_thread(
                     estimate_need, entry, self.num_parallel, self.backend
                 )
@@ -443,8 +463,8 @@ class ModelManager:
         probed = self._base_probes.get(entry.load_key)
         costs = probed.costs if probed is not None else None
         runner = PairingRunner(entry, self.backend, costs, self.prefix, self.num_parallel)
-        model = Resident(entry, runner, need, self.default_keep_alive)
-        self._loaded[entry.load_key] = model
+        model = Resident(entry, runner, need, self.default_keep_alive, key=_key_for(entry))
+        self._loaded[model.key] = model
         self.counts.note(LOAD, entry.name)
         log.info("loading %s (%s)", entry.name, human_bytes(need.total))
         self._start_watchdog()
@@ -500,7 +520,7 @@ class ModelManager:
         entry = stuck.entry
         try:
             async with self._load_lock:
-                if entry.load_key in self._loaded:
+                if stuck.key in self._loaded:
                     return  # a request loaded it meanwhile
                 await self._make_room(stuck.need)
                 model = self._start(entry, stuck.need)
