@@ -21,7 +21,7 @@ import pytest
 from mlxd.engine.counts import LOAD
 from mlxd.registry.schema import load_registry_file
 from tests.adapters.conftest import Adapters
-from tests.conftest import RunningServer, ServerThread
+from tests.conftest import RunningServer, ServerThread, wait_for
 from tests.fixtures.tiny_models import TinyPair
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,6 +50,7 @@ def served(
     monkeypatch.setenv("MLXD_REGISTRY", f"{base}{os.pathsep}{home / 'models.yaml'}")
     thread = ServerThread(None)  # type: ignore[arg-type]
     with thread as info:
+        info.registry = base
         yield info, thread
 
 
@@ -81,6 +82,22 @@ def test_entries_on_one_base_load_it_once_and_each_answers_as_its_adapter(
     assert len(thread.state.manager.loaded()) == 1
     ps = httpx.get(f"{server.base_url}/api/ps").json()["models"]
     assert len(ps) == 1
+
+
+def test_an_adapter_added_by_a_registry_edit_is_served_without_reloading_the_base(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters
+) -> None:
+    server, thread = served
+    base = answer(server, "coder")
+    text = server.registry.read_text(encoding="utf-8")
+    entry = f"  coder-dora:\n    target: {thread.state.registry().get('coder').target}\n"
+    entry += f"    draft: {thread.state.registry().get('coder').draft}\n"
+    entry += f"    adapters: [{{path: {adapters.dora}, scale: 5.0}}]\n"
+    server.registry.write_text(text + entry, encoding="utf-8")
+    assert wait_for(lambda: "coder-dora:latest" in tags(server))
+    dora = answer(server, "coder-dora")
+    assert dora != base and answer(server, "coder") == base
+    assert loads(thread) == 1
 
 
 def test_ollama_client_create_blob_then_create_then_generate(
