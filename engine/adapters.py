@@ -216,6 +216,8 @@ class AdapterSet:
         self.selection = Selection()
         self._mounts: OrderedDict[str, Mount] = OrderedDict()  # least recently used first
         self.loads = 0  # adapters read from files (a reload of the base is never one)
+        self.count = 0  # resident adapters and their bytes, readable from any thread
+        self.resident_bytes = 0
 
     @property
     def nbytes(self) -> int:
@@ -252,10 +254,14 @@ class AdapterSet:
             wrap(self.model, module, self.selection).put(slot, weights)
         self._mounts[loaded.revision] = mount
         self.loads += 1
+        self._counted()
         log.info(
             "mounted adapter %s at slot %d (%d bytes)", loaded.revision[:12], slot, mount.nbytes
         )
         return mount
+
+    def _counted(self) -> None:
+        self.count, self.resident_bytes = len(self._mounts), self.nbytes
 
     def _trim(self) -> None:
         """Drop unused adapters, least recently used first, until the rest fit the budget."""
@@ -267,6 +273,7 @@ class AdapterSet:
             for module in mount.modules:
                 wrap(self.model, module, self.selection).put(mount.slot, None)
             del self._mounts[revision]
+            self._counted()
             log.info("dropped adapter %s (least recently used)", revision[:12])
 
 
