@@ -59,6 +59,14 @@ class Pairing:
     adapters: AdapterSet = field(init=False)  # mounted on the target, chosen per row
     draft_adapters: AdapterSet | None = field(init=False)  # mounted on the draft
     adapter_bytes: int = DEFAULT_ADAPTER_BYTES  # resident adapters' budget, per model
+    adapter_histories: dict[str, SpecHistory] = field(default_factory=dict)
+
+    def history_of(self, adapter: str) -> SpecHistory:
+        """What speculation did lately for rows on `adapter` ("" the base): the draft drafts
+        without the adapter, so how well it guesses is a matter of the adapter."""
+        if not adapter:
+            return self.history
+        return self.adapter_histories.setdefault(adapter, SpecHistory())
 
     def __post_init__(self) -> None:
         self.adapters = AdapterSet(self.target, self.adapter_bytes)

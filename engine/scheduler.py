@@ -60,10 +60,11 @@ class Prefilling:
 
 
 def make_draft_source(
-    pairing: Pairing, opts: SamplingOptions, rng: Rng, draft_model: Any = None
+    pairing: Pairing, opts: SamplingOptions, rng: Rng, draft_model: Any = None, adapter: str = ""
 ) -> tuple[DraftSource | None, DraftLengthController | None]:
     """The draft source and controller a request asks for (none when speculation is off);
-    `draft_model`: the draft as this request sees it (with its adapter), default the draft."""
+    `draft_model`: the draft as this request sees it (with its adapter), default the draft;
+    `adapter`: the target adapter's revision, whose speculation history the row shares."""
     draft_model = pairing.draft if draft_model is None else draft_model
     max_k = opts.draft_num_predict
     if max_k is None:
@@ -80,7 +81,7 @@ def make_draft_source(
     else:
         source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft_model, opts, rng))
     controller = DraftLengthController(
-        pairing.costs, max_k, draft_cost, history=pairing.history, source=source.name,
+        pairing.costs, max_k, draft_cost, history=pairing.history_of(adapter), source=source.name,
         regime=opts.regime,
     )  # fmt: skip
     return source, controller
@@ -210,7 +211,7 @@ class Scheduler:
         req, pairing, opts = job.request, self.pairing, job.request.options
         target, draft = self._views(req.adapters, req.draft_adapters, release)
         rng = Rng(opts.seed)
-        source, controller = make_draft_source(pairing, opts, rng, draft)
+        source, controller = make_draft_source(pairing, opts, rng, draft, _revision(target))
         limit = generation_limit(opts, len(req.prompt_tokens), pairing.row_context(opts))
         stream = RowStream(req, job.emit, pairing.tokenizer.decode, pairing.eos_ids, limit)
         ns = namespace_for(pairing, opts, adapter=_revision(target))
