@@ -185,7 +185,7 @@ class AdaptedModel:
         try:
             return self.model(*args, **kwargs)
         finally:
-            self.selection.rows = None
+            self.selection.clear()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
@@ -204,7 +204,7 @@ def selecting(models: Sequence[Any]) -> Iterator[None]:
     try:
         yield
     finally:
-        selection.rows = None
+        selection.clear()
 
 
 class AdapterSet:

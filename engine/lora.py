@@ -8,7 +8,8 @@ being "no adapter" (zeros). Before a forward the caller names each row's slot
     y = base(x) + scale[slot] * (x @ A[slot]) @ B[slot]          (LoRA, as mlx-lm's LoRALinear)
     y = (x W^T + scale[slot] * (x @ A[slot]) @ B[slot]) * ratio[slot] + bias          (DoRA)
 
-with `gather_mm`, which picks each row's matrices without copying them. DoRA's ratio
+with `gather_mm`, which picks each row's matrices without copying them (when every row of a
+forward uses one adapter, as a lone row does, its matrices are used directly). DoRA's ratio
 m / ||W + s B^T A^T|| is a constant of the adapter and the base, computed once at mount (mlx-lm
 recomputes it, dequantizing W, on every call). With no row on an adapter (`rows` is None) the
 layer is the base layer and costs nothing more.
@@ -33,9 +34,14 @@ class Selection:
     """Which slot each row of the next forward uses; None: every row is on the base."""
 
     rows: mx.array | None = None
+    single: int | None = None  # the one slot every row uses, when they all use one
 
     def set(self, slots: list[int]) -> None:
         self.rows = mx.array(slots, dtype=mx.uint32) if any(slots) else None
+        self.single = slots[0] if self.rows is not None and len(set(slots)) == 1 else None
+
+    def clear(self) -> None:
+        self.rows, self.single = None, None
 
 
 @dataclass(frozen=True)
@@ -133,6 +139,13 @@ class RowLoRA(nn.Module):
         if rows is None or stacks is None:
             return self.base(x)
         size = stacks.a.shape[0]
+        single = self._selection.single
+        if single is not None and stacks.ratio is None:
+            w = self._slots.by_slot.get(single)
+            if w is None:
+                return self.base(x)  # this adapter does not touch this projection
+            # one adapter for every row (a lone row): as mlx-lm's LoRALinear computes it
+            return self.base(x) + (w.scale * ((x @ w.a) @ w.b)).astype(x.dtype)
         idx = mx.where(rows < size, rows, mx.zeros_like(rows))  # a slot not on this layer: 0
         if idx.shape[0] not in (1, x.shape[0]):  # rows padded in after the selected ones: base
             idx = mx.concatenate([idx, mx.zeros((x.shape[0] - idx.shape[0],), dtype=idx.dtype)])
