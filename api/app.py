@@ -10,7 +10,17 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from mlxd.api import catalog, embeddings, lifecycle, metrics, models, ollama, openai, unserved
+from mlxd.api import (
+    catalog,
+    create,
+    embeddings,
+    lifecycle,
+    metrics,
+    models,
+    ollama,
+    openai,
+    unserved,
+)
 from mlxd.api.codec import json_response
 from mlxd.api.cors import CorsMiddleware, CorsPolicy
 from mlxd.api.errors import STATUS, ApiError, error_handler
@@ -54,6 +64,7 @@ def build_app(state: ServerState, bind_host: str = "127.0.0.1") -> Starlette:
         Route("/api/chat", ollama.chat, methods=["POST"]),
         *lifecycle.routes(),
         *models.routes(),
+        *create.routes(),
         *openai.routes(),
         *embeddings.routes(),
         *metrics.routes(),

@@ -120,7 +120,8 @@ class ChatPrompt:
         if self.tools and fmt.tools is None:
             raise ApiError(400, f"{self.entry.name} does not support tools")
         self.think = resolve_think(self.think_value, fmt, self.entry.name)
-        messages = with_system(template_messages(self.messages, fmt), self.entry.system)
+        seeded = [dict(m) for m in self.entry.messages] + self.messages  # MESSAGE lines first
+        messages = with_system(template_messages(seeded, fmt), self.entry.system)
         text = render_chat(
             pairing.tokenizer, messages, self.tools, template_kwargs(fmt, self.think)
         )

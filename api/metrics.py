@@ -26,6 +26,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from mlxd.api.ollama import ServerState
 from mlxd.engine.counts import EVICTION, LOAD, LOAD_FAILURE, RUNNER_RESTART
 from mlxd.engine.events import Done, Failed
+from mlxd.engine.manager import Resident
 
 PREFIX = "mlxd"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -107,6 +108,7 @@ class StateCollector(Collector):
         for name, model in loaded.items():
             rows.add_metric([name], model.runner.running_rows)
         yield rows
+        yield from _adapters(loaded)
         yield _gauge("memory_used_bytes", "Memory held by loaded pairings.", manager.memory_used())
         yield _gauge("memory_budget_bytes", "The memory budget.", manager.budget.bytes)
         yield from self._lifecycle(list(loaded))
@@ -159,6 +161,23 @@ class StateCollector(Collector):
         yield _counter(
             "prefix_cache_ssd_dropped_writes", "Blocks not written: the backlog was full.", dropped
         )
+
+
+def _adapters(loaded: dict[str, Resident]) -> Iterator[Metric]:
+    """Adapters resident on each loaded base, and their bytes."""
+    count = GaugeMetricFamily(
+        f"{PREFIX}_adapters_mounted", "Adapters resident on a loaded base.", labels=["model"]
+    )
+    size = GaugeMetricFamily(
+        f"{PREFIX}_adapter_bytes", "Bytes of the adapters resident on a base.", labels=["model"]
+    )
+    for name, model in loaded.items():
+        pairing = model.runner.pairing
+        if pairing is not None:
+            count.add_metric([name], pairing.adapters.count)
+            size.add_metric([name], pairing.adapters.resident_bytes)
+    yield count
+    yield size
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

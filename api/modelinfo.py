@@ -164,11 +164,13 @@ def show_json(m: LocalModel, unavailable: str | None = None, verbose: bool = Fal
     ]
     if m.draft_dir:
         modelfile.append(f"DRAFT {m.draft_dir}")
+    modelfile += [f"ADAPTER {a.ref}" for a in entry.adapters]
     if template:
         modelfile.append(f'TEMPLATE """{template}"""')
     if entry.system:
         modelfile.append(f'SYSTEM """{entry.system}"""')
     modelfile += [f"PARAMETER {line}" for line in params.splitlines()]
+    modelfile += [f'MESSAGE {m["role"]} """{m["content"]}"""' for m in entry.messages]
     return ShowResponse(
         modelfile="\n".join(modelfile) + "\n",
         parameters=params,

@@ -75,6 +75,27 @@ class CopyRequest(msgspec.Struct):
     destination: str | None = None
 
 
+class CreateRequest(msgspec.Struct):
+    """/api/create: a new model `from` an existing one, with adapters ({file name: blob
+    digest}), parameters, a system prompt, a template, seed messages; or the legacy
+    `modelfile` text."""
+
+    model: str | None = None
+    name: str | None = None  # legacy
+    from_: str | None = msgspec.field(default=None, name="from")
+    adapters: dict[str, str] | None = None
+    files: dict[str, str] | None = None
+    parameters: dict[str, Any] | None = None
+    system: str | None = None
+    template: str | None = None
+    messages: list[Message] | None = None
+    license: str | list[str] | None = None
+    quantize: str | None = None
+    modelfile: str | None = None  # legacy
+    path: str | None = None  # legacy: where the Modelfile was (for relative ADAPTER paths)
+    stream: bool | None = None
+
+
 # -- Ollama: responses --------------------------------------------------------------------------
 
 

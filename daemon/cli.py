@@ -15,9 +15,12 @@ from mlxd.daemon import autostart, repl
 from mlxd.daemon.client import Client, ClientError
 from mlxd.daemon.config import ConfigError, Settings, client_base_url
 from mlxd.daemon.pullhelp import explain
+from mlxd.registry.adapterfiles import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from mlxd.registry.modelfile import ModelfileError, parse_modelfile
 from mlxd.registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, InvalidModelName, parse_name
 
 VERSION = "0.1.0"
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 
 
 def _client() -> Client:
@@ -616,6 +619,47 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
+def create_body(client: Client, name: str, modelfile: Path) -> dict[str, Any]:
+    """The /api/create body for a Modelfile: one ADAPTER directory is uploaded as blobs (so a
+    daemon on another machine gets the files); paths are taken relative to the Modelfile."""
+    text = modelfile.read_text(encoding="utf-8")
+    spec = parse_modelfile(text)
+    here = modelfile.resolve().parent
+
+    def local(p: str) -> Path:
+        path = Path(p).expanduser()
+        return path if path.is_absolute() else here / path
+
+    adapters = [local(a) for a in spec.adapters]
+    if len(adapters) == 1 and adapters[0].is_dir():
+        files = sorted(f for f in adapters[0].iterdir() if f.name in ADAPTER_FILES)
+        body: dict[str, Any] = {"model": name, "from": spec.from_}
+        body["adapters"] = {f.name: client.upload_blob(f) for f in files}
+        for key in ("system", "template"):
+            if getattr(spec, key):
+                body[key] = getattr(spec, key)
+        if spec.parameters:
+            body["parameters"] = spec.parameters
+        if spec.messages:
+            body["messages"] = spec.messages
+        if spec.draft:
+            body["modelfile"] = f"FROM {spec.from_}\nDRAFT {local(spec.draft)}\n"
+        return body
+    return {"model": name, "modelfile": text, "path": str(modelfile.resolve())}
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    client = _client()
+    ensure_daemon(client)
+    try:
+        body = create_body(client, args.model, Path(args.file))
+    except (OSError, ModelfileError) as exc:
+        return _fail(str(exc))
+    for line in client.stream("/api/create", body):
+        print(line.get("status", ""), file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mlxd", description="Serve MLX models with an Ollama-compatible API"
@@ -678,6 +722,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("rm", help="remove models")
     p.add_argument("models", nargs="+", metavar="model")
     p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("create", help="create a model from a Modelfile")
+    p.add_argument("model")
+    p.add_argument("-f", "--file", default="Modelfile", help="the Modelfile (default: ./Modelfile)")
+    p.set_defaults(func=cmd_create)
 
     p = sub.add_parser("cp", help="copy a model")
     p.add_argument("source")

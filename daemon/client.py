@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -46,6 +48,20 @@ class Client:
         response = self._http.post(path, json=body)
         self._check(response)
         return response.json() if response.content else {}
+
+    def upload_blob(self, file: Path) -> str:
+        """Upload `file` as a blob unless the daemon has it (`HEAD` first, as Ollama's CLI);
+        its digest."""
+        sha = hashlib.sha256()
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                sha.update(chunk)
+        digest = "sha256:" + sha.hexdigest()
+        if self._http.head(f"/api/blobs/{digest}").status_code == 200:
+            return digest
+        with open(file, "rb") as f:
+            self._check(self._http.post(f"/api/blobs/{digest}", content=f))
+        return digest
 
     def delete(self, path: str, body: dict[str, Any]) -> None:
         response = self._http.request("DELETE", path, json=body)

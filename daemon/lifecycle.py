@@ -20,12 +20,20 @@ log = logging.getLogger(__name__)
 
 
 def changed_entries(before: Registry, after: Registry) -> tuple[list[str], list[ModelEntry]]:
-    """(names whose loaded pairing is stale, entries to probe)."""
+    """(names whose loaded pairing is stale, entries to probe). An adapter entry whose base
+    stays the same is not stale: its new adapters mount on the loaded base per request."""
     old = {e.key: e for e in before.entries()}
     new = {e.key: e for e in after.entries()}
-    stale = [old[k].name for k in old if k not in new or new[k] != old[k]]
+    stale = [old[k].name for k in old if k not in new or _stale(old[k], new[k])]
     fresh = [new[k] for k in new if k not in old or new[k] != old[k]]
     return stale, fresh
+
+
+def _stale(old: ModelEntry, new: ModelEntry) -> bool:
+    if old.load_key != new.load_key:
+        return True
+    adapted = bool(old.adapters or old.draft_adapters or new.adapters or new.draft_adapters)
+    return not adapted and new != old
 
 
 class Lifecycle:

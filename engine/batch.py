@@ -31,6 +31,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from mlxd.engine import kvcache
+from mlxd.engine.adapters import selecting
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
 from mlxd.engine.sampling import Rng, to_ints
@@ -140,7 +141,8 @@ class RowBatch:
             pending = mx.array([g.tokens[-1]], dtype=mx.uint32)
             pad = mx.full((width - 1 - d.count,), g.tokens[-1], dtype=mx.uint32)
             rows.append(mx.concatenate([pending, d.tokens.astype(mx.uint32), pad]))
-        logits = self.target(mx.stack(rows), cache=self.cache)
+        with selecting([g.target for g in gens]):  # each row on its own adapter (or none)
+            logits = self.target(mx.stack(rows), cache=self.cache)
         walks = [g.walk(d, logits) for g, d in zip(gens, drafts, strict=True)]  # grammar rows
         chosen, hosts = [], []
         for i, (g, d) in enumerate(zip(gens, drafts, strict=True)):

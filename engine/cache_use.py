@@ -26,12 +26,13 @@ def has_companion(source: DraftSource | None) -> bool:
 
 
 def namespace_for(
-    pairing: Pairing, opts: SamplingOptions, source: DraftSource | None = None
+    pairing: Pairing, opts: SamplingOptions, source: DraftSource | None = None, adapter: str = ""
 ) -> Namespace:
-    """What decides the target's K/V: its revision (files and compute dtype) and the KV
-    quantization. The draft method is not part of it (the draft's state is an attachment)."""
+    """What decides the target's K/V: its revision (files and compute dtype), the adapter's
+    revision (content digest and scale; "" on the base) and the KV quantization. The draft
+    method is not part of it (the draft's state is an attachment)."""
     kv = f"{opts.kv_bits}/{opts.kv_group_size}/{opts.quantized_kv_start}" if opts.kv_bits else ""
-    return Namespace(model=pairing.revision, kv=kv)
+    return Namespace(model=pairing.revision, adapter=adapter, kv=kv)
 
 
 def restore(
@@ -40,6 +41,7 @@ def restore(
     pairing: Pairing,
     prompt: Sequence[int],
     source: DraftSource | None,
+    draft_revision: str | None = None,
 ) -> tuple[list[Any] | None, int]:
     """Target caches holding the longest cached prefix of the prompt (all but its last token),
     with the draft's state restored into `source` as far as the blocks carry it; (None, 0) on
@@ -57,7 +59,8 @@ def restore(
         return None, 0
     if has_companion(source) and pairing.draft is not None:
         assert source is not None
-        extras = cache.attachments([k for k, _ in found], pairing.draft_revision, rate)
+        revision = pairing.draft_revision if draft_revision is None else draft_revision
+        extras = cache.attachments([k for k, _ in found], revision, rate)
         if extras:
             try:
                 draft = build_caches(extras, 0, len(pairing.draft.layers), bucket_of(pairing.draft))

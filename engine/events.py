@@ -11,6 +11,7 @@ from mlxd.engine.grammar import GrammarSpec
 from mlxd.engine.logprobs import Logprob
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.speculation import SpecStats
+from mlxd.registry.schema import AdapterRef
 
 
 @dataclass
@@ -24,6 +25,8 @@ class GenerationRequest:
     load_duration: float = 0.0  # seconds spent loading the model for this request
     on_start: Callable[[], None] | None = None  # called once when it stops waiting in the queue
     grammar: GrammarSpec | None = None  # structured output: the tokens the output must follow
+    adapters: tuple[AdapterRef, ...] = ()  # mounted on the target for this request's row
+    draft_adapters: tuple[AdapterRef, ...] = ()  # mounted on the draft model for it
 
     def started_now(self) -> None:
         if self.on_start is not None:

@@ -1,4 +1,6 @@
-"""Which pairings are loaded: load on demand, keep_alive expiry, a cap on loaded models, a memory
+"""Which pairings are loaded: load on demand (an entry with adapters mounts them on a loaded
+base of the same `ModelEntry.load_key`, whichever entry loaded it, and loads one shared base
+only when there is none; a plain entry keeps its own, or uses a shared base already there), keep_alive expiry, a cap on loaded models, a memory
 budget checked before every load, a bounded count of requests waiting to run, and a watchdog
 that reloads a pairing whose runner stopped making progress.
 
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
+from mlxd.engine.adapters import AdapterError, check_entry_adapters
 from mlxd.engine.backend import Backend
 from mlxd.engine.counts import EVICTION, LOAD, LOAD_FAILURE, RUNNER_RESTART, LifecycleCounts
 from mlxd.engine.embedding.model import (
@@ -95,6 +98,19 @@ def files_present(entry: ModelEntry) -> bool:
     return resolve_local(entry.target) is not None and (
         entry.draft is None or resolve_local(entry.draft) is not None
     )
+
+
+def _check_adapters(entry: ModelEntry) -> str | None:
+    """Why the entry's adapters cannot be mounted on its base (None: they can)."""
+    if not entry.adapters and not entry.draft_adapters:
+        return None
+    try:
+        target = locate(entry.target, "target")
+        draft = locate(entry.draft, "draft") if entry.draft else None
+        check_entry_adapters(entry.adapters, target, entry.draft_adapters, draft)
+    except (AdapterError, ModelUnavailable) as exc:
+        return str(exc)
+    return None
 
 
 def _probe_blocking(entry: ModelEntry, backend: Backend, store: ProbeStore | None) -> ProbeResult:
@@ -213,7 +229,7 @@ class Ticket:
 class Resident:
     """A pairing loaded (or loading) on its runner, and what keeps it there."""
 
-    entry: ModelEntry
+    entry: ModelEntry  # the first entry it was loaded for (all of `names` share its base)
     runner: PairingRunner | EmbeddingRunner
     need: MemoryNeed
     keep_alive: float  # seconds; inf = forever, 0 = unload when idle
@@ -225,6 +241,8 @@ class Resident:
     stopped: bool = False  # its runner was told to stop
     abandoned: bool = False  # its runner got stuck in a step: out of service and accounts
     timer: asyncio.TimerHandle | None = None
+    names: set[str] = field(default_factory=set)  # entries served on this base
+    key: tuple[object, ...] = ()  # where the manager keeps it (`_key_for`)
 
     @property
     def loading(self) -> bool:
@@ -247,6 +265,11 @@ class Loaded:
     model: Resident
     ticket: Ticket
     released: bool = False
+    entry: ModelEntry | None = None  # what the request asked for (its adapters, its name)
+
+    @property
+    def name(self) -> str:
+        return (self.entry or self.model.entry).name
 
     @property
     def runner(self) -> PairingRunner | EmbeddingRunner:
@@ -286,6 +309,15 @@ def _status(model: Resident, now: float) -> ModelStatus:
     )
 
 
+def _adapted(entry: ModelEntry) -> bool:
+    return bool(entry.adapters or entry.draft_adapters)
+
+
+def _key_for(entry: ModelEntry) -> tuple[object, ...]:
+    """A plain entry's pairing is its own (its name); adapter entries share one per base."""
+    return ("base", entry.load_key) if _adapted(entry) else ("name", entry.name)
+
+
 def _eviction_order(model: Resident) -> tuple[float, float]:
     """Shortest keep_alive first, then least recently used."""
     return (model.keep_alive, model.last_used)
@@ -316,12 +348,13 @@ class ModelManager:
         self.num_parallel = max(1, num_parallel)  # rows per pairing: the KV budget, the scheduler
         self.queue = WaitCounter(max_queue)
         self.budget: Budget = resolve_budget(memory_budget)
-        self._loaded: dict[str, Resident] = {}
+        self._loaded: dict[tuple[object, ...], Resident] = {}  # by `_key_for` its entry
         self._retiring: list[Resident] = []  # unloaded, but still holding memory
         self._probes: dict[ModelEntry, ProbeResult] = {}
         self._pending: set[ModelEntry] = set()  # probes queued or running
         self.probe_store = probe_store  # passed probes kept across restarts
         self._closing = False  # shutting down: no further probe starts
+        self._base_probes: dict[tuple[object, ...], ProbeResult] = {}  # by load key
         self._probe_lock = asyncio.Lock()
         self._load_lock = asyncio.Lock()  # one load decision at a time, as Ollama's scheduler
         self._waiters: list[asyncio.Future[None]] = []
@@ -343,10 +376,17 @@ class ModelManager:
                 return self._probes[entry]
             if self._closing:
                 return None
-            result = await run_in_mlx_thread(
-                lambda: _probe_blocking(entry, self.backend, self.probe_store),
-                f"probe:{entry.name}",
-            )
+            result = self._base_probes.get(entry.load_key)
+            if result is None:
+                result = await run_in_mlx_thread(
+                    lambda: _probe_blocking(entry, self.backend, self.probe_store),
+                    f"probe:{entry.name}",
+                )
+                self._base_probes[entry.load_key] = result
+            if result.ok:
+                problem = await asyncio.to_thread(_check_adapters, entry)
+                if problem is not None:
+                    result = ProbeResult(False, problem, None, result.seconds)
             self._probes[entry] = result
         if result.remembered:
             log.info("probe %s: ok (unchanged since it was last probed)", entry.name)
@@ -405,6 +445,8 @@ class ModelManager:
                 lease = self._attach(model, keep_alive, ticket)
             else:
                 lease = await self._load(entry, keep_alive, ticket)
+            lease.entry = entry
+            lease.model.names.add(entry.name)
         except BaseException:
             ticket.start()
             raise
@@ -434,11 +476,14 @@ class ModelManager:
         runner = slot.runner
         if not isinstance(runner, PairingRunner):
             raise NotAGenerativeModel(slot.model.entry.name)
+        if slot.entry is not None and not (request.adapters or request.draft_adapters):
+            request.adapters = slot.entry.adapters  # an adapter entry's rows run on its adapters
+            request.draft_adapters = slot.entry.draft_adapters
         try:
             async for event in runner.generate(request):
                 slot.ticket.start()  # (idempotent) no longer waiting once the runner answers
                 if isinstance(event, Done | Failed):
-                    self._finished(slot.model.entry.name, event)
+                    self._finished(slot.name, event)  # per entry: acceptance per adapter
                 yield event
         finally:
             slot.ticket.start()
@@ -472,8 +517,17 @@ class ModelManager:
         return pairing
 
     def _ready(self, entry: ModelEntry) -> Resident | None:
-        model = self._loaded.get(entry.name)
-        return model if model is not None and model.entry == entry else None
+        """The loaded pairing `entry` can run on now, if any."""
+        shared = self._loaded.get(("base", entry.load_key))
+        if not _adapted(entry):
+            own = self._loaded.get(("name", entry.name))
+            if own is not None:
+                return own if own.entry == entry else None
+            return shared
+        if shared is not None:
+            return shared
+        same = [m for m in self._loaded.values() if m.entry.load_key == entry.load_key]
+        return same[0] if same else None
 
     def _attach(self, model: Resident, keep_alive: float | None, ticket: Ticket) -> Loaded:
         if keep_alive is not None:
@@ -490,8 +544,8 @@ class ModelManager:
             model = lease.model
             if not model.retired:  # once per load, however many requests waited for it
                 self.counts.note(LOAD_FAILURE, model.entry.name)
-            if self._loaded.get(model.entry.name) is model:
-                del self._loaded[model.entry.name]
+            if self._loaded.get(model.key) is model:
+                del self._loaded[model.key]
             model.retired = True
         self.release(lease)
 
@@ -501,7 +555,7 @@ class ModelManager:
         async with self._load_lock:
             model = self._ready(entry)
             if model is None:
-                current = self._loaded.get(entry.name)
+                current = self._loaded.get(_key_for(entry))
                 if current is not None:  # the registry entry changed: reload
                     self._retire(current)
                 need = await asyncio.to_thread(
@@ -515,15 +569,15 @@ class ModelManager:
     def _start(
         self, entry: ModelEntry, need: MemoryNeed, spec: EmbeddingSpec | None = None
     ) -> Resident:
-        probed = self._probes.get(entry)
+        probed = self._base_probes.get(entry.load_key)
         costs = probed.costs if probed is not None else None
         runner: PairingRunner | EmbeddingRunner
         if spec is not None:
             runner = EmbeddingRunner(entry, self.backend, spec)
         else:
             runner = PairingRunner(entry, self.backend, costs, self.prefix, self.num_parallel)
-        model = Resident(entry, runner, need, self.default_keep_alive)
-        self._loaded[entry.name] = model
+        model = Resident(entry, runner, need, self.default_keep_alive, key=_key_for(entry))
+        self._loaded[model.key] = model
         self.counts.note(LOAD, entry.name)
         log.info("loading %s (%s)", entry.name, human_bytes(need.total))
         self._start_watchdog()
@@ -564,8 +618,8 @@ class ModelManager:
         self.runner_restarted(name)
         model.abandoned = model.retired = model.stopped = True
         model.cancel_timer()
-        if self._loaded.get(name) is model:
-            del self._loaded[name]
+        if self._loaded.get(model.key) is model:
+            del self._loaded[model.key]
         if model in self._retiring:
             self._retiring.remove(model)
         self._notify()
@@ -579,7 +633,7 @@ class ModelManager:
         entry = stuck.entry
         try:
             async with self._load_lock:
-                if entry.name in self._loaded:
+                if stuck.key in self._loaded:
                     return  # a request loaded it meanwhile
                 await self._make_room(stuck.need)
                 spec = stuck.runner.spec if isinstance(stuck.runner, EmbeddingRunner) else None
@@ -649,15 +703,15 @@ class ModelManager:
 
     def _expire(self, model: Resident) -> None:
         model.timer = None
-        if model.users == 0 and self._loaded.get(model.entry.name) is model:
+        if model.users == 0 and self._loaded.get(model.key) is model:
             log.info("keep_alive expired for %s", model.entry.name)
             self._retire(model)
 
     def _retire(self, model: Resident) -> None:
         """Take `model` out of service; it stops now if idle, else when its last user leaves."""
         model.cancel_timer()
-        if self._loaded.get(model.entry.name) is model:
-            del self._loaded[model.entry.name]
+        if self._loaded.get(model.key) is model:
+            del self._loaded[model.key]
         if model not in self._retiring and not model.abandoned:
             self._retiring.append(model)
         model.retired = True
@@ -680,16 +734,16 @@ class ModelManager:
 
     def unload(self, name: str) -> bool:
         """Unload now if idle, else as soon as its requests finish; never waits."""
-        model = self._loaded.get(name)
-        if model is None:
-            return False
-        model.keep_alive = 0
-        if model.users == 0:
-            self._retire(model)
-        return True
+        found = [m for m in self._loaded.values() if m.entry.name == name or name in m.names]
+        for model in found:
+            model.keep_alive = 0
+            if model.users == 0:
+                self._retire(model)
+        return bool(found)
 
     def loaded(self) -> dict[str, Resident]:
-        return dict(self._loaded)
+        """Loaded bases by the name of the entry each was loaded for."""
+        return {m.entry.name: m for m in self._loaded.values()}
 
     def status(self) -> list[ModelStatus]:
         """Every model in service, plus busy ones on their way out."""

@@ -12,6 +12,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
+from mlxd.engine.adapters import DEFAULT_ADAPTER_BYTES, AdapterSet
 from mlxd.engine.backend import Backend
 from mlxd.engine.context import row_context
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
@@ -57,6 +58,23 @@ class Pairing:
     draft_revision: str = ""
     history: SpecHistory = field(default_factory=SpecHistory)  # what speculation did lately
     kv: KvLayout = field(default_factory=KvLayout)  # what quantizing its K/V depends on
+    adapters: AdapterSet = field(init=False)  # mounted on the target, chosen per row
+    draft_adapters: AdapterSet | None = field(init=False)  # mounted on the draft
+    adapter_bytes: int = DEFAULT_ADAPTER_BYTES  # resident adapters' budget, per model
+    adapter_histories: dict[str, SpecHistory] = field(default_factory=dict)
+
+    def history_of(self, adapter: str) -> SpecHistory:
+        """What speculation did lately for rows on `adapter` ("" the base): the draft drafts
+        without the adapter, so how well it guesses is a matter of the adapter."""
+        if not adapter:
+            return self.history
+        return self.adapter_histories.setdefault(adapter, SpecHistory())
+
+    def __post_init__(self) -> None:
+        self.adapters = AdapterSet(self.target, self.adapter_bytes)
+        self.draft_adapters = (
+            AdapterSet(self.draft, self.adapter_bytes) if self.draft is not None else None
+        )
 
     @property
     def eos_ids(self) -> set[int]:
@@ -213,7 +231,12 @@ def check_tokenizers(target_tok: Any, draft_tok: Any) -> None:
         raise ModelUnavailable("draft and target disagree on end-of-sequence tokens")
 
 
-def load_pairing(entry: ModelEntry, backend: Backend, costs: Costs | None = None) -> Pairing:
+def load_pairing(
+    entry: ModelEntry,
+    backend: Backend,
+    costs: Costs | None = None,
+    adapter_bytes: int = DEFAULT_ADAPTER_BYTES,
+) -> Pairing:
     """Open and check a pairing on `backend`. Without `costs` (from an earlier probe in this
     process) the forwards are measured and every round shape is run once, which also proves
     both models compute."""
@@ -249,4 +272,5 @@ def load_pairing(entry: ModelEntry, backend: Backend, costs: Costs | None = None
         revision=revision_of(target_dir, config, backend),
         draft_revision=draft_revision,
         kv=kv,
+        adapter_bytes=adapter_bytes,
     )

@@ -8,7 +8,7 @@ options, speculation state) travels with the row whether it is stepped alone or 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mlxd.engine.events import Event, GenerationRequest
 from mlxd.engine.generation import Generation
@@ -31,6 +31,8 @@ class Row:
     ns: Namespace  # the target's prefix-cache namespace
     batched: bool = False  # its K/V sit in the scheduler's batch cache
     unoffered: bool = False  # its prompt is read but not yet offered to the prefix cache
+    draft_revision: str = ""  # the draft model's prefix-cache attachments (with its adapter)
+    release: list[Callable[[], None]] = field(default_factory=list)  # adapters it holds
 
     @property
     def request(self) -> GenerationRequest:

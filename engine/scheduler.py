@@ -20,6 +20,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlxd.engine.adapters import AdaptedModel, selecting
 from mlxd.engine.batch import RowBatch, warm_rounds
 from mlxd.engine.cache_use import namespace_for, offer_final, offer_prompt, restore
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
@@ -61,10 +62,18 @@ class Prefilling:
 
 
 def make_draft_source(
-    pairing: Pairing, opts: SamplingOptions, rng: Rng, grammar: Matcher | None = None
+    pairing: Pairing,
+    opts: SamplingOptions,
+    rng: Rng,
+    grammar: Matcher | None = None,
+    draft_model: Any = None,
+    adapter: str = "",
 ) -> tuple[DraftSource | None, DraftLengthController | None]:
     """The draft source and controller a request asks for (none when speculation is off).
-    With a grammar, its forced tokens are drafted first, free, ahead of the source's own."""
+    With a grammar, its forced tokens are drafted first, free, ahead of the source's own.
+    `draft_model`: the draft as this request sees it (with its adapter), default the draft;
+    `adapter`: the target adapter's revision, whose speculation history the row shares."""
+    draft_model = pairing.draft if draft_model is None else draft_model
     max_k = opts.draft_num_predict
     if max_k is None:
         max_k = pairing.default_draft_tokens
@@ -79,13 +88,13 @@ def make_draft_source(
     elif method == "lookup" or pairing.draft is None:
         source, draft_cost = LookupDraftSource(), 0.0
     elif method == "model":
-        source = ModelDraftSource(pairing.draft, opts, rng)
+        source = ModelDraftSource(draft_model, opts, rng)
     else:
-        source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(pairing.draft, opts, rng))
+        source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft_model, opts, rng))
     if grammar is not None and method != "forced":
         source = ForcedDraftSource(grammar, source)
     controller = DraftLengthController(
-        pairing.costs, max_k, draft_cost, history=pairing.history, source=source.name,
+        pairing.costs, max_k, draft_cost, history=pairing.history_of(adapter), source=source.name,
         regime=opts.regime,
     )  # fmt: skip
     return source, controller
@@ -203,27 +212,59 @@ class Scheduler:
     def _admit_one(self, job: Job) -> None:
         """A row for the request: its randomness, draft source, namespace, and what the prefix
         cache already holds of its prompt (the draft's state with it, when stored)."""
-        req, pairing = job.request, self.pairing
+        req = job.request
         req.started_now()
-        opts = req.options
+        release: list[Callable[[], None]] = []  # the adapters it holds, until it closes
+        try:
+            row = self._new_row(job, release)
+        except BaseException:
+            for undo in release:
+                undo()
+            raise
+        hit, prompt = row.stream.cached_tokens, req.prompt_tokens
+        self.prefilling.append(Prefilling(row, list(prompt[:hit]), list(prompt[hit:-1])))
+
+    def _new_row(self, job: Job, release: list[Callable[[], None]]) -> Row:
+        """The request's row, on its adapters (each one's release added to `release`)."""
+        req, pairing, opts = job.request, self.pairing, job.request.options
+        target, draft = self._views(req.adapters, req.draft_adapters, release)
         rng = Rng(opts.seed)
         grammar = row_grammar(pairing, req.grammar)
-        source, controller = make_draft_source(pairing, opts, rng, grammar)
+        source, controller = make_draft_source(
+            pairing, opts, rng, grammar, draft, _revision(target)
+        )
         limit = generation_limit(opts, len(req.prompt_tokens), pairing.row_context(opts))
         stream = RowStream(req, job.emit, pairing.tokenizer.decode, pairing.eos_ids, limit)
-        ns = namespace_for(pairing, opts)
+        ns = namespace_for(pairing, opts, adapter=_revision(target))
+        draft_revision = pairing.draft_revision
+        if isinstance(draft, AdaptedModel):
+            draft_revision += "+" + draft.mount.revision
         restored = None
         if self.prefix is not None:
             restored, stream.cached_tokens = restore(
-                self.prefix, ns, pairing, req.prompt_tokens, source
+                self.prefix, ns, pairing, req.prompt_tokens, source, draft_revision
             )
         gen = Generation(
-            pairing.target, req.prompt_tokens, opts, pairing.eos_ids, limit, rng,
+            target, req.prompt_tokens, opts, pairing.eos_ids, limit, rng,
             source, controller, stream.stats, cache=restored, grammar=grammar,
         )  # fmt: skip
-        hit, prompt = stream.cached_tokens, req.prompt_tokens
-        row = Row(job, stream, gen, ns)
-        self.prefilling.append(Prefilling(row, list(prompt[:hit]), list(prompt[hit:-1])))
+        return Row(job, stream, gen, ns, draft_revision=draft_revision, release=release)
+
+    def _views(
+        self, adapters: tuple[Any, ...], draft_adapters: tuple[Any, ...], release: list[Any]
+    ) -> tuple[Any, Any]:
+        """The target (and draft) as a request on adapters sees them, mounted now when they
+        are not resident; each one's release goes into `release`."""
+        pairing = self.pairing
+        target: Any = pairing.target
+        draft: Any = pairing.draft
+        if adapters:
+            target = pairing.adapters.acquire(adapters)
+            release.append(lambda view=target: pairing.adapters.release(view))
+        if draft_adapters and pairing.draft_adapters is not None:
+            draft = pairing.draft_adapters.acquire(draft_adapters)
+            release.append(lambda view=draft: pairing.draft_adapters.release(view))
+        return target, draft
 
     def _prefill_step(self) -> None:
         """Feed waiting prompts, oldest first, up to PREFILL_CHUNK tokens while rows decode
@@ -253,7 +294,7 @@ class Scheduler:
         if row.batched:
             return  # its K/V sit in the batch cache: it offers everything at its end
         prompt_len = len(row.request.prompt_tokens)
-        offer_prompt(self.prefix, row.ns, row.gen, prompt_len, self.pairing.draft_revision)
+        offer_prompt(self.prefix, row.ns, row.gen, prompt_len, row.draft_revision)
 
     def _insert(self, joining: list[Joining]) -> None:
         """Rows start decoding; those joining in one step enter the batch together."""
@@ -276,7 +317,7 @@ class Scheduler:
             try:
                 if p.todo:
                     chunk, p.todo = p.todo[:budget], p.todo[budget:]
-                    feed(self.pairing.target, p.cache, chunk)
+                    feed(p.row.gen.target, p.cache, chunk)
                     mx.async_eval([c.state for c in p.cache])  # runs while the next is built
                     p.fed += chunk
                     budget -= max(len(chunk), MIN_FORWARD)
@@ -314,7 +355,8 @@ class Scheduler:
         for _ in group:
             self.prefilling.popleft()
         try:
-            feed_rows(self.pairing.target, [p.cache for p in group], [p.todo for p in group])
+            with selecting([p.row.gen.target for p in group]):
+                feed_rows(self.pairing.target, [p.cache for p in group], [p.todo for p in group])
             mx.async_eval([c.state for p in group for c in p.cache])
         except Exception as exc:
             for p in group:
@@ -411,7 +453,7 @@ class Scheduler:
             elif self.prefix is not None:
                 self.flush()  # the response goes out before the cache work (a draft may catch up)
                 prompt_len = len(row.request.prompt_tokens)
-                draft = self.pairing.draft_revision
+                draft = row.draft_revision
                 idle = not (self.rows or self.waiting or self.prefilling) and self.jobs.empty()
                 offer_final(self.prefix, row.ns, row.gen, prompt_len, draft, catch_up=idle)
         except Exception:
@@ -435,4 +477,12 @@ class Scheduler:
         try:
             row.gen.close()
         finally:
+            for undo in row.release:
+                undo()
+            row.release.clear()
             row.job.done()
+
+
+def _revision(target: Any) -> str:
+    """The adapter part of a row's namespace: its mount's revision, "" on the base."""
+    return target.mount.revision if isinstance(target, AdaptedModel) else ""

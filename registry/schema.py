@@ -11,6 +11,9 @@ A registry file maps Ollama model names to what should be served under them::
         options: {temperature: 0.2, stop: ["<|im_end|>"]}
         system: You are a careful programmer.
         context_length: 32768
+      coder-sql:                                               # a LoRA adapter on that base
+        target: mlx-community/Qwen2.5-Coder-7B-Instruct-4bit
+        adapters: [./adapters/sql]                             # or [{path: ..., scale: 8.0}]
 
 The file is hand-edited, so every mistake is reported with the file, the line, the entry and
 the key (``models.yaml:12: entry 'coder': key 'draft_tokens': expected a non-negative integer,
@@ -40,6 +43,7 @@ __all__ = [
     "KNOWN_OPTIONS",
     "OPTION_CHOICES",
     "SCHEMA_VERSION",
+    "AdapterRef",
     "ModelEntry",
     "RegistryError",
     "load_registry_file",
@@ -58,6 +62,9 @@ ENTRY_KEYS: tuple[str, ...] = (
     "template",
     "context_length",
     "description",
+    "adapters",
+    "draft_adapters",
+    "messages",
     "kind",
     "pooling",
 )
@@ -66,6 +73,9 @@ ENTRY_KEYS: tuple[str, ...] = (
 ENTRY_CHOICES: Mapping[str, tuple[str, ...]] = MappingProxyType(
     {"kind": ("completion", "embedding"), "pooling": ("cls", "mean", "last")}
 )
+# What decides a loaded pairing: entries equal on these share one loaded base (adapters, options
+# and the system prompt are per request).
+LOAD_KEYS: tuple[str, ...] = ("target", "draft", "draft_tokens", "template", "context_length")
 
 # Ollama's option names and their types (``ollama:api/types.go`` Options + Runner). Unknown
 # names are rejected: in a hand-written file a typo such as ``temprature`` must not be ignored
@@ -123,6 +133,19 @@ class RegistryError(ValueError):
 
 
 @dataclass(frozen=True)
+class AdapterRef:
+    """A LoRA/DoRA adapter: a hub repo id or a directory in mlx-lm's layout
+    (`adapter_config.json` + `adapters.safetensors`), and a scale replacing the trained one."""
+
+    ref: str
+    scale: float | None = None
+
+    @property
+    def is_path(self) -> bool:
+        return os.path.isabs(self.ref)
+
+
+@dataclass(frozen=True)
 class ModelEntry:
     """One served model: what to load for a name and the defaults that go with it."""
 
@@ -137,6 +160,9 @@ class ModelEntry:
     description: str | None = None
     kind: str | None = None  # "completion" or "embedding"; None: detected from the files
     pooling: str | None = None  # "cls", "mean" or "last" (embedding models)
+    adapters: tuple[AdapterRef, ...] = ()  # mounted on the target, selected per request
+    draft_adapters: tuple[AdapterRef, ...] = ()  # mounted on the draft model
+    messages: tuple[Mapping[str, str], ...] = field(default=(), hash=False)  # chats start so
     source: Path = field(default_factory=lambda: Path("<memory>"))
     line: int | None = None
 
@@ -149,6 +175,11 @@ class ModelEntry:
     def key(self) -> str:
         """The case-insensitive lookup key (``ModelName.key``)."""
         return self.name.lower()
+
+    @property
+    def load_key(self) -> tuple[Any, ...]:
+        """What the loaded pairing depends on (`LOAD_KEYS`): equal keys share one load."""
+        return tuple(getattr(self, k) for k in LOAD_KEYS)
 
     @property
     def target_is_path(self) -> bool:
@@ -379,6 +410,9 @@ def _load_entry(
         "description": _check_str,
         "kind": lambda v: _check_choice(v, ENTRY_CHOICES["kind"]),
         "pooling": lambda v: _check_choice(v, ENTRY_CHOICES["pooling"]),
+        "adapters": lambda v: _check_adapters(v, base_dir),
+        "draft_adapters": lambda v: _check_adapters(v, base_dir),
+        "messages": _check_messages,
     }
     for key, key_node, value_node in ctx.pairs(vnode, name):
         if key == "options":
@@ -416,6 +450,49 @@ def _check_ref(value: Any, base_dir: Path) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"expected a hub repo id or a directory path, got {_describe(value)}")
     return resolve_target(value.strip(), base_dir)
+
+
+def _check_messages(value: Any) -> tuple[Mapping[str, str], ...]:
+    """`messages:` a list of `{role, content}` every chat starts with (Ollama's MESSAGE)."""
+    if not isinstance(value, list):
+        raise ValueError(f"expected a list of {{role, content}} messages, got {_describe(value)}")
+    out = []
+    for item in value:
+        if (
+            not isinstance(item, Mapping)
+            or set(item) != {"role", "content"}
+            or item["role"] not in ("system", "user", "assistant")
+            or not isinstance(item["content"], str)
+        ):
+            raise ValueError(f"expected a {{role, content}} message, got {_describe(item)}")
+        out.append(MappingProxyType({"role": item["role"], "content": item["content"]}))
+    return tuple(out)
+
+
+def _check_adapters(value: Any, base_dir: Path) -> tuple[AdapterRef, ...]:
+    """`adapters:` is one reference, or a list of references and `{path, scale}` mappings."""
+    items = value if isinstance(value, list) else [value]
+    refs: list[AdapterRef] = []
+    for item in items:
+        if isinstance(item, Mapping):
+            unknown = set(item) - {"path", "scale"}
+            if unknown or "path" not in item:
+                raise ValueError(
+                    f"expected an adapter as a path or {{path, scale}}, got {_describe(item)}"
+                )
+            scale = item.get("scale")
+            if scale is not None and (
+                isinstance(scale, bool) or not isinstance(scale, (int, float))
+            ):
+                raise ValueError(f"expected a number for the adapter scale, got {_describe(scale)}")
+            refs.append(
+                AdapterRef(
+                    _check_ref(item["path"], base_dir), None if scale is None else float(scale)
+                )
+            )
+        else:
+            refs.append(AdapterRef(_check_ref(item, base_dir)))
+    return tuple(refs)
 
 
 def load_registry_file(path: Path) -> dict[str, ModelEntry]:

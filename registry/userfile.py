@@ -33,6 +33,7 @@ from mlxd.registry.names import parse_name
 from mlxd.registry.schema import (
     ENTRY_KEYS,
     SCHEMA_VERSION,
+    AdapterRef,
     ModelEntry,
     RegistryError,
     load_registry_file,
@@ -46,6 +47,7 @@ except ImportError:  # pragma: no cover - Windows: the in-process mutex is all w
 
 __all__ = [
     "NEW_FILE_HEADER",
+    "adapter_field",
     "entry_fields",
     "file_lock",
     "remove_entry",
@@ -131,7 +133,18 @@ def entry_fields(entry: ModelEntry) -> dict[str, Any]:
         value = getattr(entry, key)
         if value is not None:
             fields[key] = value
+    if entry.messages:
+        fields["messages"] = [dict(m) for m in entry.messages]
+    for key in ("adapters", "draft_adapters"):
+        refs = getattr(entry, key)
+        if refs:
+            fields[key] = [adapter_field(r) for r in refs]
     return fields
+
+
+def adapter_field(ref: AdapterRef) -> Any:
+    """An adapter as the registry file writes it: its path, with its scale when set."""
+    return ref.ref if ref.scale is None else {"path": ref.ref, "scale": ref.scale}
 
 
 def _ordered(fields: Mapping[str, Any]) -> dict[str, Any]:

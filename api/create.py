@@ -1,0 +1,136 @@
+"""Ollama's create flow: `HEAD/POST /api/blobs/sha256:<hex>` (upload, digest verified) and
+`POST /api/create` (a new model on an existing base: adapters, parameters, system, template,
+messages, or the legacy Modelfile text), answered with Ollama's progress statuses.
+
+A create is checked whole before anything is written (`registry.create`); the registry is
+reloaded before `success` goes out, so the model answers as soon as the client sees it. A new
+adapter on a loaded base is mounted by the first request for it: the base is not reloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from mlxd.api.codec import NDJSON, ndjson_line, read_request
+from mlxd.api.errors import ApiError
+from mlxd.api.state import ServerState, state_of
+from mlxd.api.types import CreateRequest
+from mlxd.registry.blobs import BlobError, blob_path, parse_digest, store_blob
+from mlxd.registry.create import CreateError, CreateSpec, create_model
+from mlxd.registry.modelfile import ModelfileError, parse_modelfile
+from mlxd.registry.pull import Progress, user_file_in_use
+from mlxd.registry.schema import RegistryError
+
+__all__ = ["routes"]
+
+
+def _digest(request: Request) -> str:
+    try:
+        return parse_digest(request.path_params["digest"])
+    except BlobError as exc:
+        raise ApiError(400, str(exc)) from exc
+
+
+async def head_blob(request: Request) -> Response:
+    digest = _digest(request)
+    if not blob_path(digest).is_file():
+        raise ApiError(404, f'blob "{digest}" not found')
+    return Response(status_code=200)
+
+
+async def post_blob(request: Request) -> Response:
+    digest = _digest(request)
+    try:
+        created = await store_blob(digest, request.stream())
+    except BlobError as exc:
+        raise ApiError(400, str(exc)) from exc
+    return Response(status_code=201 if created else 200)
+
+
+def _spec(body: CreateRequest) -> CreateSpec:
+    name = body.model or body.name
+    if not name:
+        raise ApiError(400, "model is required")
+    if body.quantize:
+        raise ApiError(400, "quantization is not supported: create from a quantized model")
+    if body.files:
+        raise ApiError(
+            400, "creating a model from files is not supported; pull the base, then use 'from'"
+        )
+    spec = CreateSpec(name=name)
+    if body.modelfile:
+        try:
+            parsed = parse_modelfile(body.modelfile)
+        except ModelfileError as exc:
+            raise ApiError(400, f"invalid modelfile: {exc}") from exc
+        here = Path(body.path).expanduser().parent if body.path else None
+        spec.from_ = parsed.from_
+        spec.draft = parsed.draft
+        spec.adapter_dirs = [
+            str(here / a) if here is not None and not Path(a).expanduser().is_absolute() else a
+            for a in parsed.adapters
+        ]
+        spec.parameters = parsed.parameters
+        spec.system, spec.template = parsed.system, parsed.template
+        spec.messages = parsed.messages or None
+    spec.from_ = body.from_ or spec.from_
+    spec.adapter_blobs = dict(body.adapters or {})
+    spec.parameters = {**spec.parameters, **(body.parameters or {})}
+    spec.system = body.system or spec.system
+    spec.template = body.template or spec.template
+    if body.messages is not None:
+        spec.messages = [
+            {"role": m.role or "user", "content": m.content or ""} for m in body.messages
+        ]
+    return spec
+
+
+def _create(state: ServerState, spec: CreateSpec) -> list[Progress]:
+    """Run the whole create (quick: files are linked, not copied or converted), then reload."""
+    registry = state.registry()
+    if not user_file_in_use(registry):
+        paths = ", ".join(str(p) for p in registry.paths)
+        raise ApiError(
+            400, f"cannot create: the server reads its models from {paths} only (--registry)"
+        )
+    try:
+        steps = list(create_model(spec, registry))
+    except CreateError as exc:
+        raise ApiError(exc.status, str(exc)) from exc
+    except RegistryError as exc:
+        raise ApiError(500, str(exc)) from exc
+    error = state.reload()
+    if isinstance(error, Exception):
+        raise ApiError(500, f"created {spec.name}, but the registry could not be reloaded: {error}")
+    return steps
+
+
+async def create(request: Request) -> Response:
+    state = state_of(request)
+    body = await read_request(request, CreateRequest, state.max_body)
+    spec = _spec(body)
+    steps = await run_in_threadpool(_create, state, spec)
+    if body.stream is False:
+        return JSONResponse(steps[-1].as_dict())
+
+    async def lines() -> AsyncIterator[bytes]:
+        if body.modelfile:
+            yield ndjson_line({"status": "parsing modelfile"})
+        for step in steps:
+            yield ndjson_line(step.as_dict())
+
+    return StreamingResponse(lines(), media_type=NDJSON)
+
+
+def routes() -> list[Route]:
+    return [
+        Route("/api/blobs/{digest}", head_blob, methods=["HEAD"]),
+        Route("/api/blobs/{digest}", post_blob, methods=["POST"]),
+        Route("/api/create", create, methods=["POST"]),
+    ]

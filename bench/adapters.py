@@ -1,0 +1,161 @@
+"""Four LoRA adapters on one base vs the base alone, same server, same run.
+
+    python bench/adapters.py [--model DIR] [--clients 1,8] [--tokens 64] [--requests 4]
+
+Trains four real adapters (mlx-lm's tuner, rank 8 on every projection, a few steps each) on
+`--model` (default: the code pair's target), serves the base and the four adapter entries from
+one `mlxd serve`, and for each client count runs, alternately and `--rounds` times, bursts where
+every client sends `--requests` greedy `/api/generate` requests either all to the base or
+rotating over the four adapters (so rows of different adapters share every batch). Prints
+aggregate tokens/s of each, their ratio (goal >= 0.9), the base loads counted by `/metrics`
+(goal: 1, i.e. zero reloads), and resident memory: the server's RSS with only the base loaded,
+after the adapters are mounted, and the adapters' own bytes (`mlxd_adapter_bytes`).
+Speculation is off for both, so the ratio is what the per-row LoRA terms cost.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.concurrency import free_port, released_at_once, wait_up
+
+ROOT = Path(__file__).resolve().parent.parent
+TEXTS = [
+    "SELECT name, email FROM users WHERE active = 1 ORDER BY name;\n" * 3,
+    "def test_add():\n    assert add(1, 2) == 3\n    assert add(-1, 1) == 0\n" * 2,
+    "class Stack:\n    def push(self, x):\n        self.items.append(x)\n" * 2,
+    "for i in range(10):\n    print(i * i, end=' ')\nprint()\n" * 3,
+]
+PROMPTS = [f"def function_{i}(values, threshold={i}):\n" for i in range(16)]
+
+
+def train(base: Path, out: Path) -> list[Path]:
+    from tests.fixtures.adapters import train_adapter
+
+    paths = []
+    for i, text in enumerate(TEXTS):
+        target = out / f"adapter{i}"
+        if not (target / "adapters.safetensors").exists():
+            t0 = time.perf_counter()
+            train_adapter(base, target, text, rank=8, scale=10.0, steps=3, seed=i)
+            print(f"trained adapter{i} in {time.perf_counter() - t0:.1f}s", flush=True)
+        paths.append(target)
+    return paths
+
+
+def rss_bytes(pid: int) -> int:
+    out = subprocess.run(["ps", "-o", "rss=", "-p", str(pid)], capture_output=True, text=True)
+    return int(out.stdout.strip() or 0) * 1024
+
+
+def metric(base: str, name: str) -> float:
+    text = httpx.get(f"{base}/metrics", timeout=30).text
+    values = [
+        float(m.group(1)) for m in re.finditer(rf"^mlxd_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
+    ]
+    return sum(values)
+
+
+def one(pool: httpx.Client, base: str, model: str, prompt: str, tokens: int) -> int:
+    body = {
+        "model": model, "prompt": prompt, "raw": True, "stream": False,
+        "options": {"temperature": 0, "num_predict": tokens, "draft_method": "off"},
+    }  # fmt: skip
+    r = pool.post(f"{base}/api/generate", json=body)
+    r.raise_for_status()
+    return int(r.json()["eval_count"])
+
+
+def burst(base: str, models: list[str], clients: int, requests: int, tokens: int) -> float:
+    """Aggregate tokens/s: each client sends `requests` in a row, rotating over `models`."""
+
+    def client(pool: httpx.Client, i: int) -> int:
+        return sum(
+            one(pool, base, models[(i + j) % len(models)], PROMPTS[(i + j) % len(PROMPTS)], tokens)
+            for j in range(requests)
+        )
+
+    results, wall = released_at_once(clients, client)
+    return sum(results) / wall
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", type=Path, default=Path("/work/shared/models/code-pair/target"))
+    ap.add_argument(
+        "--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mlxd-bench-adapters"
+    )
+    ap.add_argument("--clients", default="1,8")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--requests", type=int, default=4, help="requests per client per burst")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    adapters = train(args.model, work)
+    names = [f"adapter{i}" for i in range(len(adapters))]
+    registry = work / "models.yaml"
+    lines = ["models:", f"  base:\n    target: {args.model.resolve()}"]
+    for name, path in zip(names, adapters, strict=True):
+        lines.append(f"  {name}:\n    target: {args.model.resolve()}\n    adapters: [{path}]")
+    registry.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    port = free_port()
+    home = work / "home"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLXD_HOME": str(home),
+           "MLXD_HOST": f"127.0.0.1:{port}", "MLXD_CACHE_SSD": "0", "MLXD_NUM_PARALLEL": "8"}  # fmt: skip
+    cmd = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(registry)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_up(base, proc)
+        with httpx.Client(timeout=900) as pool:
+            one(pool, base, "base", PROMPTS[0], 8)
+            rss_base = rss_bytes(proc.pid)
+            for name in names:
+                one(pool, base, name, PROMPTS[0], 8)
+            rss_adapters = rss_bytes(proc.pid)
+        adapter_bytes = metric(base, "adapter_bytes")
+        files = sum((p / "adapters.safetensors").stat().st_size for p in adapters)
+        print(f"\nmodel {args.model}  tokens {args.tokens}  requests/client {args.requests}")
+        print(f"{'clients':>7} {'base tok/s':>11} {'4 adapters':>11} {'ratio':>6}")
+        for clients in [int(c) for c in args.clients.split(",")]:
+            plain, mixed = [], []
+            for _ in range(args.rounds):
+                plain.append(burst(base, ["base"], clients, args.requests, args.tokens))
+                mixed.append(burst(base, names, clients, args.requests, args.tokens))
+            p, m = statistics.median(plain), statistics.median(mixed)
+            print(f"{clients:>7} {p:>11.1f} {m:>11.1f} {m / p:>6.2f}", flush=True)
+        loads = metric(base, "model_loads_total")
+        print(f"\nbase loads: {loads:.0f} (reloads: {loads - 1:.0f})")
+        print(
+            f"resident: {rss_base / 2**20:.1f} MiB with the base loaded,"
+            f" {rss_adapters / 2**20:.1f} MiB with 4 adapters mounted"
+            f" (+{(rss_adapters - rss_base) / 2**20:.1f} MiB);"
+            f" adapters resident {adapter_bytes / 2**20:.2f} MiB"
+            f" ({files / 2**20:.2f} MiB of adapter files)"
+        )
+        print(json.dumps({"adapter_bytes": adapter_bytes, "loads": loads}))
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+if __name__ == "__main__":
+    main()

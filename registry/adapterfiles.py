@@ -1,0 +1,169 @@
+"""An adapter's files as mlx-lm writes them, read and checked without loading a model.
+
+`mlx_lm.lora` saves `adapter_config.json` (every training argument; the loader reads
+`fine_tune_type`, `num_layers` and `lora_parameters`) and `adapters.safetensors` (`<module>.lora_a`
+(in, r), `<module>.lora_b` (r, out), and DoRA's `<module>.m` (out,)). Whether an adapter fits a
+base is a question of shapes, which the safetensors headers of both answer: so `/api/create` and
+probe-open refuse a mismatched adapter before anything is registered or mounted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlxd.registry.store import ModelFilesError, _quant_bits, _weight_files, read_safetensors_header
+
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "AdapterFileError",
+    "AdapterInfo",
+    "adapter_revision",
+    "check_fits",
+    "read_adapter",
+]
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapters.safetensors"
+LEAVES = ("lora_a", "lora_b", "m")
+
+
+class AdapterFileError(ValueError):
+    """An adapter that is missing, corrupt, of an unsupported kind, or does not fit its base."""
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What an adapter directory holds (shapes only)."""
+
+    path: Path
+    kind: str  # "lora" | "dora"
+    scale: float  # lora_parameters.scale
+    rank: int
+    modules: dict[str, dict[str, list[int]]]  # module path -> leaf -> shape
+
+    @property
+    def dora(self) -> bool:
+        return self.kind == "dora"
+
+
+def _config(path: Path) -> dict[str, Any]:
+    file = path / ADAPTER_CONFIG
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise AdapterFileError(f"adapter {path}: {ADAPTER_CONFIG} is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise AdapterFileError(f"adapter {path}: {ADAPTER_CONFIG} is not valid JSON") from exc
+    if not isinstance(data, dict):
+        raise AdapterFileError(f"adapter {path}: {ADAPTER_CONFIG} is not a JSON object")
+    return data
+
+
+def read_adapter(path: Path) -> AdapterInfo:
+    """Read and check an adapter directory's config and tensor names; raises AdapterFileError."""
+    path = Path(path)
+    if not path.is_dir():
+        raise AdapterFileError(f"adapter {path} is not a directory")
+    config = _config(path)
+    kind = config.get("fine_tune_type", "lora")
+    if kind not in ("lora", "dora"):
+        raise AdapterFileError(
+            f"adapter {path}: fine_tune_type {kind!r} cannot be mounted on a shared base"
+            " (only lora and dora; serve a full fine-tune as its own model)"
+        )
+    params = config.get("lora_parameters")
+    if not isinstance(params, dict) or not isinstance(params.get("scale"), int | float):
+        raise AdapterFileError(f"adapter {path}: lora_parameters.scale is missing")
+    weights = path / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise AdapterFileError(f"adapter {path}: {ADAPTER_WEIGHTS} is missing")
+    try:
+        header = read_safetensors_header(weights)
+    except ModelFilesError as exc:
+        raise AdapterFileError(f"adapter {path}: {exc}") from None
+    modules: dict[str, dict[str, list[int]]] = {}
+    for name, info in header.items():
+        module, _, leaf = name.rpartition(".")
+        if leaf not in LEAVES or not module:
+            raise AdapterFileError(f"adapter {path}: {name} is not an adapter tensor")
+        modules.setdefault(module, {})[leaf] = list(info["shape"])
+    if not modules:
+        raise AdapterFileError(f"adapter {path}: {ADAPTER_WEIGHTS} holds no tensors")
+    rank = 0
+    for module, leaves in modules.items():
+        a, b = leaves.get("lora_a"), leaves.get("lora_b")
+        if a is None or b is None or len(a) != 2 or len(b) != 2 or a[1] != b[0]:
+            raise AdapterFileError(
+                f"adapter {path}: {module} needs lora_a (in, r) and lora_b (r, out)"
+                " (mixture-of-experts and embedding adapters are not served)"
+            )
+        if ("m" in leaves) != (kind == "dora") or ("m" in leaves and leaves["m"] != [b[1]]):
+            raise AdapterFileError(f"adapter {path}: {module}.m does not match a {kind} adapter")
+        rank = max(rank, a[1])
+    return AdapterInfo(path, kind, float(params["scale"]), rank, modules)
+
+
+def _base_shapes(base: Path) -> dict[str, tuple[int, int]]:
+    """(out, in) of every projection weight in the base, unpacking quantized ones."""
+    config = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    quant = config.get("quantization") or config.get("quantization_config") or {}
+    bits = int(quant.get("bits", 0)) if isinstance(quant, dict) else 0
+    shapes: dict[str, tuple[int, int]] = {}
+    for file in _weight_files(base):
+        header = read_safetensors_header(file)
+        for name, info in header.items():
+            if not name.endswith(".weight") or len(info["shape"]) != 2:
+                continue
+            out, inner = info["shape"]
+            module = name.removesuffix(".weight")
+            if f"{module}.scales" in header and bits:
+                inner = inner * 32 // _quant_bits(quant, name, bits)
+            shapes[module] = (out, inner)
+    return shapes
+
+
+def check_fits(info: AdapterInfo, base: Path) -> None:
+    """Raise AdapterFileError unless every adapted module is a projection of `base` with the
+    adapter's shapes."""
+    try:
+        shapes = _base_shapes(base)
+    except (OSError, ValueError, ModelFilesError) as exc:
+        raise AdapterFileError(f"cannot read the base model {base}: {exc}") from None
+    for module, leaves in info.modules.items():
+        found = shapes.get(module)
+        if found is None:
+            raise AdapterFileError(
+                f"adapter {info.path} does not fit this base model: it has no projection {module}"
+            )
+        out, inner = found
+        a, b = leaves["lora_a"], leaves["lora_b"]
+        if a[0] != inner or b[1] != out:
+            raise AdapterFileError(
+                f"adapter {info.path} does not fit this base model: {module} is"
+                f" ({inner} -> {out}) but the adapter is ({a[0]} -> {b[1]})"
+            )
+
+
+def _file_hash(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def adapter_revision(paths: list[Path], scales: list[float | None]) -> str:
+    """The content digest of adapters as mounted together (their files and scales): the
+    prefix-cache namespace of rows on them, so a same-named adapter with new weights never
+    meets the old one's K/V."""
+    digest = hashlib.sha256()
+    for path, scale in zip(paths, scales, strict=True):
+        for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            digest.update(f"{name}:{_file_hash(Path(path) / name)};".encode())
+        digest.update(f"scale:{scale};".encode())
+    return digest.hexdigest()

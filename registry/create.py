@@ -1,0 +1,198 @@
+"""Creating a model (Ollama's `/api/create`, `mlxd create`): a new user-registry entry on an
+existing base, with adapters, parameters, a system prompt, a template or seed messages.
+
+Everything is checked before the entry is written: the base must be known and present, every
+adapter blob uploaded, every adapter readable and shaped for the base, every parameter known.
+Uploaded adapter files are linked from their blobs into `<MLXD_HOME>/adapters/<digest>/` (the
+digest of the file map, so the same upload makes the same directory), assembled in a temporary
+directory and renamed into place once whole. The entry is written last, atomically: a failed
+create leaves nothing registered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxd.registry.adapterfiles import AdapterFileError, check_fits, read_adapter
+from mlxd.registry.blobs import BlobError, blob_path, parse_digest
+from mlxd.registry.home import mlxd_home, user_registry_path
+from mlxd.registry.names import InvalidModelName, parse_name
+from mlxd.registry.pull import Progress
+from mlxd.registry.registry import Registry
+from mlxd.registry.schema import KNOWN_OPTIONS, _check_option
+from mlxd.registry.store import resolve_local
+from mlxd.registry.userfile import entry_fields, set_entry
+
+__all__ = ["CreateError", "CreateSpec", "create_model"]
+
+
+class CreateError(ValueError):
+    """A create that cannot be done; `status` is what the API answers (400 or 404)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass
+class CreateSpec:
+    """What to create, as `/api/create` (or a parsed Modelfile) says it."""
+
+    name: str
+    from_: str | None = None
+    draft: str | None = None  # a draft model directory (replaces the base's)
+    adapter_blobs: dict[str, str] = field(default_factory=dict)  # file name -> digest
+    adapter_dirs: list[str] = field(default_factory=list)  # local directories (Modelfile)
+    parameters: dict[str, Any] = field(default_factory=dict)
+    system: str | None = None
+    template: str | None = None
+    messages: list[dict[str, str]] | None = None
+
+
+def _base_fields(spec: CreateSpec, registry: Registry) -> dict[str, Any]:
+    """The new entry starts as a copy of `from`: a registry model, or a model directory."""
+    if not spec.from_:
+        raise CreateError("neither 'from' or 'files' was specified")
+    try:
+        entry = registry.get(spec.from_)
+    except InvalidModelName:
+        entry = None
+    if entry is not None:
+        return entry_fields(entry)
+    path = Path(spec.from_).expanduser()
+    if path.is_absolute() and resolve_local(str(path)) is not None:
+        return {"target": str(path.resolve())}
+    raise CreateError(f"model '{spec.from_}' not found", 404)
+
+
+def _options(base: Mapping[str, Any], parameters: Mapping[str, Any]) -> dict[str, Any]:
+    options = dict(base)
+    for name, value in parameters.items():
+        if name not in KNOWN_OPTIONS:
+            raise CreateError(f"unknown parameter '{name}'")
+        try:
+            options[name] = _check_option(name, value)
+        except ValueError as exc:
+            raise CreateError(f"invalid value for parameter '{name}': {exc}") from None
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}
+
+
+def _assemble(files: Mapping[str, str], env: Mapping[str, str]) -> tuple[Path, str, bool]:
+    """The directory holding uploaded adapter files (built from their blobs unless it exists);
+    also its digest and whether it was new."""
+    digests: dict[str, str] = {}
+    for name, digest in files.items():
+        if not name or "/" in name or "\\" in name or name in (".", ".."):
+            raise CreateError(f"invalid adapter file name '{name}'")
+        try:
+            digests[name] = parse_digest(digest)
+        except BlobError as exc:
+            raise CreateError(f"adapter file '{name}': {exc}") from None
+        if not blob_path(digests[name], env).is_file():
+            raise CreateError(f"blob {digests[name]} ({name}) not found: upload it first", 404)
+    key = hashlib.sha256(
+        "".join(f"{n}:{d};" for n, d in sorted(digests.items())).encode()
+    ).hexdigest()
+    final = mlxd_home(env) / "adapters" / key
+    if final.is_dir():
+        return final, "sha256:" + key, False
+    tmp = final.with_name(f".{key}.{os.getpid()}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        for name, digest in digests.items():
+            try:
+                os.link(blob_path(digest, env), tmp / name)
+            except OSError:
+                shutil.copyfile(blob_path(digest, env), tmp / name)
+        read_adapter(tmp)  # a broken upload never gets a directory of its own
+        os.replace(tmp, final)
+    except AdapterFileError as exc:
+        raise CreateError(str(exc).replace(str(tmp), "the uploaded adapter")) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final, "sha256:" + key, True
+
+
+def _own_template(model_dir: Path) -> str | None:
+    """The chat template a model's tokenizer carries."""
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+        template = config.get("chat_template") if isinstance(config, dict) else None
+        if isinstance(template, str):
+            return template
+        jinja = model_dir / "chat_template.jinja"
+        return jinja.read_text(encoding="utf-8") if jinja.is_file() else None
+    except (OSError, ValueError):
+        return None
+
+
+def create_model(
+    spec: CreateSpec, registry: Registry, env: Mapping[str, str] = os.environ
+) -> Iterator[Progress]:
+    """Check, then write the entry; yields Ollama's progress statuses. Raises CreateError
+    before anything is registered."""
+    try:
+        name = parse_name(spec.name).display
+    except InvalidModelName:
+        raise CreateError("invalid model name") from None
+    fields = _base_fields(spec, registry)
+    target = resolve_local(fields["target"])
+    if target is None:
+        raise CreateError(f"model '{spec.from_}' not found, try pulling it first", 404)
+    adapters: list[str] = []
+    if spec.adapter_blobs or spec.adapter_dirs:
+        yield Progress("converting adapter")
+        made: list[tuple[Path, bool]] = []
+        try:
+            if spec.adapter_blobs:
+                path, digest, new = _assemble(spec.adapter_blobs, env)
+                made.append((path, new))
+                verb = "creating new" if new else "using existing"
+                yield Progress(f"{verb} layer {digest}")
+                adapters.append(str(path))
+            for raw in spec.adapter_dirs:
+                path = Path(raw).expanduser()
+                if not path.is_absolute():
+                    raise CreateError(f"adapter path '{raw}' must be absolute")
+                adapters.append(str(path.resolve()))
+            for adapter in adapters:
+                try:
+                    check_fits(read_adapter(Path(adapter)), target)
+                except AdapterFileError as exc:
+                    raise CreateError(str(exc)) from None
+        except BaseException:
+            for path, new in made:  # an adapter directory nobody will register
+                if new:
+                    shutil.rmtree(path, ignore_errors=True)
+            raise
+        fields["adapters"] = adapters
+    if spec.parameters or fields.get("options"):
+        fields["options"] = _options(fields.get("options") or {}, spec.parameters)
+    if spec.system:
+        fields["system"] = spec.system
+    if spec.template and spec.template != _own_template(target):
+        fields["template"] = spec.template  # (the base's own template, as `show` prints it, is
+        # not an override: the entry keeps sharing the loaded base)
+    if spec.messages is not None:
+        fields["messages"] = [{"role": m["role"], "content": m["content"]} for m in spec.messages]
+    if spec.draft:
+        draft = Path(spec.draft).expanduser()
+        if not draft.is_absolute() or resolve_local(str(draft)) is None:
+            raise CreateError(f"draft model '{spec.draft}' not found", 404)
+        fields["draft"] = str(draft.resolve())
+    fields.pop("description", None)
+    yield Progress("writing manifest")
+    with contextlib.suppress(KeyError):
+        if not fields["messages"]:
+            del fields["messages"]
+    set_entry(name, fields, path=user_registry_path(env))
+    yield Progress("success")

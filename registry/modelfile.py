@@ -1,0 +1,160 @@
+"""Ollama's Modelfile: parsed into the fields of a create request, and written back out.
+
+The commands mlxd understands are `FROM`, `DRAFT` (mlxd's: the speculative draft), `ADAPTER`, `PARAMETER`, `SYSTEM`, `TEMPLATE`,
+`MESSAGE` and `LICENSE` (kept out: a registry entry has no license); values may be quoted, and
+`\"\"\"` opens a multi-line value, as in Ollama. Anything else is an error that names the line.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxd.registry.schema import KNOWN_OPTIONS
+
+__all__ = ["Modelfile", "ModelfileError", "parse_modelfile", "render_modelfile"]
+
+COMMANDS = ("from", "draft", "adapter", "parameter", "system", "template", "message", "license")
+
+
+class ModelfileError(ValueError):
+    """A Modelfile that cannot be read; the message names the line."""
+
+
+@dataclass
+class Modelfile:
+    """What a Modelfile asks for."""
+
+    from_: str | None = None
+    draft: str | None = None
+    adapters: list[str] = field(default_factory=list)
+    parameters: dict[str, Any] = field(default_factory=dict)
+    system: str | None = None
+    template: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)
+
+
+def _value(raw: str) -> str:
+    raw = raw.strip()
+    if len(raw) >= 6 and raw.startswith('"""') and raw.endswith('"""'):
+        return raw[3:-3]
+    if len(raw) >= 2 and raw[0] == raw[-1] == '"':
+        try:
+            return str(json.loads(raw))
+        except json.JSONDecodeError:
+            return raw[1:-1]
+    return raw
+
+
+def _parameter(name: str, raw: str, line: int) -> Any:
+    kind = KNOWN_OPTIONS.get(name)
+    if kind is None:
+        raise ModelfileError(f"line {line}: unknown parameter '{name}'")
+    value = _value(raw)
+    try:
+        if kind == "int":
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if kind == "bool":
+            if value.lower() not in ("true", "false"):
+                raise ValueError(value)
+            return value.lower() == "true"
+    except ValueError:
+        raise ModelfileError(
+            f"line {line}: invalid value for parameter '{name}': {value}"
+        ) from None
+    return value
+
+
+def _statements(text: str) -> list[tuple[int, str, str]]:
+    """(line, command, rest) with multi-line `\"\"\"` values joined."""
+    out: list[tuple[int, str, str]] = []
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        line = lines[i].strip()
+        number = i + 1
+        i += 1
+        if not line or line.startswith("#"):
+            continue
+        command, _, rest = line.partition(" ")
+        rest = rest.strip()
+        if '"""' in rest and rest.count('"""') == 1:
+            parts = [rest]
+            while i < len(lines):
+                parts.append(lines[i])
+                i += 1
+                if '"""' in lines[i - 1]:
+                    break
+            else:
+                raise ModelfileError(f'line {number}: unterminated """')
+            rest = "\n".join(parts)
+        out.append((number, command.lower(), rest))
+    return out
+
+
+def parse_modelfile(text: str) -> Modelfile:
+    """Parse Modelfile text; raises ModelfileError."""
+    spec = Modelfile()
+    for line, command, rest in _statements(text):
+        if command not in COMMANDS:
+            raise ModelfileError(f"line {line}: unknown command '{command.upper()}'")
+        if not rest:
+            raise ModelfileError(f"line {line}: {command.upper()} needs a value")
+        if command == "from":
+            spec.from_ = _value(rest)
+        elif command == "draft":
+            spec.draft = _value(rest)
+        elif command == "adapter":
+            spec.adapters.append(_value(rest))
+        elif command == "parameter":
+            name, _, raw = rest.partition(" ")
+            value = _parameter(name.strip(), raw, line)
+            if KNOWN_OPTIONS[name.strip()] == "strings":
+                spec.parameters.setdefault(name.strip(), []).append(value)
+            else:
+                spec.parameters[name.strip()] = value
+        elif command == "system":
+            spec.system = _value(rest)
+        elif command == "template":
+            spec.template = _value(rest)
+        elif command == "message":
+            role, _, content = rest.partition(" ")
+            if role not in ("system", "user", "assistant"):
+                raise ModelfileError(f"line {line}: MESSAGE role must be system, user or assistant")
+            spec.messages.append({"role": role, "content": _value(content)})
+    if spec.from_ is None:
+        raise ModelfileError("no FROM line")
+    return spec
+
+
+def _quote(text: str) -> str:
+    return f'"""{text}"""'
+
+
+def render_modelfile(
+    from_: str,
+    adapters: list[str],
+    parameters: dict[str, Any],
+    system: str | None,
+    template: str | None,
+    messages: list[dict[str, str]] | None = None,
+    header: str = "",
+) -> str:
+    """A Modelfile that creates the model again (what `mlxd show --modelfile` prints)."""
+    lines = [header] if header else []
+    lines.append(f"FROM {shlex.quote(from_) if ' ' in from_ else from_}")
+    lines += [f"ADAPTER {a}" for a in adapters]
+    if template:
+        lines.append(f"TEMPLATE {_quote(template)}")
+    if system:
+        lines.append(f"SYSTEM {_quote(system)}")
+    for key, value in parameters.items():
+        for v in value if isinstance(value, list | tuple) else [value]:
+            lines.append(f"PARAMETER {key} {json.dumps(v)}")
+    for m in messages or []:
+        lines.append(f"MESSAGE {m['role']} {_quote(m['content'])}")
+    return "\n".join(lines) + "\n"

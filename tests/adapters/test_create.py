@@ -1,0 +1,234 @@
+"""Adapter entries and Ollama's create flow through a real server: one base load serves every
+adapter; `create_blob` + `create(from_=, adapters=)` with the `ollama` client, the Modelfile
+(raw and through `mlxd create`), `mlxd show --modelfile`, and bad input answered cleanly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import ollama
+import pytest
+
+from mlxd.engine.counts import LOAD
+from mlxd.registry.schema import load_registry_file
+from tests.adapters.conftest import Adapters
+from tests.conftest import RunningServer, ServerThread, wait_for
+from tests.fixtures.tiny_models import TinyPair
+
+REPO = Path(__file__).resolve().parents[2]
+GREEDY = {"temperature": 0, "num_predict": 12}
+PROMPT = "SELECT name FROM"
+
+
+@pytest.fixture
+def served(
+    tiny_pair: TinyPair, adapters: Adapters, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[tuple[RunningServer, ServerThread]]:
+    """A server reading a base registry (a model and two adapter entries on its target) plus
+    the user registry, in a fresh MLXD_HOME."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("MLXD_HOME", str(home))
+    base = tmp_path / "base.yaml"
+    base.write_text(
+        "models:\n"
+        f"  coder:\n    target: {tiny_pair.target}\n    draft: {tiny_pair.draft}\n"
+        f"  coder-sql:\n    target: {tiny_pair.target}\n    draft: {tiny_pair.draft}\n"
+        f"    adapters: [{adapters.sql}]\n"
+        f"  coder-tests:\n    target: {tiny_pair.target}\n    draft: {tiny_pair.draft}\n"
+        f"    adapters:\n      - path: {adapters.tests}\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setenv("MLXD_REGISTRY", f"{base}{os.pathsep}{home / 'models.yaml'}")
+    thread = ServerThread(None)  # type: ignore[arg-type]
+    with thread as info:
+        info.registry = base
+        yield info, thread
+
+
+def client(server: RunningServer) -> ollama.Client:
+    return ollama.Client(host=server.base_url, timeout=120)
+
+
+def answer(server: RunningServer, model: str) -> str:
+    return client(server).generate(model=model, prompt=PROMPT, options=GREEDY, raw=True).response
+
+
+def loads(thread: ServerThread) -> int:
+    return sum(thread.state.manager.counts.snapshot()[LOAD].values())
+
+
+def tags(server: RunningServer) -> list[str]:
+    return [m["name"] for m in httpx.get(f"{server.base_url}/api/tags").json()["models"]]
+
+
+def test_entries_on_one_base_load_it_once_and_each_answers_as_its_adapter(
+    served: tuple[RunningServer, ServerThread],
+) -> None:
+    server, thread = served
+    base = answer(server, "coder")
+    sql, tests = answer(server, "coder-sql"), answer(server, "coder-tests")
+    assert len({base, sql, tests}) == 3
+    assert answer(server, "coder") == base  # the base entry is unchanged by mounted adapters
+    assert loads(thread) == 1
+    assert len(thread.state.manager.loaded()) == 1
+    ps = httpx.get(f"{server.base_url}/api/ps").json()["models"]
+    assert len(ps) == 1
+
+
+def test_an_adapter_added_by_a_registry_edit_is_served_without_reloading_the_base(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters
+) -> None:
+    server, thread = served
+    base = answer(server, "coder")
+    text = server.registry.read_text(encoding="utf-8")
+    entry = f"  coder-dora:\n    target: {thread.state.registry().get('coder').target}\n"
+    entry += f"    draft: {thread.state.registry().get('coder').draft}\n"
+    entry += f"    adapters: [{{path: {adapters.dora}, scale: 5.0}}]\n"
+    server.registry.write_text(text + entry, encoding="utf-8")
+    assert wait_for(lambda: "coder-dora:latest" in tags(server))
+    dora = answer(server, "coder-dora")
+    assert dora != base and answer(server, "coder") == base
+    assert loads(thread) == 1
+
+
+def test_ollama_client_create_blob_then_create_then_generate(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters
+) -> None:
+    server, thread = served
+    c = client(server)
+    want = answer(server, "coder-sql")
+    files = {
+        name: c.create_blob(adapters.sql / name)
+        for name in ("adapter_config.json", "adapters.safetensors")
+    }
+    parts = list(c.create(model="mine-sql", from_="coder", adapters=files, stream=True))
+    statuses = [p.status for p in parts]
+    assert statuses[0] == "converting adapter"
+    assert statuses[1].startswith("creating new layer sha256:")
+    assert statuses[-2:] == ["writing manifest", "success"]
+    assert "mine-sql:latest" in tags(server)
+    assert answer(server, "mine-sql") == want
+    assert loads(thread) == 1  # the new adapter was mounted on the loaded base
+    again = c.create(model="mine-sql2", from_="coder", adapters=files, system="Be brief.")
+    assert again.status == "success"
+    show = httpx.post(f"{server.base_url}/api/show", json={"model": "mine-sql2"}).json()
+    assert "ADAPTER " in show["modelfile"] and show["system"] == "Be brief."
+    entry = load_registry_file(Path(os.environ["MLXD_HOME"]) / "models.yaml")["mine-sql2:latest"]
+    assert (
+        entry.adapters
+        == load_registry_file(Path(os.environ["MLXD_HOME"]) / "models.yaml")[
+            "mine-sql:latest"
+        ].adapters
+    )  # one directory per distinct upload
+
+
+def test_modelfile_create_raw_and_from_the_cli_and_show_modelfile_recreates_it(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters, tmp_path: Path
+) -> None:
+    server, thread = served
+    want = answer(server, "coder-tests")
+    modelfile = f"FROM coder\nADAPTER {adapters.tests}\nPARAMETER temperature 0\nSYSTEM terse\n"
+    r = httpx.post(
+        f"{server.base_url}/api/create", json={"model": "mf", "modelfile": modelfile}, timeout=60
+    )
+    assert r.status_code == 200
+    lines = [json.loads(x)["status"] for x in r.text.splitlines()]
+    assert lines[0] == "parsing modelfile" and lines[-1] == "success"
+    assert answer(server, "mf") == want
+
+    # `mlxd create` with a relative ADAPTER path: the files are uploaded as blobs
+    folder = tmp_path / "proj"
+    shutil.copytree(adapters.tests, folder / "adapter")
+    (folder / "Modelfile").write_text("FROM coder\nADAPTER ./adapter\n", encoding="utf-8")
+    out = cli(["create", "fromcli", "-f", str(folder / "Modelfile")], server)
+    assert out.returncode == 0, out.stderr
+    assert "success" in out.stderr
+    assert answer(server, "fromcli") == want
+
+    shown = cli(["show", "--modelfile", "fromcli"], server)
+    assert shown.returncode == 0 and "ADAPTER " in shown.stdout
+    (tmp_path / "Again").write_text(shown.stdout, encoding="utf-8")
+    again = cli(["create", "again", "-f", str(tmp_path / "Again")], server)
+    assert again.returncode == 0, again.stderr
+    assert answer(server, "again") == want
+    assert loads(thread) == 1
+
+
+def test_bad_input_is_refused_and_nothing_is_registered(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters, tmp_path: Path
+) -> None:
+    server, _ = served
+    base = server.base_url
+    data = (adapters.sql / "adapter_config.json").read_bytes()
+    digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    wrong = "sha256:" + "0" * 64
+    assert httpx.head(f"{base}/api/blobs/{digest}").status_code == 404
+    r = httpx.post(f"{base}/api/blobs/{wrong}", content=data)
+    assert r.status_code == 400 and "digest mismatch" in r.json()["error"]
+    assert httpx.head(f"{base}/api/blobs/{wrong}").status_code == 404
+    r = httpx.post(f"{base}/api/blobs/sha256:xyz", content=data)
+    assert r.status_code == 400 and r.json()["error"] == "invalid digest format"
+    assert httpx.post(f"{base}/api/blobs/{digest}", content=data).status_code == 201
+    assert httpx.post(f"{base}/api/blobs/{digest}", content=data).status_code == 200
+    assert httpx.head(f"{base}/api/blobs/{digest}").status_code == 200
+
+    def create(body: dict[str, Any]) -> httpx.Response:
+        return httpx.post(f"{base}/api/create", json={"model": "bad", **body}, timeout=60)
+
+    c = client(server)
+    weights = c.create_blob(adapters.sql / "adapters.safetensors")
+    other = {
+        "adapter_config.json": c.create_blob(adapters.other_base / "adapter_config.json"),
+        "adapters.safetensors": c.create_blob(adapters.other_base / "adapters.safetensors"),
+    }
+    corrupt = tmp_path / "adapters.safetensors"
+    corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    cases = [
+        ({"from": "nope"}, 404, "model 'nope' not found"),
+        ({}, 400, "neither 'from' or 'files' was specified"),
+        ({"from": "coder", "adapters": other}, 400, "does not fit this base model"),
+        ({"from": "coder", "adapters": {"adapters.safetensors": weights}}, 400, "missing"),
+        ({"from": "coder", "adapters": {"adapter_config.json": wrong}}, 404, "not found"),
+        (
+            {
+                "from": "coder",
+                "adapters": {
+                    "adapter_config.json": digest,
+                    "adapters.safetensors": c.create_blob(corrupt),
+                },
+            },
+            400,
+            "corrupt",
+        ),
+        ({"from": "coder", "parameters": {"temprature": 1}}, 400, "unknown parameter"),
+        ({"modelfile": "FROM coder\nADAPTER /no/such/dir\n"}, 400, "not a directory"),
+        ({"modelfile": "FROM coder\nFROBNICATE x\n"}, 400, "unknown command"),
+    ]
+    for body, status, message in cases:
+        r = create(body)
+        assert r.status_code == status, (body, r.text)
+        assert message in r.json()["error"], (body, r.text)
+    assert "bad:latest" not in tags(server)
+    user = Path(os.environ["MLXD_HOME"]) / "models.yaml"
+    assert not user.exists() or "bad" not in load_registry_file(user)
+    adapters_dir = Path(os.environ["MLXD_HOME"]) / "adapters"
+    assert not adapters_dir.exists() or not any(adapters_dir.iterdir())
+
+
+def cli(args: list[str], server: RunningServer) -> subprocess.CompletedProcess[str]:
+    env = dict(os.environ)
+    env.pop("OLLAMA_HOST", None)
+    env["MLXD_HOST"] = f"127.0.0.1:{server.port}"
+    return subprocess.run(
+        [sys.executable, "-m", "mlxd.daemon.cli", *args],
+        cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip

@@ -1,0 +1,109 @@
+"""The registry side of adapters, without a model: the `adapters:` key, reading and checking
+adapter files against a base's headers, and Modelfile text."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from mlxd.registry.adapterfiles import (
+    AdapterFileError,
+    adapter_revision,
+    check_fits,
+    read_adapter,
+)
+from mlxd.registry.modelfile import ModelfileError, parse_modelfile, render_modelfile
+from mlxd.registry.schema import AdapterRef, RegistryError, load_registry_file
+from tests.adapters.conftest import Adapters
+from tests.fixtures.tiny_models import TinyPair
+
+
+def registry(tmp_path: Path, body: str) -> Path:
+    path = tmp_path / "models.yaml"
+    path.write_text(f"models:\n  m:\n    target: /base\n{body}", encoding="utf-8")
+    return path
+
+
+def test_adapters_key_takes_a_path_a_list_or_path_and_scale(tmp_path: Path) -> None:
+    one = load_registry_file(registry(tmp_path, "    adapters: ./a\n"))["m:latest"]
+    assert one.adapters == (AdapterRef(str(tmp_path / "a")),)
+    many = load_registry_file(
+        registry(tmp_path, "    adapters: [/x, {path: /y, scale: 2}]\n    draft_adapters: /z\n")
+    )["m:latest"]
+    assert many.adapters == (AdapterRef("/x"), AdapterRef("/y", 2.0))
+    assert many.draft_adapters == (AdapterRef("/z"),)
+    assert many.load_key == one.load_key  # adapters never change what is loaded
+    for bad in ("{scale: 2}", "[{path: /y, scale: lots}]", "[{path: /y, rank: 2}]", "3"):
+        with pytest.raises(RegistryError, match="key 'adapters'"):
+            load_registry_file(registry(tmp_path, f"    adapters: {bad}\n"))
+
+
+def test_adapter_files_are_read_and_checked_against_the_base(
+    adapters: Adapters, tiny_pair: TinyPair, tmp_path: Path
+) -> None:
+    info = read_adapter(adapters.sql)
+    assert info.kind == "lora" and info.rank == 4 and info.scale == 10.0
+    assert read_adapter(adapters.dora).dora
+    check_fits(info, tiny_pair.target)
+    check_fits(read_adapter(adapters.draft), tiny_pair.draft)
+    with pytest.raises(AdapterFileError, match="does not fit"):
+        check_fits(read_adapter(adapters.other_base), tiny_pair.target)
+    full = tmp_path / "full"
+    shutil.copytree(adapters.sql, full)
+    config = json.loads((full / "adapter_config.json").read_text())
+    (full / "adapter_config.json").write_text(json.dumps({**config, "fine_tune_type": "full"}))
+    with pytest.raises(AdapterFileError, match="cannot be mounted"):
+        read_adapter(full)
+    (full / "adapter_config.json").write_text("{")
+    with pytest.raises(AdapterFileError, match="not valid JSON"):
+        read_adapter(full)
+    (full / "adapter_config.json").unlink()
+    with pytest.raises(AdapterFileError, match="missing"):
+        read_adapter(full)
+
+
+def test_the_revision_follows_the_contents_and_the_scale(
+    adapters: Adapters, tmp_path: Path
+) -> None:
+    base = adapter_revision([adapters.sql], [None])
+    assert adapter_revision([adapters.sql], [None]) == base
+    assert adapter_revision([adapters.sql], [2.0]) != base
+    moved = tmp_path / "moved"
+    shutil.copytree(adapters.sql, moved)
+    assert adapter_revision([moved], [None]) == base  # a content digest, not a name
+    (moved / "adapters.safetensors").write_bytes(
+        (adapters.tests / "adapters.safetensors").read_bytes()
+    )
+    assert adapter_revision([moved], [None]) != base
+
+
+def test_modelfile_parses_and_renders_back() -> None:
+    text = (
+        "# a comment\nFROM coder\nADAPTER ./sql\nPARAMETER temperature 0.2\n"
+        'PARAMETER stop "<|end|>"\nPARAMETER stop "###"\nSYSTEM """You are\nterse."""\n'
+        "MESSAGE user hi\nMESSAGE assistant hello\n"
+    )
+    spec = parse_modelfile(text)
+    assert spec.from_ == "coder" and spec.adapters == ["./sql"]
+    assert spec.parameters == {"temperature": 0.2, "stop": ["<|end|>", "###"]}
+    assert spec.system == "You are\nterse."
+    assert spec.messages == [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+    ]
+    again = parse_modelfile(
+        render_modelfile("coder", ["./sql"], spec.parameters, spec.system, None, spec.messages)
+    )
+    assert again == spec
+    for bad, message in [
+        ("ADAPTER x\n", "no FROM"),
+        ("FROM a\nPARAMETER temprature 1\n", "unknown parameter"),
+        ("FROM a\nPARAMETER num_ctx many\n", "invalid value"),
+        ('FROM a\nSYSTEM """open\n', "unterminated"),
+        ("FROM a\nLORA x\n", "unknown command"),
+    ]:
+        with pytest.raises(ModelfileError, match=message):
+            parse_modelfile(bad)
