@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from mlxd.daemon import cli
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, ServerThread
 from tests.daemon.test_cli import api_generate, err, mlxd, out
+from tests.fixtures.tiny_models import TinyPair
 
 
 def parse(*argv: str) -> dict[str, Any]:
@@ -127,16 +129,23 @@ def test_flags_after_the_prompt(server: RunningServer) -> None:
     assert "eval count:" in err(result)
 
 
-def test_format_json_prints_a_json_object(server: RunningServer) -> None:
+def test_format_json_prints_a_json_object(tiny_pair: TinyPair, tmp_path: Path) -> None:
+    registry = tmp_path / "models.yaml"
+    registry.write_text(
+        f"models:\n  greedy:\n    target: {tiny_pair.target}\n"
+        "    options:\n      temperature: 0\n      num_predict: 200\n",
+        encoding="utf-8",
+    )
     schema = '{"type": "object", "properties": {"n": {"type": "integer", "maximum": 99}},'
     schema += ' "required": ["n"], "additionalProperties": false}'
-    for flags in (["--format", "json"], ["--format", schema]):
-        result = mlxd(["run", "tiny", "hi", *flags], server.port)
-        assert result.returncode == 0, err(result)
-        value = json.loads(out(result))
-        assert isinstance(value, dict)
-        if flags[1] != "json":
-            assert set(value) == {"n"} and isinstance(value["n"], int)
+    with ServerThread(registry) as server:
+        for flags in (["--format", "json"], ["--format", schema]):
+            result = mlxd(["run", "greedy", "Give me JSON", *flags], server.port)
+            assert result.returncode == 0, err(result)
+            value = json.loads(out(result))
+            assert isinstance(value, dict)
+            if flags[1] != "json":
+                assert set(value) == {"n"} and isinstance(value["n"], int)
 
 
 def test_keepalive_after_the_prompt_reaches_the_server(server: RunningServer) -> None:
