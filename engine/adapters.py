@@ -252,6 +252,7 @@ class AdapterSet:
         mount = Mount(loaded.revision, slot, loaded.nbytes, sorted(loaded.layers))
         for module, weights in loaded.layers.items():
             wrap(self.model, module, self.selection).put(slot, weights)
+        mx.clear_cache()  # the stacks it replaced: their memory goes back, not to MLX's cache
         self._mounts[loaded.revision] = mount
         self.loads += 1
         self._counted()
@@ -273,6 +274,7 @@ class AdapterSet:
             for module in mount.modules:
                 wrap(self.model, module, self.selection).put(mount.slot, None)
             del self._mounts[revision]
+            mx.clear_cache()
             self._counted()
             log.info("dropped adapter %s (least recently used)", revision[:12])
 

@@ -20,7 +20,7 @@ thread); slots stay where they are, so rows keep theirs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -132,6 +132,9 @@ class RowLoRA(nn.Module):
         stacks = _Stacks(a, b, mx.array(scale, dtype=mx.float32), ratio)
         mx.eval(stacks.a, stacks.b, stacks.scale, *([ratio] if ratio is not None else []))
         self._slots.stacks = stacks
+        for slot, w in held.items():  # each adapter's weights become views of the stacks:
+            r = w.a.shape[1]  # held once, not once more beside them
+            held[slot] = replace(w, a=stacks.a[slot, :, :r], b=stacks.b[slot, :r, :])
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = self._selection.rows

@@ -146,4 +146,5 @@ def test_chat_slash_commands(
     ]
     assert "Loading model 'pair'" in shown
     assert "No system message was specified for this model." in shown  # /load resets
-    assert "error: this server cannot save models (it has no /api/create)" in shown
+    # /save sends Ollama's create request; this server serves a fixed registry file
+    assert "cannot create: the server reads its models from" in shown
