@@ -135,6 +135,7 @@ class RowLoRA(nn.Module):
         for slot, w in held.items():  # each adapter's weights become views of the stacks:
             r = w.a.shape[1]  # held once, not once more beside them
             held[slot] = replace(w, a=stacks.a[slot, :, :r], b=stacks.b[slot, :r, :])
+        mx.eval([(w.a, w.b) for w in held.values()])  # slices share the stacks' memory
 
     def __call__(self, x: mx.array) -> mx.array:
         rows = self._selection.rows
@@ -147,8 +148,8 @@ class RowLoRA(nn.Module):
             w = self._slots.by_slot.get(single)
             if w is None:
                 return self.base(x)  # this adapter does not touch this projection
-            # one adapter for every row (a lone row): as mlx-lm's LoRALinear computes it
-            return self.base(x) + (w.scale * ((x @ w.a) @ w.b)).astype(x.dtype)
+            # one adapter for every row (a lone row): y + s * (x A) B in one fused kernel
+            return mx.addmm(self.base(x), x @ w.a, w.b, alpha=w.scale)
         idx = mx.where(rows < size, rows, mx.zeros_like(rows))  # a slot not on this layer: 0
         if idx.shape[0] not in (1, x.shape[0]):  # rows padded in after the selected ones: base
             idx = mx.concatenate([idx, mx.zeros((x.shape[0] - idx.shape[0],), dtype=idx.dtype)])

@@ -149,12 +149,24 @@ def check_fits(info: AdapterInfo, base: Path) -> None:
             )
 
 
+_HASHES: dict[tuple[str, int, int, int], str] = {}  # (path, inode, size, mtime) -> digest
+
+
 def _file_hash(path: Path) -> str:
+    """The file's SHA-256, read again only when its inode, size or mtime changed: every row
+    on an adapter asks for its revision, and hashing megabytes per request on the pairing's
+    thread would stall every other row."""
+    st = path.stat()
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns)
+    known = _HASHES.get(key)
+    if known is not None:
+        return known
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
-    return digest.hexdigest()
+    _HASHES[key] = found = digest.hexdigest()
+    return found
 
 
 def adapter_revision(paths: list[Path], scales: list[float | None]) -> str:
