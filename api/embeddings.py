@@ -101,8 +101,6 @@ async def embed(request: Request) -> Response:
     state = state_of(request)
     body = await read_request(request, EmbedRequest, state.max_body)
     name = body.model or ""
-    if not name:
-        raise ApiError(400, "model is required")
     entry = lookup(state, name)
     texts = _texts(body.input)
     opts = request_options(entry, body.options)  # OptionsError: 400
@@ -135,8 +133,6 @@ async def embeddings(request: Request) -> Response:
     state = state_of(request)
     body = await read_request(request, EmbeddingsRequest, state.max_body)
     name = body.model or ""
-    if not name:
-        raise ApiError(400, "model is required")
     entry = lookup(state, name)
     opts = request_options(entry, body.options)
     keep = parse_keep_alive(body.keep_alive)
@@ -183,8 +179,6 @@ async def openai_embeddings(request: Request) -> Response:
     state = state_of(request)
     body = await read_request(request, OpenAIEmbeddingRequest, state.max_body)
     name = body.model or ""
-    if not name:
-        raise ApiError(400, "model is required")
     entry = lookup(state, name)
     texts, token_ids = _openai_inputs(body.input)
     fmt = body.encoding_format or "float"

@@ -95,8 +95,6 @@ async def show(request: Request) -> Response:
     state = state_of(request)
     body = await read_request(request, ModelRequest, state.max_body)
     name = body.model or body.name
-    if not name:
-        raise ApiError(400, "model is required")
     entry = lookup(state, name, normalized=True)
     local = await run_in_threadpool(find_local, entry)
     if local is None:
@@ -299,8 +297,6 @@ async def chat(request: Request) -> Response:
     state = state_of(request)
     body = await read_request(request, ChatRequest, state.max_body)
     name = body.model or ""
-    if not name:
-        raise ApiError(400, "model is required")
     entry = lookup(state, name)
     messages = native_messages(body.messages or [], entry.name)
     grammar = await request_grammar(body.format, body.options)

@@ -34,7 +34,10 @@ def state_of(request: Request) -> ServerState:
 
 
 def lookup(state: ServerState, name: str, normalized: bool = False) -> ModelEntry:
-    """The registry entry for `name`; the 404 names the model as sent (show: normalized)."""
+    """The registry entry for `name` (400 when there is none); the 404 names the model as
+    sent (show: normalized)."""
+    if not name:
+        raise ApiError(400, "model is required")
     try:
         entry = state.registry().get(name)
         shown = parse_name(name).display if normalized else name

@@ -254,8 +254,9 @@ def load_pairing(
         kv = kv_layout(target)
         if costs is None:
             costs = measure_costs(target, draft)
-            context = row_context(entry, config, parse_options({}))
-            warm_up(target, draft, costs, context=context)
+            # proves every round shape computes; the serving thread warms the whole row
+            # context for itself (MLX's CUDA build keeps compiled kernels per thread)
+            warm_up(target, draft, costs)
     except Exception as exc:
         raise ModelUnavailable(f"a forward pass failed: {exc}") from exc
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}

@@ -6,10 +6,12 @@ from __future__ import annotations
 import queue
 from typing import Any
 
+import pytest
+
 from mlxd.engine.backend import Backend
 from mlxd.engine.events import Done, Event, GenerationRequest, TextChunk
 from mlxd.engine.options import parse_options
-from mlxd.engine.pairing import load_pairing
+from mlxd.engine.pairing import Pairing, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.scheduler import Job, Scheduler
 from mlxd.engine.speculation import Costs
@@ -30,6 +32,11 @@ class _LoggedCache(PrefixCache):
     def insert(self, key: str, block: Any) -> None:
         self.log.append("insert")
         super().insert(key, block)
+
+
+@pytest.fixture
+def pairing(tiny_pair: TinyPair, backend: Backend) -> Pairing:
+    return load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
 
 
 def _run(
@@ -53,10 +60,7 @@ def _cached(events: list[Event]) -> list[int]:
     return [e.cached_tokens for e in events if isinstance(e, Done)]
 
 
-def test_a_lone_prompt_is_offered_after_its_first_token(
-    tiny_pair: TinyPair, backend: Backend
-) -> None:
-    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
+def test_a_lone_prompt_is_offered_after_its_first_token(pairing: Pairing) -> None:
     log: list[str] = []
     cache = _LoggedCache(log)
     opts = parse_options({"temperature": 0, "num_predict": 8, "draft_method": "off"})
@@ -68,9 +72,8 @@ def test_a_lone_prompt_is_offered_after_its_first_token(
 
 
 def test_a_lone_row_cancelled_before_its_first_token_still_offers_its_prompt(
-    tiny_pair: TinyPair, backend: Backend
+    pairing: Pairing,
 ) -> None:
-    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
     log: list[str] = []
     cache = _LoggedCache(log)
     opts = parse_options({"temperature": 0, "num_predict": 8})
@@ -99,10 +102,7 @@ class _CancelAfterPrefill(Scheduler):
         self.request.cancel.set()
 
 
-def test_rows_joining_a_batch_offer_their_prompts_before_they_decode(
-    tiny_pair: TinyPair, backend: Backend
-) -> None:
-    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
+def test_rows_joining_a_batch_offer_their_prompts_before_they_decode(pairing: Pairing) -> None:
     log: list[str] = []
     cache = _LoggedCache(log)
     opts = parse_options({"temperature": 0, "num_predict": 6})
