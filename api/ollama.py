@@ -94,7 +94,7 @@ def _unavailable(state: ServerState, entry: ModelEntry) -> str | None:
 async def show(request: Request) -> Response:
     state = state_of(request)
     body = await read_request(request, ModelRequest, state.max_body)
-    name = body.model or body.name
+    name = body.model or body.name or ""
     entry = lookup(state, name, normalized=True)
     local = await run_in_threadpool(find_local, entry)
     if local is None:
