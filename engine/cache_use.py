@@ -16,7 +16,14 @@ from mlxd.engine.generation import Generation
 from mlxd.engine.kvcache import bucket_of
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.pairing import Pairing
-from mlxd.engine.prefix_cache import Namespace, PrefixCache, build_caches, slice_layers
+from mlxd.engine.prefix_cache import (
+    Block,
+    Namespace,
+    PrefixCache,
+    build_caches,
+    slice_layers,
+    slice_run,
+)
 
 log = logging.getLogger(__name__)
 
@@ -144,14 +151,13 @@ def offer_caches(
         draft_covered = min(covered, len(draft_tokens), _offset(draft_cache))
     held = list(tokens[:covered])
     inserted = 0
-    stored = set()
-    for index, key in cache.missing(ns, held):
-        block = slice_layers(target, index * cache.block, (index + 1) * cache.block)
-        if block is None:
+    for span in _spans(cache.missing(ns, held)):
+        blocks = _slice_span(target, span, cache.block)
+        if blocks is None:
             return inserted  # a cache kind the prefix cache cannot slice
-        cache.insert(key, block)
-        stored.add(index)
-        inserted += 1
+        for (_, key), block in zip(span, blocks, strict=True):
+            cache.insert(key, block)
+        inserted += len(span)
     tail = cache.tail_of(ns, held)
     start = covered // cache.block * cache.block
     if tail is not None and not cache.has(tail[1]):
@@ -162,20 +168,36 @@ def offer_caches(
     if draft is None or not draft_revision:
         return inserted
     keys = cache.block_keys(ns, held[:draft_covered])
-    for index, key in enumerate(keys):
-        if cache.has_attachment(key, draft_revision):
-            continue
-        extra = slice_layers(draft_cache, index * cache.block, (index + 1) * cache.block)
-        if extra is None:
+    bare = [(i, k) for i, k in enumerate(keys) if not cache.has_attachment(k, draft_revision)]
+    for span in _spans(bare):
+        extras = _slice_span(draft_cache, span, cache.block)
+        if extras is None:
             return inserted
-        cache.attach(key, draft_revision, extra)
-        inserted += 1
+        for (_, key), extra in zip(span, extras, strict=True):
+            cache.attach(key, draft_revision, extra)
+        inserted += len(span)
     if tail is not None and draft_covered == covered and covered > start:
         extra = slice_layers(draft_cache, start, covered)
         if extra is not None and not cache.has_attachment(tail[1], draft_revision):
             cache.attach(tail[1], draft_revision, extra)
             inserted += 1
     return inserted
+
+
+def _spans(indexed: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
+    """(block index, key) pairs cut into runs of consecutive indices."""
+    spans: list[list[tuple[int, str]]] = []
+    for item in indexed:
+        if spans and spans[-1][-1][0] + 1 == item[0]:
+            spans[-1].append(item)
+        else:
+            spans.append([item])
+    return spans
+
+
+def _slice_span(caches: list[Any], span: list[tuple[int, str]], block: int) -> list[Block] | None:
+    """The span's blocks, copied out of `caches` in one run (see `prefix_cache.Run`)."""
+    return slice_run(caches, span[0][0] * block, (span[-1][0] + 1) * block, block)
 
 
 def _offset(caches: list[Any]) -> int:

@@ -1,0 +1,98 @@
+"""Blocks offered together are views of one copy (a run) and restore as one slice of it."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from mlx_lm.models.cache import KVCache
+
+from mlxd.engine.cache_use import offer_caches
+from mlxd.engine.prefix_cache import Namespace, PrefixCache, RamTier, build_caches, slice_run
+from tests.cache.blocks import BLOCK, chain
+
+NS = Namespace(model="runs")
+LAYERS = 3
+
+
+def filled(tokens: int, seed: int) -> list[Any]:
+    """Real mlx-lm caches holding `tokens` positions of seeded K/V."""
+    rng = np.random.default_rng(seed)
+    caches = []
+    for _ in range(LAYERS):
+        c = KVCache()
+        k, v = (mx.array(rng.standard_normal((1, 2, tokens, 8)).astype(np.float32)) for _ in "kv")
+        c.update_and_fetch(k, v)
+        caches.append(c)
+    return caches
+
+
+def same(a: mx.array, b: mx.array) -> bool:
+    return a.shape == b.shape and bool(mx.array_equal(a, b))
+
+
+def restored_equals(got: list[Any], want: list[Any], tokens: int) -> bool:
+    return all(
+        int(g.offset) == tokens
+        and same(g.keys[..., :tokens, :], w.keys[..., :tokens, :])
+        and same(g.values[..., :tokens, :], w.values[..., :tokens, :])
+        for g, w in zip(got, want, strict=True)
+    )
+
+
+@pytest.mark.parametrize("bucket", [None, 1024])
+def test_offered_blocks_share_one_run_and_restore_exactly(bucket: int | None) -> None:
+    n = 5 * BLOCK + 10
+    tokens = chain(6)[:n]
+    caches = filled(n, seed=1)
+    cache = PrefixCache(1 << 30)
+    assert offer_caches(cache, NS, caches, tokens) == 6  # five blocks and the partial one
+    found = cache.lookup(NS, tokens)
+    assert [b.tokens for b in found] == [BLOCK] * 5 + [10]
+    runs = {id(b.run) for b in found[:5]}
+    assert len(runs) == 1 and found[0].run is not None
+    assert all(b.follows(a) for a, b in itertools.pairwise(found[:5]))
+    assert restored_equals(build_caches(found, 0, LAYERS, bucket), caches, n)
+
+
+def test_a_longer_prompt_restores_across_two_runs() -> None:
+    tokens = chain(7)
+    longer = filled(7 * BLOCK, seed=2)
+    first = []  # the same K/V for the shared prefix
+    for c in longer:
+        f = KVCache()
+        f.update_and_fetch(c.keys[..., : 3 * BLOCK, :], c.values[..., : 3 * BLOCK, :])
+        first.append(f)
+    cache = PrefixCache(1 << 30)
+    offer_caches(cache, NS, first, tokens[: 3 * BLOCK])
+    offer_caches(cache, NS, longer, tokens)
+    found = cache.lookup(NS, tokens)
+    assert len(found) == 7
+    assert found[2].run is not found[3].run  # two offers, two runs
+    assert restored_equals(build_caches(found, 0, LAYERS, None), longer, 7 * BLOCK)
+
+
+def test_a_run_half_evicted_leaves_its_survivors_their_own_copies() -> None:
+    caches = filled(4 * BLOCK, seed=3)
+    blocks = slice_run(caches, 0, 4 * BLOCK, BLOCK)
+    assert blocks is not None and len(blocks) == 4
+    run = blocks[0].run
+    assert run is not None
+    ram = RamTier(4 * blocks[0].nbytes)
+    for i, b in enumerate(blocks):
+        assert ram.put(f"k{i}", b) == []
+    assert run.keys == {"k0", "k1", "k2", "k3"}
+    ram.drop("k0")
+    assert ram.entries["k1"].run is run  # three of four left: still views
+    ram.drop("k1")
+    for i in (2, 3):
+        kept = ram.entries[f"k{i}"]
+        assert kept.run is None
+        for layer, want in zip(kept.arrays, caches, strict=True):
+            assert same(layer[0], want.keys[..., i * BLOCK : (i + 1) * BLOCK, :])
+            assert same(layer[1], want.values[..., i * BLOCK : (i + 1) * BLOCK, :])
+    assert not run.keys
+    assert ram.nbytes == sum(b.nbytes for b in ram.entries.values())
