@@ -15,8 +15,8 @@ One run:
 
 It prints, per size, medians in ms and the ratios the goals are stated in: mlxd cold over mlx-lm
 cold (goal <= 1.1), the first request over later cold ones (goal <= 1.2) and RAM-warm over cold,
-and the server's own `prompt_eval_duration` (what is left of TTFT is HTTP, tokenizing, queueing
-and the first decode step).
+and the server's own `prompt_eval_duration` of the cold, first and warm requests (what is left of
+TTFT is HTTP, tokenizing, queueing and the first decode step).
 Without `--model` or `--shape`, a random-weight Llama of the code-pair target's shape with a
 16k context is built (the code pair's own context is too short for 7k-token prompts).
 """
@@ -57,6 +57,8 @@ class SizeResult:
     cold: list[float] = field(default_factory=list)
     server: list[float] = field(default_factory=list)  # the server's prompt_eval_duration
     warm: float = 0.0
+    server_first: float = 0.0
+    server_warm: float = 0.0
     mlx_lm: list[float] = field(default_factory=list)
 
     def row(self) -> str:
@@ -65,7 +67,8 @@ class SizeResult:
             f"{self.size:>7} {self.first * 1e3:9.0f} {cold * 1e3:9.0f} {ref * 1e3:9.0f} "
             f"{cold / ref:8.2f}x {self.first / cold:8.2f}x {self.warm * 1e3:9.0f} "
             f"{self.warm / cold:8.2f}x {self.size / cold:9.0f} "
-            f"{statistics.median(self.server) * 1e3:9.0f}"
+            f"{statistics.median(self.server) * 1e3:9.0f} {self.server_first * 1e3:9.0f} "
+            f"{self.server_warm * 1e3:9.0f}"
         )
 
 
@@ -80,9 +83,8 @@ def mlxd_side(
         with Daemon(registry, Path(tmp) / "kvcache", 8 * 2**30, 16 * 2**30) as daemon:
             generate(daemon, "bench", prompts.exact(64, "warm-up"), GREEDY)
             for result in results:
-                result.first = generate(
-                    daemon, "bench", prompts.exact(result.size, "first"), GREEDY
-                ).ttft
+                first = generate(daemon, "bench", prompts.exact(result.size, "first"), GREEDY)
+                result.first, result.server_first = first.ttft, first.prefill
                 text = ""
                 for i in range(repeats):
                     text = prompts.exact(result.size, f"cold-{i}")
@@ -90,7 +92,8 @@ def mlxd_side(
                     result.cold.append(timed.ttft)
                     result.server.append(timed.prefill)
                 time.sleep(settle)  # the last request's cache work may still be running
-                result.warm = generate(daemon, "bench", text, GREEDY).ttft
+                warm = generate(daemon, "bench", text, GREEDY)
+                result.warm, result.server_warm = warm.ttft, warm.prefill
     return results
 
 
@@ -146,7 +149,8 @@ def main() -> int:
         print(f"-- wide chunks attend over {PATHS[path]}")
         print(
             f"{'tokens':>7} {'1st ms':>9} {'cold ms':>9} {'mlx-lm':>9} {'vs mlx-lm':>9} "
-            f"{'1st/cold':>9} {'warm ms':>9} {'warm/cold':>9} {'tok/s':>9} {'srv pf ms':>9}"
+            f"{'1st/cold':>9} {'warm ms':>9} {'warm/cold':>9} {'tok/s':>9} {'srv pf ms':>9} "
+            f"{'srv 1st':>9} {'srv warm':>9}"
         )
         for result, ref in zip(results, reference, strict=True):
             result.mlx_lm = ref.mlx_lm

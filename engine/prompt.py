@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import re
+import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -182,7 +185,49 @@ def render_generate(
     return f"{system}\n\n{prompt}" if system else prompt
 
 
+MEMO_MIN_CHARS = 4096  # shorter texts tokenize in well under a millisecond
+MEMO_ENTRIES = 8
+
+
+class _Memo:
+    """The tokens of the last few long texts, per tokenizer: a prompt sent again (a retry, a
+    regenerated answer, another sample, an editor re-asking) skips tokenizing, which at 7k
+    tokens costs more than restoring its K/V from the prefix cache."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_tokenizer: weakref.WeakKeyDictionary[Any, OrderedDict[tuple[str, bool], list[int]]]
+        self._by_tokenizer = weakref.WeakKeyDictionary()
+
+    def get(self, tokenizer: Any, key: tuple[str, bool]) -> list[int] | None:
+        with self._lock:
+            seen = self._by_tokenizer.get(tokenizer)
+            if seen is None or key not in seen:
+                return None
+            seen.move_to_end(key)
+            return list(seen[key])
+
+    def put(self, tokenizer: Any, key: tuple[str, bool], tokens: list[int]) -> None:
+        with self._lock:
+            try:
+                seen = self._by_tokenizer.setdefault(tokenizer, OrderedDict())
+            except TypeError:  # a tokenizer that takes no weak reference is not remembered
+                return
+            seen[key] = list(tokens)
+            while len(seen) > MEMO_ENTRIES:
+                seen.popitem(last=False)
+
+
+_memo = _Memo()
+
+
 def encode(tokenizer: Any, text: str, templated: bool) -> list[int]:
     """Templated text already carries its special tokens (BOS included); raw text gets the
-    tokenizer's usual additions."""
-    return list(tokenizer.encode(text, add_special_tokens=not templated))
+    tokenizer's usual additions. Long texts seen lately are not tokenized again."""
+    key = (text, templated)
+    if len(text) >= MEMO_MIN_CHARS and (known := _memo.get(tokenizer, key)) is not None:
+        return known
+    tokens = list(tokenizer.encode(text, add_special_tokens=not templated))
+    if len(text) >= MEMO_MIN_CHARS:
+        _memo.put(tokenizer, key, tokens)
+    return tokens
