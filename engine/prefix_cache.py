@@ -101,25 +101,32 @@ class Run:
     """One copy of the K/V of consecutive blocks, offered together: its blocks are views of
     it. Offering a prompt copies each layer's K and V once (not once per block), and a
     restore of the run's blocks in order reads one slice per layer, not one per block: at 7k
-    tokens, 64 kernels against 7,000. `keys` are the run's blocks still in RAM; once half of
-    them are gone the survivors take their own copies (`RamTier.drop_from_run`), so a few
-    hot blocks never hold a large run alive."""
+    tokens, 64 kernels against 7,000. Each array is laid out block-major, (blocks, ...,
+    block tokens, dim), so every block is a contiguous view (the SSD writer reads it as it
+    is). `keys` are the run's blocks still in RAM; once half of them are gone the survivors
+    take their own copies (`RamTier._left_run`), so a few hot blocks never hold a large run
+    alive."""
 
     def __init__(self, arrays: list[list[mx.array]], blocks: int) -> None:
         self.arrays = arrays
         self.blocks = blocks
         self.keys: set[str] = set()
 
+    def span(self, layer: int, i: int, first: int, last: int) -> mx.array:
+        """Blocks first..last of array i of a layer, in the caches' (..., tokens, dim)."""
+        part = mx.moveaxis(self.arrays[layer][i][first : last + 1], 0, -3)
+        return part.reshape(*part.shape[:-3], -1, part.shape[-1])
+
 
 @dataclass
 class Block:
     """Per layer, a kind ("kv" or "q<bits>/<group>") and its arrays sliced to the block;
-    `run` and `start` say where the arrays lie when they are views of a `Run`."""
+    `run` and `index` say where the arrays lie when they are views of a `Run`."""
 
     kinds: list[str]
     arrays: list[list[mx.array]]
     run: Run | None = None
-    start: int = 0
+    index: int = 0  # its place in the run
 
     @property
     def nbytes(self) -> int:
@@ -131,11 +138,7 @@ class Block:
 
     def follows(self, other: Block) -> bool:
         """Whether this block's arrays continue `other`'s in one run."""
-        return self.run is not None and self.run is other.run and self.start == other.end
-
-    @property
-    def end(self) -> int:
-        return self.start + self.tokens
+        return self.run is not None and self.run is other.run and self.index == other.index + 1
 
     def detached(self) -> Block:
         """The block with arrays of its own (evaluated), outside any run."""
@@ -165,8 +168,12 @@ def slice_layers(caches: Sequence[Any], start: int, end: int) -> Block | None:
 
 
 def slice_run(caches: Sequence[Any], start: int, end: int, block: int) -> list[Block] | None:
-    """The blocks of `block` tokens covering [start, end) (the last may be shorter), as views
-    of one evaluated copy of each layer's range; None for caches it cannot slice."""
+    """The blocks of `block` tokens covering [start, end), as views of one evaluated copy of
+    each layer's range (a `Run`; one block alone is a copy of its own); None for caches it
+    cannot slice."""
+    count = max(1, (end - start) // block)
+    if count > 1 and count * block != end - start:
+        raise ValueError("a run covers whole blocks")
     kinds: list[str] = []
     arrays: list[list[mx.array]] = []
     for c in caches:
@@ -174,16 +181,18 @@ def slice_run(caches: Sequence[Any], start: int, end: int, block: int) -> list[B
         if found is None:
             return None
         kinds.append(found[0])
-        arrays.append([_copy(p[..., start:end, :]) for p in found[1]])
+        arrays.append([_blocked(p[..., start:end, :], count) for p in found[1]])
     mx.eval(arrays)
-    starts = range(0, end - start, block)
-    run = Run(arrays, len(starts)) if len(starts) > 1 else None
-    if run is None:
-        return [Block(kinds, arrays)]
-    return [
-        Block(kinds, [[a[..., s : s + block, :] for a in layer] for layer in arrays], run, s)
-        for s in starts
-    ]
+    if count == 1:
+        return [Block(kinds, [[a[0] for a in layer] for layer in arrays])]
+    run = Run(arrays, count)
+    return [Block(kinds, [[a[i] for a in layer] for layer in arrays], run, i) for i in range(count)]
+
+
+def _blocked(x: mx.array, count: int) -> mx.array:
+    """A copy of `x` (..., tokens, dim) laid out as (count, ..., tokens / count, dim)."""
+    parts = x.reshape(*x.shape[:-2], count, -1, x.shape[-1])
+    return mx.contiguous(mx.moveaxis(parts, -3, 0))
 
 
 def build_caches(
@@ -225,7 +234,7 @@ def build_caches(
 def _span(first: Block, last: Block, layer: int, i: int) -> mx.array:
     if first is last or first.run is None:
         return first.arrays[layer][i]
-    return first.run.arrays[layer][i][..., first.start : last.end, :]
+    return first.run.span(layer, i, first.index, last.index)
 
 
 def _concat(parts: list[mx.array]) -> mx.array:
