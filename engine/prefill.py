@@ -139,26 +139,41 @@ def feed_rows(
             c.offset = len(prompt)
 
 
+LOGIT_WIDTHS = 16  # chunks this narrow also have their logits read (a draft catching up)
+
+
 def warm_shapes(model: nn.Module, context: int = CHUNK) -> None:
     """Compile every shaped chunk a prompt of up to `context` tokens read from the start can
     take (bucketed caches: shapes compile): each width at each `EXACT_ALIGN`-aligned offset,
     where chunks begin (wide ones attend over the exact keys there, so each offset is a shape
-    of its own)."""
+    of its own), and a decode step there. Each is evaluated as the engine evaluates it: a
+    prompt chunk's K/V alone (its logits are never read, and what a GPU fuses and compiles
+    depends on what is evaluated), a narrow chunk's logits as well."""
     if not bucketed(model):
         return
     cache = kvcache.make_cache(model)
     if not paddable(cache):  # one feed of 2*CHUNK-1 tokens runs every power-of-two piece
-        mx.eval(feed(model, cache, [0] * (2 * CHUNK - 1)))
+        feed(model, cache, [0] * (2 * CHUNK - 1))
+        mx.eval([c.state for c in cache])
         return
     offset = 0
     while True:
         width = CHUNK
         while width:
-            mx.eval(feed(model, cache, [0] * width))
-            for c in cache:
-                c.trim(width)
+            _warm(model, cache, width, logits=False)
+            if width <= LOGIT_WIDTHS:
+                _warm(model, cache, width, logits=True)
             width >>= 1
         offset += kvcache.EXACT_ALIGN
         if offset + 1 >= context:
             return
-        mx.eval(feed(model, cache, [0] * kvcache.EXACT_ALIGN))
+        feed(model, cache, [0] * kvcache.EXACT_ALIGN)
+        mx.eval([c.state for c in cache])
+
+
+def _warm(model: nn.Module, cache: list[Any], width: int, logits: bool) -> None:
+    """Run one chunk of `width` tokens and take it back off the cache."""
+    out = feed(model, cache, [0] * width)
+    mx.eval(out if logits else [c.state for c in cache])
+    for c in cache:
+        c.trim(width)
