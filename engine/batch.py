@@ -14,6 +14,13 @@ Per-row K/V lists stacked anew each round would copy every cache every token; th
 copies a row only when it joins (merge, extend) or leaves (extract, filter), and rolls only in
 rounds whose rows accepted different lengths.
 
+Rounds where no row drafts are pipelined as a lone row's plain decoding is: the next round's
+forward is queued on the tokens this round chose, still on the device, before the host reads
+them, so the device never waits for the host's per-row work (`Ahead`). The choice at every
+position is keyed by the position, so a round computed ahead chooses exactly what it would
+have chosen later. What changes the batch (a row joining or leaving, a round that drafts)
+first takes the round ahead back off the cache (one position for every row) and drops it.
+
 How many drafts a round verifies is one choice for the batch: a width W costs one forward of
 B x W tokens, estimated as the target's measured cost of a B*W-token forward (`Costs.v`,
 linear past the widest measured width: conservative), plus each row's draft steps. The batch
@@ -32,13 +39,22 @@ import mlx.nn as nn
 
 from mlxd.engine import kvcache
 from mlxd.engine.adapters import selecting
+from mlxd.engine.drafting import Draft
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
-from mlxd.engine.sampling import Rng, to_ints
+from mlxd.engine.sampling import Rng, choose, to_ints
 from mlxd.engine.speculation import Costs
-from mlxd.engine.verify import choices, decide
+from mlxd.engine.verify import Verdict, choices, decide
 
 COMPACT = 64  # positions of left padding shared by every row before the batch cuts them
+
+
+@dataclass
+class Ahead:
+    """The next plain round, queued: its rows and their chosen tokens, still lazy."""
+
+    gens: list[Generation]
+    tokens: mx.array
 
 
 @dataclass
@@ -85,6 +101,7 @@ class RowBatch:
         self.costs = costs
         self.gens: list[Generation] = []
         self.cache: list[Any] = []
+        self.ahead: Ahead | None = None  # the next plain round, queued (its position written)
 
     def __len__(self) -> int:
         return len(self.gens)
@@ -97,6 +114,7 @@ class RowBatch:
         last (`Generation.settle`) in plain K/V layers (`Generation.batchable`)."""
         if not gens:
             return
+        self.drop_ahead()
         kind = kvcache.batch_type(self.target)
         layers = len(gens[0].cache)
         merged = [kind.merge([g.cache[i] for g in gens]) for i in range(layers)]
@@ -111,6 +129,7 @@ class RowBatch:
 
     def leave(self, gen: Generation) -> None:
         """Give a row its own cache back and drop it from the batch."""
+        self.drop_ahead()
         slot = next(i for i, g in enumerate(self.gens) if g is gen)
         own = []
         step = kvcache.bucket_of(self.target)
@@ -133,6 +152,9 @@ class RowBatch:
         """One round for every row: drafts, one verify forward, per-row acceptance and trim."""
         gens = self.gens
         wants = [g.draft_length() for g in gens]
+        if not any(wants) and all(g.plain_only for g in gens):
+            return self._plain_round()
+        self.drop_ahead()
         ks = plan_widths(gens, wants, self.costs) if any(wants) else wants
         drafts = [g.propose(k) for g, k in zip(gens, ks, strict=True)]
         width = 1 + max(d.count for d in drafts)
@@ -162,6 +184,56 @@ class RowBatch:
             for i, (g, d, v, w) in enumerate(zip(gens, drafts, verdicts, walks, strict=True))
         ]
 
+    def _plain_round(self) -> list[Committed]:
+        """A round where no row drafts, pipelined: the next one is queued before this one's
+        tokens are read, when every row will decode it plainly too."""
+        gens = self.gens
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and _same(ahead.gens, gens):
+            tokens = ahead.tokens
+        else:
+            if ahead is not None:
+                self._take_back()
+            last = mx.array([[g.tokens[-1]] for g in gens], dtype=mx.uint32)
+            tokens = self._choose(self._forward(last), 0)
+            mx.async_eval(tokens)
+        if all(g.produced + 1 < g.limit and g.plain_next() for g in gens):
+            queued = self._choose(self._forward(tokens[:, None]), 1)
+            mx.async_eval(queued)
+            self.ahead = Ahead(list(gens), queued)
+        chosen = to_ints(tokens)
+        return [
+            Committed(g, g.absorb(Draft.empty(), Verdict(0, [t])))
+            for g, t in zip(gens, chosen, strict=True)
+        ]
+
+    def _forward(self, inputs: mx.array) -> mx.array:
+        """The last position's logits (B, V) of a forward of `inputs` (B, 1) over the batch."""
+        with selecting([g.target for g in self.gens]):
+            return self.target(inputs, cache=self.cache)[:, -1, :]
+
+    def _choose(self, logits: mx.array, ahead: int) -> mx.array:
+        """Each row's token (B,) for rows `ahead` positions past their committed tokens."""
+        gens = self.gens
+        if all(g.opts.greedy for g in gens):
+            return mx.argmax(logits, axis=-1).astype(mx.uint32)
+        return mx.concatenate(
+            [
+                choose(logits[i : i + 1], g.opts, g.rng, len(g.tokens) + ahead)
+                for i, g in enumerate(gens)
+            ]
+        )
+
+    def drop_ahead(self) -> None:
+        """Take the queued plain round back: its position comes off every row's cache."""
+        if self.ahead is not None:
+            self.ahead = None
+            self._take_back()
+
+    def _take_back(self) -> None:
+        for c in self.cache:
+            c.trim(1)
+
     def keep(self, kept: list[int], width: int) -> None:
         """After a `width`-token forward, keep `kept[i]` of row i's new positions: what every
         row dropped is trimmed off the end, the rest rolled into each row's left padding."""
@@ -183,6 +255,10 @@ class RowBatch:
         if left >= COMPACT:
             for c in self.cache:
                 c.filter(mx.arange(len(self.gens)))
+
+
+def _same(a: list[Generation], b: list[Generation]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def warm_rounds(target: nn.Module, rows: int, widths: int) -> None:

@@ -192,6 +192,19 @@ class Generation:
             return self.spec.pause_left > 1
         return self.spec.mode is Mode.OFF
 
+    @property
+    def plain_only(self) -> bool:
+        """Whether each token is chosen with nothing read on the host between forwards (no
+        grammar mask, penalty or logprobs): what a pipelined batch round needs."""
+        opts = self.opts
+        return self.grammar is None and not opts.has_penalties and opts.top_logprobs is None
+
+    def plain_next(self) -> bool:
+        """Whether the round after the next is plain as well, as far as the host knows now."""
+        if self.spec.on:
+            return not self._has_draft()
+        return self._plain_ahead()
+
     def _has_draft(self) -> bool:
         return self.source is not None and self.source.has_draft(self.tokens)
 

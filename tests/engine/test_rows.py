@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from mlxd.engine.backend import configure_backend
-from mlxd.engine.batch import RowBatch
+from mlxd.engine.batch import Committed, RowBatch
 from mlxd.engine.cache_use import namespace_for, restore
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Done, Event, GenerationRequest
@@ -137,6 +137,38 @@ def test_greedy_rows_match_solo_plain_decoding_while_joining_and_leaving(
     assert sum(d.speculation.rounds for d in done) > 0
     # batched rounds verified drafts, and rows in one round kept different lengths
     assert any(rows >= 3 and width > 1 and distinct > 1 for rows, width, distinct in rounds)
+
+
+def test_pipelined_plain_rounds_choose_what_plain_decoding_does(
+    tiny_pair: TinyPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Plain rounds queue the next round before reading this one; rows joining and leaving
+    take it back. Greedy and seeded rows alike give their solo tokens."""
+    seen = Counter[str]()
+    plain_round, drop = RowBatch._plain_round, RowBatch.drop_ahead
+
+    def counted_round(self: RowBatch) -> list[Committed]:
+        seen["from ahead" if self.ahead is not None else "fresh"] += 1
+        return plain_round(self)
+
+    def counted_drop(self: RowBatch) -> None:
+        seen["dropped"] += self.ahead is not None
+        drop(self)
+
+    monkeypatch.setattr(RowBatch, "_plain_round", counted_round)
+    monkeypatch.setattr(RowBatch, "drop_ahead", counted_drop)
+    pairing = pairing_of(tiny_pair)
+    temps = [0, 0.8, 0, 1.0, 0.6]
+    lengths = [30, 14, 22, 36, 9]
+    specs = [
+        (p, opts_of(temperature=t, seed=7 + i, num_predict=n, draft_method="off"))
+        for i, (p, t, n) in enumerate(zip(PROMPTS[:5], temps, lengths, strict=True))
+    ]
+    done = serve(pairing, specs, start_after={2: (0, 5), 3: (1, 4), 4: (3, 6)})
+    for (prompt, opts), final in zip(specs, done, strict=True):
+        assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
+    assert seen["from ahead"] > seen["fresh"] > 0
+    assert seen["dropped"] > 0  # rows joined or left with a round queued
 
 
 @pytest.mark.parametrize("method", ["model", "off"])
