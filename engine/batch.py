@@ -270,6 +270,9 @@ def warm_rounds(target: nn.Module, rows: int, widths: int) -> None:
         g.prefill()
     batch = RowBatch(target, Costs(verify={1: 1.0}))
     batch.join(gens)
+    for _ in range(2):  # plain rounds: one fresh, one from the round queued ahead
+        batch.round()
+    batch.drop_ahead()
     for width in range(1, widths + 1):
         mx.eval(target(mx.zeros((rows, width), dtype=mx.uint32), cache=batch.cache))
         batch.keep([1] + [0] * (rows - 1), width)
