@@ -18,8 +18,9 @@ Rounds where no row drafts are pipelined as a lone row's plain decoding is: the 
 forward is queued on the tokens this round chose, still on the device, before the host reads
 them, so the device never waits for the host's per-row work (`Ahead`). The choice at every
 position is keyed by the position, so a round computed ahead chooses exactly what it would
-have chosen later. What changes the batch (a row joining or leaving, a round that drafts)
-first takes the round ahead back off the cache (one position for every row) and drops it.
+have chosen later, and the round after it runs plainly even when a row has found a draft
+since (as a lone row's does). A row joining or leaving first takes the round ahead back off
+the cache (one position for every row).
 
 How many drafts a round verifies is one choice for the batch: a width W costs one forward of
 B x W tokens, estimated as the target's measured cost of a B*W-token forward (`Costs.v`,
@@ -151,6 +152,8 @@ class RowBatch:
     def round(self) -> list[Committed]:
         """One round for every row: drafts, one verify forward, per-row acceptance and trim."""
         gens = self.gens
+        if self.ahead is not None and _same(self.ahead.gens, gens):
+            return self._plain_round()  # computed already: a draft found since waits a round
         wants = [g.draft_length() for g in gens]
         if not any(wants) and all(g.plain_only for g in gens):
             return self._plain_round()
