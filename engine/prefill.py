@@ -146,9 +146,11 @@ def warm_shapes(model: nn.Module, context: int = CHUNK) -> None:
     """Compile every shaped chunk a prompt of up to `context` tokens read from the start can
     take (bucketed caches: shapes compile): each width at each `EXACT_ALIGN`-aligned offset,
     where chunks begin (wide ones attend over the exact keys there, so each offset is a shape
-    of its own), and a decode step there. Each is evaluated as the engine evaluates it: a
-    prompt chunk's K/V alone (its logits are never read, and what a GPU fuses and compiles
-    depends on what is evaluated), a narrow chunk's logits as well."""
+    of its own), each followed by a decode step. Widths go up, so the buffer has the capacity
+    a prompt that ends there gives it (what attention reads depends on it). Each forward is
+    evaluated as the engine evaluates it: a prompt chunk's K/V alone (its logits are never
+    read, and what a GPU fuses and compiles depends on what is evaluated), a narrow chunk's
+    logits as well (a draft catching up), a decode step's logits."""
     if not bucketed(model):
         return
     cache = kvcache.make_cache(model)
@@ -158,12 +160,10 @@ def warm_shapes(model: nn.Module, context: int = CHUNK) -> None:
         return
     offset = 0
     while True:
-        width = CHUNK
-        while width:
-            _warm(model, cache, width, logits=False)
-            if width <= LOGIT_WIDTHS:
-                _warm(model, cache, width, logits=True)
-            width >>= 1
+        width = 1
+        while width <= CHUNK:
+            _warm(model, cache, width)
+            width <<= 1
         offset += kvcache.EXACT_ALIGN
         if offset + 1 >= context:
             return
@@ -171,9 +171,14 @@ def warm_shapes(model: nn.Module, context: int = CHUNK) -> None:
         mx.eval([c.state for c in cache])
 
 
-def _warm(model: nn.Module, cache: list[Any], width: int, logits: bool) -> None:
-    """Run one chunk of `width` tokens and take it back off the cache."""
-    out = feed(model, cache, [0] * width)
-    mx.eval(out if logits else [c.state for c in cache])
+def _warm(model: nn.Module, cache: list[Any], width: int) -> None:
+    """One chunk of `width` tokens and a decode step after it, taken back off the cache."""
+    feed(model, cache, [0] * width)
+    mx.eval([c.state for c in cache])
+    if width <= LOGIT_WIDTHS:
+        for c in cache:
+            c.trim(width)
+        mx.eval(feed(model, cache, [0] * width))
+    mx.eval(model(mx.zeros((1, 1), dtype=mx.uint32), cache=cache)[0, -1:, :])
     for c in cache:
-        c.trim(width)
+        c.trim(width + 1)
