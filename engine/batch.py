@@ -14,9 +14,16 @@ Per-row K/V lists stacked anew each round would copy every cache every token; th
 copies a row only when it joins (merge, extend) or leaves (extract, filter), and rolls only in
 rounds whose rows accepted different lengths.
 
+Rows drafting with the draft model draft together (`engine.draftbatch`): their draft K/V sit in
+the draft's own batch cache, joined when a row first drafts in the batch and handed back to
+the row's source when it leaves, and each draft step is one forward over all of them. Rows
+drafting otherwise (lookup, grammar-forced tokens, penalties that need each draft on the host)
+propose on their own.
+
 How many drafts a round verifies is one choice for the batch: a width W costs one forward of
 B x W tokens, estimated as the target's measured cost of a B*W-token forward (`Costs.v`,
-linear past the widest measured width: conservative), plus each row's draft steps. The batch
+linear past the widest measured width: conservative), plus the draft steps: W forwards of the
+draft batch (`Costs.draft_rows`, measured per row count) and each other row's own. The batch
 picks the W with the most expected committed tokens per second, W = 1 (plain) included, so
 speculation backs off as rows are added exactly where it stops paying.
 """
