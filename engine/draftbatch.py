@@ -28,7 +28,8 @@ import mlx.nn as nn
 from mlxd.engine import kvcache
 from mlxd.engine.adapters import AdaptedModel, selecting
 from mlxd.engine.drafting import Draft, ModelDraftSource
-from mlxd.engine.sampling import choose, to_ints
+from mlxd.engine.options import parse_options
+from mlxd.engine.sampling import Rng, choose, to_ints
 
 COMPACT = 64  # positions of left padding shared by every row before the cache cuts them
 
@@ -197,3 +198,24 @@ class DraftBatch:
             for i, s in enumerate(self.sources)
         ]
         return mx.concatenate(picks).astype(mx.uint32)
+
+
+def warm_drafts(model: nn.Module, rows: int, widths: int) -> None:
+    """Run a draft batch of `rows` through every catch-up width up to `widths` and a draft
+    step, with rows trimmed by different amounts (the roll): the shapes a GPU compiles once."""
+    greedy = parse_options({"temperature": 0})
+    sources = [ModelDraftSource(model, greedy, Rng(0)) for _ in range(rows)]
+    for s in sources:
+        s.prefill([0, 0, 0, 0])
+    if not all(DraftBatch(model).can_join(s) for s in sources):
+        return
+    batch = DraftBatch(model)
+    batch.join(sources)
+    for width in range(1, widths + 1):
+        mx.eval(model(mx.zeros((rows, width), dtype=mx.uint32), cache=batch.cache))
+        trim_rows(batch.cache, [width] + [width - 1] * (rows - 1), rows)
+        mx.eval(model(mx.zeros((rows, 1), dtype=mx.uint32), cache=batch.cache))
+        trim_rows(batch.cache, [1] * rows, rows)
+        mx.eval([c.state for c in batch.cache])
+    for s in sources:
+        batch.leave(s)
