@@ -3,6 +3,7 @@ what each row's draft would propose alone."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -14,6 +15,7 @@ from mlxd.engine.draftbatch import DraftBatch
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
+from mlxd.engine.probestore import ProbeStore
 from mlxd.engine.sampling import Rng, to_ints
 from mlxd.engine.speculation import Costs, DraftLengthController
 from tests.engine.conftest import Loaded
@@ -207,3 +209,13 @@ def test_batched_draft_steps_are_charged_once_per_batch() -> None:
     assert shared.draft_rows(4) == pytest.approx(0.3) and per_row.draft_rows(4) == pytest.approx(
         1.2
     )
+
+
+def test_batched_draft_costs_interpolate_and_survive_a_restart(tmp_path: Path) -> None:
+    costs = Costs(verify={1: 0.5, 2: 0.6}, draft_step=0.1, draft_batch={1: 0.1, 4: 0.4})
+    assert costs.draft_rows(2) == pytest.approx(0.2)
+    assert costs.draft_rows(8) == pytest.approx(0.8)  # linear past the largest measured
+    assert costs.draft_rows(0) == 0.0
+    store = ProbeStore(tmp_path)
+    store.save("key", costs)
+    assert store.load("key") == costs
