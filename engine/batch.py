@@ -210,20 +210,19 @@ class RowBatch:
         if not len(batch):
             return
         rows = [owner[id(s)] for s in batch.sources]
-        counts = [ks[i] if drafters[i] is s else 0 for i, s in zip(rows, batch.sources,
-                                                                  strict=True)]  # fmt: skip
+        members = list(zip(rows, batch.sources, strict=True))
+        counts = [ks[i] if drafters[i] is s else 0 for i, s in members]
         if not any(counts):
             return
         try:
             drafts = batch.propose([self.gens[i].tokens for i in rows], counts)
         except Exception as exc:  # a broken draft must not fail the rows: they decode plainly
-            members = list(batch.sources)
             self.drafts = None
-            for s, i in zip(members, rows, strict=True):
+            for i, s in members:
                 s.batch, s.cache = None, []
                 self.gens[i].spec.stop(f"draft source failed: {exc}")
             return
-        for i, s, d in zip(rows, batch.sources, drafts, strict=True):
+        for (i, s), d in zip(members, drafts, strict=True):
             if drafters[i] is s:
                 out[i] = d
 
