@@ -3,7 +3,8 @@
     python bench/concurrency.py [--model DIR | --shape 8b] [--clients 1,2,4,8,16] [--tokens 128]
     python bench/concurrency.py --pairing [DIR] [--clients 1,2,4,8] [--tokens 64]
 
-`--pairing` (default: the code pair) serves a target/draft pairing and compares, in one mlxd
+`--pairing` (default: the code pair; DIR: any folder with `target/` and `draft/`, such as a
+pair fattened by shared/models/fatten.py) serves a target/draft pairing and compares, in one mlxd
 run, batched speculation (`draft_method` auto) with batched plain decoding (`off`) at each
 client count, greedy and at temperature 0.7, through Ollama's `/api/generate`: aggregate
 tokens/s of each, their ratio, and the drafts the final responses report accepted.
@@ -216,13 +217,25 @@ def pairing_burst(
     }
 
 
+def code_pair() -> Path:
+    """The code pair beside this checkout (`<root>/../shared/models/code-pair`), or beside
+    the folder that holds it (a checkout in a folder of worktrees)."""
+    for up in (ROOT.parent, ROOT.parent.parent):
+        pair = up / "shared/models/code-pair"
+        if pair.is_dir():
+            return pair
+    return ROOT.parent / "shared/models/code-pair"
+
+
 def pairing_main(pair: Path, counts: list[int], tokens: int, parallel: int, rounds: int) -> None:
     """Batched speculation vs batched plain decoding on one pairing, side by side."""
-    held = (
-        json.loads((pair / "heldout_prompts.json").read_text())
-        if (pair / "heldout_prompts.json").exists()
-        else {}
-    )
+    missing = [d for d in ("target", "draft") if not (pair / d / "config.json").is_file()]
+    if missing:
+        raise SystemExit(f"{pair}: a pairing folder holds target/ and draft/ (no {missing})")
+    # a fattened pair says what the code pair says: its held-out code prompts serve both
+    found = [p / "heldout_prompts.json" for p in (pair, code_pair())]
+    found = [f for f in found if f.is_file()]
+    held = json.loads(found[0].read_text()) if found else {}
     prompts = [p["prompt"] for p in held.get("code", [])][:16] or [
         f"def function_{i}(values, threshold={i}):\n" for i in range(16)
     ]
@@ -254,6 +267,8 @@ def pairing_main(pair: Path, counts: list[int], tokens: int, parallel: int, roun
                         opts = {"temperature": temperature, "num_predict": tokens,
                                 "draft_method": method, "seed": 7}  # fmt: skip
                         r = pairing_burst(base, prompts, n, opts)
+                        if not r["aggregate"]:
+                            raise SystemExit(f"mlxd streamed nothing ({method}, {n} clients)")
                         for key in into:
                             into[key] += r[key] / rounds
                 rows.append((temperature, n, spec, plain))
@@ -280,7 +295,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    pair = ROOT.parent / "shared/models/code-pair"
+    pair = code_pair()
     ap.add_argument("--model", type=Path, default=pair / "target")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mlxd-bench")
@@ -293,7 +308,8 @@ def main() -> None:
         nargs="?",
         const=pair,
         default=None,
-        help="speculation vs plain decoding on a target/draft pairing",
+        help="speculation vs plain decoding on a pairing folder with target/ and draft/ "
+        "(default: the code pair; e.g. a fattened pair from shared/models/fatten.py)",
     )
     ap.add_argument("--rounds", type=int, default=2, help="bursts per cell (--pairing)")
     args = ap.parse_args()

@@ -14,6 +14,12 @@ Per-row K/V lists stacked anew each round would copy every cache every token; th
 copies a row only when it joins (merge, extend) or leaves (extract, filter), and rolls only in
 rounds whose rows accepted different lengths.
 
+Rows drafting with the draft model draft together (`engine.draftbatch`): their draft K/V sit in
+the draft's own batch cache, joined when a row first drafts in the batch and handed back to
+the row's source when it leaves, and each draft step is one forward over all of them. Rows
+drafting otherwise (lookup, grammar-forced tokens, penalties that need each draft on the host)
+propose on their own.
+
 Rounds where no row drafts are pipelined as a lone row's plain decoding is: the next round's
 forward is queued on the tokens this round chose, still on the device, before the host reads
 them, so the device never waits for the host's per-row work (`Ahead`). The choice at every
@@ -24,7 +30,8 @@ the cache (one position for every row).
 
 How many drafts a round verifies is one choice for the batch: a width W costs one forward of
 B x W tokens, estimated as the target's measured cost of a B*W-token forward (`Costs.v`,
-linear past the widest measured width: conservative), plus each row's draft steps. The batch
+linear past the widest measured width: conservative), plus the draft steps: W forwards of the
+draft batch (`Costs.draft_rows`, measured per row count) and each other row's own. The batch
 picks the W with the most expected committed tokens per second, W = 1 (plain) included, so
 speculation backs off as rows are added exactly where it stops paying.
 """
@@ -40,14 +47,13 @@ import mlx.nn as nn
 
 from mlxd.engine import kvcache
 from mlxd.engine.adapters import selecting
-from mlxd.engine.drafting import Draft
+from mlxd.engine.draftbatch import DraftBatch, base_of, trim_rows
+from mlxd.engine.drafting import Draft, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
 from mlxd.engine.sampling import Rng, choose, to_ints
 from mlxd.engine.speculation import Costs
 from mlxd.engine.verify import Verdict, choices, decide
-
-COMPACT = 64  # positions of left padding shared by every row before the batch cuts them
 
 
 @dataclass
@@ -78,17 +84,23 @@ def expected_tokens(gen: Generation, k: int) -> float:
 
 
 def plan_widths(gens: Sequence[Generation], wants: Sequence[int], costs: Costs) -> list[int]:
-    """Drafts per row for this round: the batch-wide width with the best expected rate."""
+    """Drafts per row for this round: the batch-wide width with the best expected rate. Rows
+    whose draft model drafts batched share its steps (one B-row forward each, `draft_rows`);
+    any other row pays its own draft steps."""
     rows = len(gens)
+    together = [g.drafts_batched for g in gens]
     best, best_rate = 0, rows / costs.v(rows)
     for k in sorted({w for w in wants if w > 0}):
         ks = [min(w, k) for w in wants]
         expected = sum(expected_tokens(g, n) for g, n in zip(gens, ks, strict=True))
-        drafting = sum(
+        alone = sum(
             n * (g.controller.draft_cost if g.controller is not None else 0.0)
-            for g, n in zip(gens, ks, strict=True)
+            for g, n, t in zip(gens, ks, together, strict=True)
+            if not t
         )
-        rate = expected / (costs.v(rows * (k + 1)) + drafting)
+        shared = [n for n, t in zip(ks, together, strict=True) if t and n > 0]
+        steps = max(shared, default=0) * costs.draft_rows(len(shared))
+        rate = expected / (costs.v(rows * (k + 1)) + alone + steps)
         if rate > best_rate:
             best, best_rate = k, rate
     return [min(w, best) for w in wants]
@@ -103,6 +115,7 @@ class RowBatch:
         self.gens: list[Generation] = []
         self.cache: list[Any] = []
         self.ahead: Ahead | None = None  # the next plain round, queued (its position written)
+        self.drafts: DraftBatch | None = None  # the rows' draft-model K/V, drafting together
 
     def __len__(self) -> int:
         return len(self.gens)
@@ -129,8 +142,11 @@ class RowBatch:
             self.gens.append(g)
 
     def leave(self, gen: Generation) -> None:
-        """Give a row its own cache back and drop it from the batch."""
+        """Give a row its own caches (target and draft) back and drop it from the batch."""
         self.drop_ahead()
+        part = gen.source.model_part() if gen.source is not None else None
+        if part is not None and self.drafts is not None and part in self.drafts:
+            self.drafts.leave(part)
         slot = next(i for i, g in enumerate(self.gens) if g is gen)
         own = []
         step = kvcache.bucket_of(self.target)
@@ -159,7 +175,7 @@ class RowBatch:
             return self._plain_round()
         self.drop_ahead()
         ks = plan_widths(gens, wants, self.costs) if any(wants) else wants
-        drafts = [g.propose(k) for g, k in zip(gens, ks, strict=True)]
+        drafts = self._propose(ks)
         width = 1 + max(d.count for d in drafts)
         rows = []
         for g, d in zip(gens, drafts, strict=True):
@@ -237,27 +253,57 @@ class RowBatch:
         for c in self.cache:
             c.trim(1)
 
+    def _propose(self, ks: list[int]) -> list[Draft]:
+        """Each row's draft of up to ks[i] tokens: rows drafting with the draft model in one
+        forward per draft step (`DraftBatch`), the others from their own sources."""
+        gens = self.gens
+        drafters = [g.batch_drafter(k) for g, k in zip(gens, ks, strict=True)]
+        out: list[Draft | None] = [None] * len(gens)
+        if any(d is not None for d in drafters):
+            self._draft_together(drafters, ks, out)
+        return [d if d is not None else g.propose(k) for g, k, d in zip(gens, ks, out, strict=True)]
+
+    def _draft_together(
+        self, drafters: list[ModelDraftSource | None], ks: list[int], out: list[Draft | None]
+    ) -> None:
+        """Fill `out` for the rows whose draft model drafts in the draft batch. Members that
+        stopped drafting with it (speculation paused or off) take their K/V back; members not
+        drafting this round (a lookup hit) catch up and ride along."""
+        first = next(d for d in drafters if d is not None)
+        if self.drafts is None:
+            self.drafts = DraftBatch(base_of(first.model))
+        batch = self.drafts
+        owner: dict[int, int] = {}
+        for i, g in enumerate(self.gens):
+            part = g.source.model_part() if g.source is not None and g.spec.on else None
+            if part is not None:
+                owner[id(part)] = i
+        for s in [s for s in batch.sources if id(s) not in owner]:
+            batch.leave(s)
+        batch.join([d for d in drafters if d is not None and d not in batch and batch.can_join(d)])
+        if not len(batch):
+            return
+        rows = [owner[id(s)] for s in batch.sources]
+        members = list(zip(rows, batch.sources, strict=True))
+        counts = [ks[i] if drafters[i] is s else 0 for i, s in members]
+        if not any(counts):
+            return
+        try:
+            drafts = batch.propose([self.gens[i].tokens for i in rows], counts)
+        except Exception as exc:  # a broken draft must not fail the rows: they decode plainly
+            self.drafts = None
+            for i, s in members:
+                s.batch, s.cache = None, []
+                self.gens[i].spec.stop(f"draft source failed: {exc}")
+            return
+        for (i, s), d in zip(members, drafts, strict=True):
+            if drafters[i] is s:
+                out[i] = d
+
     def keep(self, kept: list[int], width: int) -> None:
         """After a `width`-token forward, keep `kept[i]` of row i's new positions: what every
         row dropped is trimmed off the end, the rest rolled into each row's left padding."""
-        extra = [width - k for k in kept]
-        common = min(extra)
-        rest = [e - common for e in extra]
-        for c in self.cache:
-            if common:
-                c.trim(common)
-            if any(rest):
-                c.prepare(right_padding=rest)
-                c.finalize()
-        if any(rest):
-            self._compact()
-
-    def _compact(self) -> None:
-        """Cut the padding every row has on its left once it is worth a copy."""
-        left = min(to_ints(self.cache[0].left_padding))
-        if left >= COMPACT:
-            for c in self.cache:
-                c.filter(mx.arange(len(self.gens)))
+        trim_rows(self.cache, [width - k for k in kept], len(self.gens))
 
 
 def _same(a: list[Generation], b: list[Generation]) -> bool:

@@ -161,9 +161,9 @@ def offer_caches(
     tail = cache.tail_of(ns, held)
     start = covered // cache.block * cache.block
     if tail is not None and not cache.has(tail[1]):
-        block = slice_layers(target, start, covered)
-        if block is not None:
-            cache.insert_tail(tail[0], held[start:], tail[1], block)
+        last = slice_layers(target, start, covered)
+        if last is not None:
+            cache.insert_tail(tail[0], held[start:], tail[1], last)
             inserted += 1
     if draft is None or not draft_revision:
         return inserted
@@ -177,9 +177,9 @@ def offer_caches(
             cache.attach(key, draft_revision, extra)
         inserted += len(span)
     if tail is not None and draft_covered == covered and covered > start:
-        extra = slice_layers(draft_cache, start, covered)
-        if extra is not None and not cache.has_attachment(tail[1], draft_revision):
-            cache.attach(tail[1], draft_revision, extra)
+        last_extra = slice_layers(draft_cache, start, covered)
+        if last_extra is not None and not cache.has_attachment(tail[1], draft_revision):
+            cache.attach(tail[1], draft_revision, last_extra)
             inserted += 1
     return inserted
 

@@ -62,6 +62,15 @@ class DraftSource(ABC):
         """What to continue with when this source no longer pays (None: plain decoding)."""
         return None
 
+    def model_part(self) -> ModelDraftSource | None:
+        """The draft model this source runs, if any (a batch drafts its rows together)."""
+        return None
+
+    def batch_part(self, tokens: Sequence[int], n: int) -> ModelDraftSource | None:
+        """The draft model that would propose the next n tokens, when a batch may run it for
+        this row together with others; None: this row proposes on its own (`propose`)."""
+        return None
+
     def checkpoint(self) -> Any:
         """Companion state to store with the target's cache; None when there is nothing."""
         return None
@@ -86,8 +95,23 @@ class ModelDraftSource(DraftSource):
         self.cached: list[int] = []  # tokens whose K/V are in self.cache
         self._drafts: mx.array | None = None
         self._fed = 0  # how many drafts were fed into the cache by the last propose
+        # the `DraftBatch` holding this row's K/V while it drafts batched (then `cache` is empty)
+        self.batch: Any = None
+
+    def _own(self) -> None:
+        """Take the K/V back from a batch before using them alone."""
+        if self.batch is not None:
+            self.batch.leave(self)
+
+    def model_part(self) -> ModelDraftSource | None:
+        return self
+
+    def batch_part(self, tokens: Sequence[int], n: int) -> ModelDraftSource | None:
+        # penalties need each draft on the host before the next: those rows draft alone
+        return self if n > 0 and not self.opts.has_penalties else None
 
     def prefill(self, tokens: Sequence[int]) -> None:
+        self._own()
         # After a prefix-cache restore, `cached` already covers a prefix of the prompt.
         head = list(tokens[len(self.cached) : -1])
         if head:
@@ -99,6 +123,7 @@ class ModelDraftSource(DraftSource):
         self._drafts, self._fed = None, 0
         if n <= 0:
             return Draft.empty(self.name)
+        self._own()
         missing = list(tokens[len(self.cached) :])
         logits = feed(self.model, self.cache, missing)
         self.cached = list(tokens)
@@ -128,6 +153,10 @@ class ModelDraftSource(DraftSource):
             keep = next((i for i, (a, b) in pairs if a != b), min(keep, len(tokens)))
         while keep < len(have) and keep < len(tokens) and have[keep] == tokens[keep]:
             keep += 1
+        self._drafts, self._fed = None, 0
+        if self.batch is not None:  # the batch drops the rest when it next needs the row
+            self.cached = list(tokens[:keep])
+            return
         trimmed = trim_prompt_cache(self.cache, len(have) - keep)
         if trimmed != len(have) - keep:
             raise RuntimeError("draft cache cannot be trimmed")
@@ -137,13 +166,17 @@ class ModelDraftSource(DraftSource):
     def checkpoint(self) -> Any:
         """The draft's caches and the tokens they hold (shared, not copied: the prefix cache
         slices what it keeps)."""
+        self._own()
         return (self.cache, list(self.cached))
 
     def restore(self, state: Any) -> None:
+        self._own()
         cache, cached = state
         self.cache, self.cached = cache, list(cached)
 
     def dispose(self) -> None:
+        if self.batch is not None:
+            self.batch.leave(self, keep=False)
         self.cache, self.cached, self._drafts = [], [], None
 
 
@@ -222,6 +255,14 @@ class HybridDraftSource(DraftSource):
             self.model._drafts, self.model._fed = None, 0
             return found
         return self.model.propose(tokens, n)
+
+    def model_part(self) -> ModelDraftSource | None:
+        return self.model
+
+    def batch_part(self, tokens: Sequence[int], n: int) -> ModelDraftSource | None:
+        if self.lookup.propose(tokens, n).count >= min(n, self.min_lookup):
+            return None  # free lookup drafts this round (`propose`)
+        return self.model.batch_part(tokens, n)
 
     def accept(self, tokens: Sequence[int]) -> None:
         self.lookup.accept(tokens)

@@ -28,7 +28,7 @@ import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from mlxd.engine.drafting import Draft, DraftSource
+from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
 from mlxd.engine.grammar import Matcher, Walk, settle, walk
 from mlxd.engine.kvcache import make_cache, plain_kv
 from mlxd.engine.logprobs import TokenLogprob, position_logprobs
@@ -321,6 +321,24 @@ class Generation:
         except Exception as exc:
             self.spec.stop(f"draft source failed: {exc}")
             return Draft.empty()
+
+    def batch_drafter(self, k: int) -> ModelDraftSource | None:
+        """The draft model a batch may run for this row's next k drafts (None: `propose`)."""
+        if k <= 0 or self.source is None:
+            return None
+        try:
+            return self.source.batch_part(self.tokens, k)
+        except Exception as exc:
+            self.spec.stop(f"draft source failed: {exc}")
+            return None
+
+    @property
+    def drafts_batched(self) -> bool:
+        """Whether this row's drafts come from a draft model a batch runs for all its rows."""
+        source = self.source
+        if source is None or not self.spec.on or self.opts.has_penalties:
+            return False
+        return source.model_part() is not None
 
     def walk(self, draft: Draft, logits: mx.array) -> Walk | None:
         """The grammar's masks over this round's drafted positions (None without a grammar).

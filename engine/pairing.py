@@ -17,7 +17,7 @@ from mlxd.engine.backend import Backend
 from mlxd.engine.context import row_context
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
-from mlxd.engine.kvcache import make_cache, plain_kv, set_bucket
+from mlxd.engine.kvcache import batch_type, make_cache, plain_kv, set_bucket
 from mlxd.engine.kvquant import KvLayout, kv_layout
 from mlxd.engine.memory import computes_in_float32
 from mlxd.engine.options import SamplingOptions, parse_options
@@ -29,6 +29,7 @@ from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import model_digest, resolve_local
 
 VERIFY_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+DRAFT_ROWS = (1, 2, 4, 8)  # rows of a batched draft step measured at probe-open
 GREEDY = parse_options({"temperature": 0})
 DEFAULT_DRAFT_TOKENS = 4
 
@@ -148,6 +149,32 @@ def _forward_seconds(
     return {width: statistics.median(s) for width, s in samples.items()}
 
 
+def _draft_rows_seconds(
+    model: nn.Module, rows: tuple[int, ...], context: int, passes: int = 5
+) -> dict[int, float]:
+    """Median seconds of a B-row single-token forward over a batch cache of `context` keys
+    per row: what one batched draft step costs (`engine.draftbatch`)."""
+    kind = batch_type(model)
+    caches = {}
+    for b in rows:
+        own = [make_cache(model) for _ in range(b)]
+        for cache in own:
+            feed(model, cache, [0] * context)
+        caches[b] = [kind.merge([c[i] for c in own]) for i in range(len(own[0]))]
+        mx.eval([c.state for c in caches[b]])
+    samples: dict[int, list[float]] = {b: [] for b in rows}
+    for i in range(passes + 1):
+        for b in rows:
+            x = mx.zeros((b, 1), dtype=mx.uint32)
+            t0 = time.perf_counter()
+            mx.eval(model(x, cache=caches[b]))
+            if i:
+                samples[b].append(time.perf_counter() - t0)
+            for c in caches[b]:
+                c.trim(1)  # the same key length every pass
+    return {b: statistics.median(s) for b, s in samples.items()}
+
+
 def _plain_seconds(target: nn.Module, context: int, tokens: int = 24) -> float:
     """Seconds per token of plain pipelined greedy decoding: the rate speculation must beat."""
     gen = Generation(target, [0] * context, GREEDY, set(), tokens, Rng(0))
@@ -180,9 +207,13 @@ def _recompute_rate(target: nn.Module, tokens: int = 512) -> float:
 def measure_costs(target: nn.Module, draft: nn.Module | None, context: int = 64) -> Costs:
     verify = _forward_seconds(target, VERIFY_WIDTHS, context)
     draft_step = _forward_seconds(draft, (1,), context)[1] if draft is not None else 0.0
+    rows = {}
+    if draft is not None and all(plain_kv(c) for c in make_cache(draft)):
+        rows = _draft_rows_seconds(draft, DRAFT_ROWS, context)
     return Costs(
         verify=verify,
         draft_step=draft_step,
+        draft_batch=rows,
         plain_step=_plain_seconds(target, context),
         recompute_rate=_recompute_rate(target),
     )

@@ -29,7 +29,7 @@ from mlxd.registry.store import model_digest, resolve_local
 
 log = logging.getLogger(__name__)
 
-FORMAT = 1  # bump when what a probe checks or measures changes
+FORMAT = 2  # bump when what a probe checks or measures changes
 
 
 def _version(package: str) -> str:
@@ -71,9 +71,11 @@ class ProbeStore:
         try:
             data = json.loads((self.root / f"{key}.json").read_text(encoding="utf-8"))
             known = {f.name for f in dataclasses.fields(Costs)}
-            values = {k: float(v) for k, v in data.items() if k in known and k != "verify"}
+            tables = ("verify", "draft_batch")
+            values = {k: float(v) for k, v in data.items() if k in known and k not in tables}
             verify = {int(w): float(s) for w, s in data["verify"].items()}
-            return Costs(verify=verify, **values)
+            rows = {int(b): float(s) for b, s in data.get("draft_batch", {}).items()}
+            return Costs(verify=verify, draft_batch=rows, **values)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
@@ -81,6 +83,7 @@ class ProbeStore:
         """Atomically (a reader sees the old file or the new one); failures only logged."""
         data = dataclasses.asdict(costs)
         data["verify"] = {str(w): s for w, s in costs.verify.items()}
+        data["draft_batch"] = {str(b): s for b, s in costs.draft_batch.items()}
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = self.root / f".{key}.{os.getpid()}.tmp"

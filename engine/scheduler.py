@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlxd.engine.adapters import AdaptedModel, selecting
 from mlxd.engine.batch import RowBatch, warm_rounds
 from mlxd.engine.cache_use import namespace_for, offer_final, offer_prompt, restore
+from mlxd.engine.draftbatch import warm_drafts
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Failed
 from mlxd.engine.forced import ForcedDraftSource
@@ -146,6 +147,8 @@ class Scheduler:
             self._warm_row_groups()
             for rows in range(2, self.num_parallel + 1):
                 warm_rounds(self.pairing.target, rows, self.pairing.default_draft_tokens + 1)
+                if pairing.draft is not None:
+                    warm_drafts(pairing.draft, rows, self.pairing.default_draft_tokens + 1)
 
     def _warm_row_groups(self) -> None:
         """Every (rows, width) shape `_row_group` can pick, for caches that can read together."""

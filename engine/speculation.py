@@ -28,6 +28,8 @@ class Costs:
     draft_step: float = 0.0  # seconds of one single-token draft forward (0: no draft model)
     plain_step: float = 0.0  # seconds per token of plain (pipelined) decoding; 0: use v(1)
     recompute_rate: float = 0.0  # bytes of K/V per second a cold prefill produces; 0: unknown
+    # rows B -> seconds of one B-row single-token draft forward (a batched draft step)
+    draft_batch: dict[int, float] = field(default_factory=dict)
 
     @property
     def plain(self) -> float:
@@ -42,6 +44,28 @@ class Costs:
             return self.verify[min(wider)]
         widest = max(self.verify)
         return self.verify[widest] * width / widest
+
+    def draft_rows(self, rows: int) -> float:
+        """Cost of one draft step for `rows` rows drafting together: measured row counts
+        interpolated, linear past the largest; unmeasured, `rows` single-row steps (what
+        drafting row by row costs)."""
+        table = self.draft_batch
+        if rows <= 0:
+            return 0.0
+        if not table:
+            return self.draft_step * rows
+        if rows in table:
+            return table[rows]
+        below = [r for r in table if r < rows]
+        above = [r for r in table if r > rows]
+        if not above:
+            widest = max(table)
+            return table[widest] * rows / widest
+        hi = min(above)
+        if not below:
+            return table[hi]
+        lo = max(below)
+        return table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo)
 
 
 @dataclass

@@ -211,7 +211,7 @@ def test_batched_speculative_rows_sample_the_targets_distribution(method: str) -
     base = {"temperature": 1.0, "top_k": 0, "top_p": 1.0}
     expected = exact_pair_distribution(target, prompt, parse_options(base), vocab)
     counts: Counter[tuple[int, int]] = Counter()
-    batches, drafted = 400, 0
+    batches, drafted, together = 400, 0, 0
     for b in range(batches):
         gens = []
         for r, rows_prompt in enumerate((prompt, [2, 2, 4, 1, 0, 3, 1], prompt, [4, 4, 4])):
@@ -236,10 +236,12 @@ def test_batched_speculative_rows_sample_the_targets_distribution(method: str) -
         for g in gens:
             drafted += g.stats.drafted
             g.close()
+        together += batch.drafts.forwards if batch.drafts is not None else 0
         counts[(out[0][0], out[0][1])] += 1
         counts[(out[2][0], out[2][1])] += 1
     trials = 2 * batches
     assert drafted >= trials
+    assert (together > 0) == (method == "model")  # the draft model drafted the rows together
     stat, df = 0.0, 0
     for cell, p in expected.items():
         e = p * trials

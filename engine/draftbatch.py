@@ -1,0 +1,221 @@
+"""A draft model drafting for every batched row at once: one forward per draft step.
+
+Drafting row by row costs B x k single-token forwards of the draft model per round; here the
+rows' draft K/V live in one batch cache (mlx-lm's `BatchKVCache`, laid out as the model's own
+caches are) and each draft step is one B x 1 forward. The first forward of a round catches
+every row up on the committed tokens its draft has not read (1 or 2 after a round that drafted,
+more after rounds that did not): every row re-reads the last M committed tokens, M the most any
+row misses, so the input needs no padding and every row's next logits sit at the last column.
+A row re-reads what it already held by dropping those positions first; that drop and the
+rejected drafts of the round before are one per-row trim (`trim_rows`), so a round rolls the
+cache at most once. Only a row shorter than M is right-padded and trimmed after the forward.
+
+Each row samples its drafts with its own options, `Rng` and position-keyed noise, exactly as
+`ModelDraftSource.propose` does alone, so the proposal is the same whichever way the row is
+stepped. A row's source stays the owner of its state: `cached` says which committed tokens
+the draft has read, and the batch only remembers how many positions it physically holds for
+the row (what rejected drafts left behind is trimmed lazily, at the next round or on leave).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxd.engine import kvcache
+from mlxd.engine.adapters import AdaptedModel, selecting
+from mlxd.engine.drafting import Draft, ModelDraftSource
+from mlxd.engine.options import parse_options
+from mlxd.engine.sampling import Rng, choose, to_ints
+
+COMPACT = 64  # positions of left padding shared by every row before the cache cuts them
+
+
+def base_of(model: Any) -> Any:
+    """The module a forward really runs (an adapter view selects rows on its base)."""
+    return model.model if isinstance(model, AdaptedModel) else model
+
+
+def trim_rows(cache: list[Any], amounts: Sequence[int], rows: int) -> None:
+    """Drop the last `amounts[i]` positions of row i in every layer: what all rows drop is
+    trimmed off the end, the rest rolled into each row's left padding (masked). Cuts the
+    shared left padding once it is worth a copy."""
+    if not amounts or not any(amounts):
+        return
+    common = min(amounts)
+    rest = [a - common for a in amounts]
+    for c in cache:
+        if common:
+            c.trim(common)
+        if any(rest):
+            c.prepare(right_padding=rest)
+            c.finalize()
+    if any(rest) and min(to_ints(cache[0].left_padding)) >= COMPACT:
+        for c in cache:
+            c.filter(mx.arange(rows))
+
+
+class DraftBatch:
+    """Rows' draft K/V in one batch cache of the draft model; rows join and leave between
+    rounds, and a leaving row's source gets its own cache back."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model  # the base draft model (rows may see it through adapters)
+        self.sources: list[ModelDraftSource] = []
+        self.held: list[int] = []  # positions the cache holds per row (>= len(source.cached))
+        self.cache: list[Any] = []
+        self.forwards = 0  # draft forwards run (one per draft step of a round)
+
+    def __len__(self) -> int:
+        return len(self.sources)
+
+    def __contains__(self, source: object) -> bool:
+        return any(s is source for s in self.sources)
+
+    def can_join(self, source: ModelDraftSource) -> bool:
+        """A source whose own cache is plain K/V in step with what it has read, on this model."""
+        if source.batch is not None or base_of(source.model) is not self.model:
+            return False
+        own = source.cache
+        return (
+            bool(own)
+            and all(kvcache.plain_kv(c) for c in own)
+            and (int(own[0].offset) == len(source.cached))
+        )
+
+    def join(self, sources: Sequence[ModelDraftSource]) -> None:
+        if not sources:
+            return
+        kind = kvcache.batch_type(self.model)
+        layers = len(sources[0].cache)
+        merged = [kind.merge([s.cache[i] for s in sources]) for i in range(layers)]
+        if self.cache:
+            for mine, new in zip(self.cache, merged, strict=True):
+                mine.extend(new)
+        else:
+            self.cache = merged
+        for s in sources:
+            self.held.append(len(s.cached))
+            s.cache = []  # the batch holds the row's draft K/V until it leaves
+            s.batch = self
+            self.sources.append(s)
+
+    def leave(self, source: ModelDraftSource, keep: bool = True) -> None:
+        """Drop a row; with `keep`, its source gets the positions it has read as its own cache."""
+        slot = next(i for i, s in enumerate(self.sources) if s is source)
+        if keep:
+            source.cache = self._extract(slot, len(source.cached))
+        source.batch = None
+        del self.sources[slot], self.held[slot]
+        if not self.sources:
+            self.cache = []
+            return
+        rest = [i for i in range(len(self.sources) + 1) if i != slot]
+        for c in self.cache:
+            c.filter(mx.array(rest))
+
+    def _extract(self, slot: int, length: int) -> list[Any]:
+        step = kvcache.bucket_of(self.model)
+        own = []
+        for c in self.cache:
+            layer = kvcache.new_kv_cache(step)
+            if c.keys is not None and length:
+                left = to_ints(c.left_padding)[slot]
+                keys = mx.contiguous(c.keys[slot : slot + 1, :, left : left + length])
+                values = mx.contiguous(c.values[slot : slot + 1, :, left : left + length])
+                layer.update_and_fetch(keys, values)
+            own.append(layer)
+        return own
+
+    def propose(self, tokens: Sequence[Sequence[int]], counts: Sequence[int]) -> list[Draft]:
+        """Up to `counts[i]` drafts for row i after its committed `tokens[i]`, in one forward
+        per draft step for all rows (a row asking for 0 catches up and rides along)."""
+        rows = len(self.sources)
+        steps = max(counts)
+        logits = self._catch_up(tokens)
+        columns: list[mx.array] = []
+        for j in range(steps):
+            tok = self._sample(logits, tokens, j)
+            columns.append(tok)
+            mx.async_eval(tok)  # the device runs this step while the host builds the next
+            if j < steps - 1:
+                with selecting([s.model for s in self.sources]):
+                    logits = self.model(tok[:, None], cache=self.cache)[:, -1, :]
+                self.forwards += 1
+                self.held = [h + 1 for h in self.held]
+        drafted = mx.stack(columns, axis=1)  # (rows, steps)
+        out = []
+        for i in range(rows):
+            s, n = self.sources[i], counts[i]
+            s.cached = list(tokens[i])
+            if n <= 0:
+                s._drafts, s._fed = None, 0
+                out.append(Draft.empty(s.name))
+                continue
+            # every fed draft is in this row's cache: a bonus token equal to one keeps its K/V
+            s._drafts, s._fed = drafted[i], steps - 1
+            out.append(Draft(drafted[i, :n], n, s.name))
+        return out
+
+    def _catch_up(self, tokens: Sequence[Sequence[int]]) -> mx.array:
+        """One forward reading the committed tokens each row's draft misses; each row's logits
+        after its last committed token (rows, vocab)."""
+        missing = [
+            max(len(t) - len(s.cached), 1) for t, s in zip(tokens, self.sources, strict=True)
+        ]
+        width = max(missing)
+        feed = [min(width, len(t)) for t in tokens]
+        # keep only what precedes the re-read tokens (rejected drafts go with it)
+        trim_rows(
+            self.cache,
+            [h - (len(t) - f) for h, t, f in zip(self.held, tokens, feed, strict=True)],
+            len(tokens),
+        )
+        rows = [
+            list(t[len(t) - f :]) + [t[-1]] * (width - f) for t, f in zip(tokens, feed, strict=True)
+        ]
+        with selecting([s.model for s in self.sources]):
+            out = self.model(mx.array(rows, dtype=mx.uint32), cache=self.cache)
+        self.forwards += 1
+        if all(f == width for f in feed):
+            logits = out[:, -1, :]
+        else:
+            last = mx.array([f - 1 for f in feed])
+            logits = out[mx.arange(len(rows)), last]
+            trim_rows(self.cache, [width - f for f in feed], len(rows))
+        self.held = [len(t) for t in tokens]
+        return logits
+
+    def _sample(self, logits: mx.array, tokens: Sequence[Sequence[int]], step: int) -> mx.array:
+        """Each row's draft at its position, as it would be chosen alone (no penalties here)."""
+        if all(s.opts.greedy for s in self.sources):
+            return mx.argmax(logits, axis=-1).astype(mx.uint32)
+        picks = [
+            choose(logits[i : i + 1], s.opts, s.rng, len(tokens[i]) + step)
+            for i, s in enumerate(self.sources)
+        ]
+        return mx.concatenate(picks).astype(mx.uint32)
+
+
+def warm_drafts(model: nn.Module, rows: int, widths: int) -> None:
+    """Run a draft batch of `rows` through every catch-up width up to `widths` and a draft
+    step, with rows trimmed by different amounts (the roll): the shapes a GPU compiles once."""
+    greedy = parse_options({"temperature": 0})
+    sources = [ModelDraftSource(model, greedy, Rng(0)) for _ in range(rows)]
+    for s in sources:
+        s.prefill([0, 0, 0, 0])
+    if not all(DraftBatch(model).can_join(s) for s in sources):
+        return
+    batch = DraftBatch(model)
+    batch.join(sources)
+    for width in range(1, widths + 1):
+        mx.eval(model(mx.zeros((rows, width), dtype=mx.uint32), cache=batch.cache))
+        trim_rows(batch.cache, [width] + [width - 1] * (rows - 1), rows)
+        mx.eval(model(mx.zeros((rows, 1), dtype=mx.uint32), cache=batch.cache))
+        trim_rows(batch.cache, [1] * rows, rows)
+        mx.eval([c.state for c in batch.cache])
+    for s in sources:
+        batch.leave(s)
