@@ -76,7 +76,7 @@ class Selection:
         if any(picked):
             single = picked[0] if len(set(picked)) == 1 else None
             idx = mx.array(picked, dtype=mx.uint32)
-            plan = Plan(single, idx, mx.arange(rows, dtype=mx.uint32))
+            plan = Plan(single, idx, mx.array(list(range(rows)), dtype=mx.uint32))
         self._plans[key] = plan
         return plan
 
