@@ -11,6 +11,10 @@ aggregate tokens/s of each, their ratio (goal >= 0.9), the base loads counted by
 (goal: 1, i.e. zero reloads), and resident memory: the server's RSS with only the base loaded,
 after the adapters are mounted, and the adapters' own bytes (`mlxd_adapter_bytes`).
 Speculation is off for both, so the ratio is what the per-row LoRA terms cost.
+
+On a machine whose cores other work shares, wall-clock throughput swings with that work; the
+bench also prints tokens per CPU-second of the server process (Linux: from /proc), which
+counts only the server's own work, and their ratio.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -61,6 +66,16 @@ def rss_bytes(pid: int) -> int:
     return int(out.stdout.strip() or 0) * 1024
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of the process, all its threads (NaN where /proc is absent)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text(encoding="ascii")
+    except OSError:
+        return float("nan")
+    fields = stat.rsplit(")", 1)[1].split()  # after the command name: state is fields[0]
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def metric(base: str, name: str) -> float:
     text = httpx.get(f"{base}/metrics", timeout=30).text
     values = [
@@ -79,8 +94,25 @@ def one(pool: httpx.Client, base: str, model: str, prompt: str, tokens: int) -> 
     return int(r.json()["eval_count"])
 
 
-def burst(base: str, models: list[str], clients: int, requests: int, tokens: int) -> float:
-    """Aggregate tokens/s: each client sends `requests` in a row, rotating over `models`."""
+@dataclass(frozen=True)
+class Burst:
+    tokens: int
+    wall: float  # seconds
+    cpu: float  # the server's CPU seconds
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.wall
+
+    @property
+    def per_cpu(self) -> float:
+        return self.tokens / self.cpu
+
+
+def burst(
+    base: str, pid: int, models: list[str], clients: int, requests: int, tokens: int
+) -> Burst:
+    """Each client sends `requests` in a row, rotating over `models`: tokens, wall, CPU."""
 
     def client(pool: httpx.Client, i: int) -> int:
         return sum(
@@ -88,8 +120,9 @@ def burst(base: str, models: list[str], clients: int, requests: int, tokens: int
             for j in range(requests)
         )
 
+    cpu = cpu_seconds(pid)
     results, wall = released_at_once(clients, client)
-    return sum(results) / wall
+    return Burst(sum(results), wall, cpu_seconds(pid) - cpu)
 
 
 def main() -> None:
@@ -134,14 +167,24 @@ def main() -> None:
         adapter_bytes = metric(base, "adapter_bytes")
         files = sum((p / "adapters.safetensors").stat().st_size for p in adapters)
         print(f"\nmodel {args.model}  tokens {args.tokens}  requests/client {args.requests}")
-        print(f"{'clients':>7} {'base tok/s':>11} {'4 adapters':>11} {'ratio':>6}")
+        print(
+            f"{'clients':>7} {'base tok/s':>11} {'4 adapters':>11} {'ratio':>6}"
+            f" {'base tok/cpu-s':>15} {'4 adapters':>11} {'ratio':>6}"
+        )
         for clients in [int(c) for c in args.clients.split(",")]:
             plain, mixed = [], []
             for _ in range(args.rounds):
-                plain.append(burst(base, ["base"], clients, args.requests, args.tokens))
-                mixed.append(burst(base, names, clients, args.requests, args.tokens))
-            p, m = statistics.median(plain), statistics.median(mixed)
-            print(f"{clients:>7} {p:>11.1f} {m:>11.1f} {m / p:>6.2f}", flush=True)
+                plain.append(burst(base, proc.pid, ["base"], clients, args.requests, args.tokens))
+                mixed.append(burst(base, proc.pid, names, clients, args.requests, args.tokens))
+            p = statistics.median(b.rate for b in plain)
+            m = statistics.median(b.rate for b in mixed)
+            pc = statistics.median(b.per_cpu for b in plain)
+            mc = statistics.median(b.per_cpu for b in mixed)
+            print(
+                f"{clients:>7} {p:>11.1f} {m:>11.1f} {m / p:>6.2f}"
+                f" {pc:>15.1f} {mc:>11.1f} {mc / pc:>6.2f}",
+                flush=True,
+            )
         loads = metric(base, "model_loads_total")
         print(f"\nbase loads: {loads:.0f} (reloads: {loads - 1:.0f})")
         print(

@@ -1,18 +1,21 @@
 """LoRA / DoRA applied unfused and chosen per row, so rows of different adapters share a forward.
 
 Every projection an adapter touches is wrapped once (`RowLoRA`): the base layer stays as it
-was, and beside it sit each mounted adapter's A (in, r) and B (r, out) stacked by *slot*, slot 0
-being "no adapter" (zeros). Before a forward the caller names each row's slot
-(`Selection.rows`); the layer computes
+was, and beside it sit each mounted adapter's A (in, r) and s·B (r, out) stacked by *slot*,
+slot 0 being "no adapter" (zeros). Before a forward the caller names each row's slot
+(`Selection.set`); the layer computes
 
-    y = base(x) + scale[slot] * (x @ A[slot]) @ B[slot]          (LoRA, as mlx-lm's LoRALinear)
-    y = (x W^T + scale[slot] * (x @ A[slot]) @ B[slot]) * ratio[slot] + bias          (DoRA)
+    y = base(x) + (x @ A[slot]) @ sB[slot]                         (LoRA, as mlx-lm's LoRALinear)
+    y = (x W^T + (x @ A[slot]) @ sB[slot]) * ratio[slot] + bias     (DoRA)
 
-with `gather_mm`, which picks each row's matrices without copying them (when every row of a
-forward uses one adapter, as a lone row does, its matrices are used directly). DoRA's ratio
-m / ||W + s B^T A^T|| is a constant of the adapter and the base, computed once at mount (mlx-lm
-recomputes it, dequantizing W, on every call). With no row on an adapter (`rows` is None) the
-layer is the base layer and costs nothing more.
+On a CPU each array operation costs about as much as the small matmuls of a low-rank term, so
+the layer spends as few as it can: the scale s is folded into B once, at mount; the per-row
+slot indices are built once per forward for all layers (`Selection.plan`), not per layer; rows
+of several adapters take two `gather_mm`s, which pick each row's matrices without copying them;
+rows that all use one adapter on a layer (a lone row, a uniform batch) multiply by its matrices
+directly, the sum in the second matmul (`addmm`); and a layer none of the rows' adapters
+touches is the base layer. DoRA's ratio m / ||W + s B^T A^T|| is a constant of the adapter and
+the base, computed once at mount (mlx-lm recomputes it, dequantizing W, on every call).
 
 Stacks are rebuilt when an adapter is mounted or dropped (between forwards, on the pairing's
 thread); slots stay where they are, so rows keep theirs.
@@ -26,22 +29,56 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["LayerWeights", "RowLoRA", "Selection", "dora_ratio", "wrap"]
+__all__ = ["LayerWeights", "Plan", "RowLoRA", "Selection", "dora_ratio", "wrap"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one forward's rows ask of the layers holding a given set of slots."""
+
+    single: int | None  # the slot every row uses on these layers, if they all use one
+    idx: mx.array  # (rows,) each row's stack index, 0 where its adapter is not on the layer
+    rows: mx.array  # arange(rows): the batch index of each row, for gather_mm
 
 
 @dataclass
 class Selection:
     """Which slot each row of the next forward uses; None: every row is on the base."""
 
-    rows: mx.array | None = None
-    single: int | None = None  # the one slot every row uses, when they all use one
+    slots: tuple[int, ...] | None = None
+    _plans: dict[tuple[frozenset[int], int], Plan | None] = field(default_factory=dict, repr=False)
 
     def set(self, slots: list[int]) -> None:
-        self.rows = mx.array(slots, dtype=mx.uint32) if any(slots) else None
-        self.single = slots[0] if self.rows is not None and len(set(slots)) == 1 else None
+        """Rows past `slots` (padding) are on the base, unless one slot is named: then every
+        row of the forward is on it."""
+        self.slots = tuple(slots) if any(slots) else None
+        self._plans.clear()
 
     def clear(self) -> None:
-        self.rows, self.single = None, None
+        self.slots = None
+        self._plans.clear()
+
+    def plan(self, held: frozenset[int], rows: int) -> Plan | None:
+        """The plan for layers holding `held` slots in a forward of `rows` rows (None: no row
+        uses any of them), built once per forward and shared by every such layer."""
+        slots = self.slots
+        if slots is None:
+            return None
+        key = (held, rows)
+        if key in self._plans:
+            return self._plans[key]
+        picked = [s if s in held else 0 for s in slots]
+        if len(picked) == 1:
+            picked *= rows
+        else:
+            picked = (picked + [0] * rows)[:rows]
+        plan = None
+        if any(picked):
+            single = picked[0] if len(set(picked)) == 1 else None
+            idx = mx.array(picked, dtype=mx.uint32)
+            plan = Plan(single, idx, mx.array(list(range(rows)), dtype=mx.uint32))
+        self._plans[key] = plan
+        return plan
 
 
 @dataclass(frozen=True)
@@ -53,13 +90,19 @@ class LayerWeights:
     scale: float
     ratio: mx.array | None = None  # DoRA: (out,) m / ||W + s B^T A^T||
 
+    def folded(self) -> LayerWeights:
+        """The same term with the scale folded into B (scale 1)."""
+        if self.scale == 1.0:
+            return self
+        return replace(self, b=self.b * self.scale, scale=1.0)
+
 
 @dataclass
 class _Stacks:
-    a: mx.array
-    b: mx.array
-    scale: mx.array
-    ratio: mx.array | None
+    a: mx.array  # (slots, in, r)
+    b: mx.array  # (slots, r, out), each slot's scale folded in
+    ratio: mx.array | None  # (slots, out)
+    held: frozenset[int]  # the slots holding an adapter
 
 
 @dataclass
@@ -105,7 +148,7 @@ class RowLoRA(nn.Module):
         if weights is None:
             self._slots.by_slot.pop(slot, None)
         else:
-            self._slots.by_slot[slot] = weights
+            self._slots.by_slot[slot] = weights.folded()
         self._restack()
 
     def _restack(self) -> None:
@@ -119,18 +162,16 @@ class RowLoRA(nn.Module):
         d_in, d_out = first.a.shape[0], first.b.shape[1]
         a = mx.zeros((size, d_in, rank), dtype=first.a.dtype)
         b = mx.zeros((size, rank, d_out), dtype=first.b.dtype)
-        scale = [0.0] * size
         dora = any(w.ratio is not None for w in held.values())
         ratio = mx.ones((size, d_out), dtype=mx.float32) if dora else None
         for slot, w in held.items():
             r = w.a.shape[1]
             a[slot, :, :r] = w.a.astype(a.dtype)
             b[slot, :r, :] = w.b.astype(b.dtype)
-            scale[slot] = w.scale
             if ratio is not None and w.ratio is not None:
                 ratio[slot] = w.ratio.astype(mx.float32)
-        stacks = _Stacks(a, b, mx.array(scale, dtype=mx.float32), ratio)
-        mx.eval(stacks.a, stacks.b, stacks.scale, *([ratio] if ratio is not None else []))
+        stacks = _Stacks(a, b, ratio, frozenset(held))
+        mx.eval(stacks.a, stacks.b, *([ratio] if ratio is not None else []))
         self._slots.stacks = stacks
         for slot, w in held.items():  # each adapter's weights become views of the stacks:
             r = w.a.shape[1]  # held once, not once more beside them
@@ -138,28 +179,34 @@ class RowLoRA(nn.Module):
         mx.eval([(w.a, w.b) for w in held.values()])  # slices share the stacks' memory
 
     def __call__(self, x: mx.array) -> mx.array:
-        rows = self._selection.rows
         stacks = self._slots.stacks
-        if rows is None or stacks is None:
+        if stacks is None:
             return self.base(x)
-        size = stacks.a.shape[0]
-        single = self._selection.single
-        if single is not None and stacks.ratio is None:
-            w = self._slots.by_slot.get(single)
-            if w is None:
-                return self.base(x)  # this adapter does not touch this projection
-            # one adapter for every row (a lone row): y + s * (x A) B in one fused kernel
-            return mx.addmm(self.base(x), x @ w.a, w.b, alpha=w.scale)
-        idx = mx.where(rows < size, rows, mx.zeros_like(rows))  # a slot not on this layer: 0
-        if idx.shape[0] not in (1, x.shape[0]):  # rows padded in after the selected ones: base
-            idx = mx.concatenate([idx, mx.zeros((x.shape[0] - idx.shape[0],), dtype=idx.dtype)])
-        # x is (rows, length, in): gather_mm picks each row's matrices by `idx`, no copies
-        z = mx.gather_mm(mx.gather_mm(x, stacks.a, rhs_indices=idx), stacks.b, rhs_indices=idx)
-        lora = (stacks.scale[idx][:, None, None] * z).astype(x.dtype)
-        if stacks.ratio is None:
-            return self.base(x) + lora
-        y = self._plain(x) + lora
-        y = stacks.ratio[idx][:, None, :].astype(x.dtype) * y
+        plan = self._selection.plan(stacks.held, x.shape[0])
+        if plan is None:
+            return self.base(x)  # no row's adapter touches this projection
+        if stacks.ratio is not None:
+            return self._dora(x, stacks, plan)
+        same = x.dtype == stacks.a.dtype
+        if plan.single is not None:  # every row on one adapter (a lone row): its matrices
+            w = self._slots.by_slot[plan.single]
+            if same:
+                return mx.addmm(self.base(x), x @ w.a, w.b)
+            return self.base(x) + ((x @ w.a) @ w.b).astype(x.dtype)
+        z = self._gathered(x, stacks, plan)
+        return self.base(x) + (z if same else z.astype(x.dtype))
+
+    @staticmethod
+    def _gathered(x: mx.array, stacks: _Stacks, plan: Plan) -> mx.array:
+        """Each row's (x A) sB, x being (rows, length, in): gather_mm picks each row's
+        matrices by `plan.idx`, no copies."""
+        h = mx.gather_mm(x, stacks.a, plan.rows, plan.idx)
+        return mx.gather_mm(h, stacks.b, plan.rows, plan.idx)
+
+    def _dora(self, x: mx.array, stacks: _Stacks, plan: Plan) -> mx.array:
+        assert stacks.ratio is not None
+        lora = self._gathered(x, stacks, plan).astype(x.dtype)
+        y = (self._plain(x) + lora) * stacks.ratio[plan.idx][:, None, :].astype(x.dtype)
         if self.has_bias:
             y = y + self.base.bias
         return y

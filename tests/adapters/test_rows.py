@@ -114,6 +114,25 @@ def test_rows_of_two_adapters_and_the_base_share_a_batch_and_each_gets_its_solo_
     assert len(outputs) == 3  # same prompt family, three different models
 
 
+def test_a_batch_of_rows_on_one_adapter_gives_each_row_its_solo_output(
+    pairing: Pairing, adapters: Adapters, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    widths: list[int] = []
+    keep = RowBatch.keep
+
+    def recorded(self: RowBatch, kept: list[int], width: int) -> None:
+        widths.append(len(kept))
+        keep(self, kept, width)
+
+    monkeypatch.setattr(RowBatch, "keep", recorded)
+    reqs = [request(PROMPTS[i], adapters.sql) for i in range(3)]
+    batched = run(pairing, reqs, num_parallel=8)
+    assert max(widths) == 3  # one forward for all three rows, each layer on one adapter
+    for i in range(3):
+        [solo] = run(pairing, [request(PROMPTS[i], adapters.sql)])
+        assert tokens(batched[i]) == tokens(solo)
+
+
 def test_adapters_stay_resident_within_their_budget_and_the_base_is_never_touched(
     tiny_pair: TinyPair, adapters: Adapters
 ) -> None:

@@ -1,0 +1,113 @@
+"""`RowLoRA` at one projection: every path it takes (one adapter for all rows, rows of several
+adapters, rows on none) gives each row what mlx-lm's `LoRALinear` gives it, in the input's
+dtype."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.tuner.lora import LoRALinear
+
+from mlxd.engine.lora import LayerWeights, RowLoRA, Selection
+
+D_IN, D_OUT = 32, 24
+
+
+def adapter(seed: int, rank: int, scale: float) -> LayerWeights:
+    """Float32 matrices, as mlx-lm's tuner saves them."""
+    ka, kb = mx.random.split(mx.random.key(seed))
+    a = 0.2 * mx.random.normal((D_IN, rank), key=ka)
+    b = 0.2 * mx.random.normal((rank, D_OUT), key=kb)
+    return LayerWeights(a, b, scale)
+
+
+def reference(base: nn.Linear, w: LayerWeights, x: mx.array) -> mx.array:
+    layer = LoRALinear.from_base(base, r=w.a.shape[1], scale=w.scale)
+    layer.lora_a, layer.lora_b = w.a, w.b
+    return layer(x)
+
+
+@pytest.fixture(params=[mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def dtype(request: pytest.FixtureRequest) -> mx.Dtype:
+    return request.param  # type: ignore[no-any-return]
+
+
+def close(got: mx.array, want: mx.array) -> bool:
+    assert got.dtype == want.dtype
+    tol = 1e-5 if got.dtype == mx.float32 else 2e-2
+    return mx.allclose(got, want, rtol=tol, atol=tol).item()
+
+
+def layer_with(dtype: mx.Dtype, *slots: tuple[int, LayerWeights]) -> tuple[RowLoRA, Selection]:
+    base = nn.Linear(D_IN, D_OUT, bias=False)
+    base.set_dtype(dtype)
+    selection = Selection()
+    layer = RowLoRA(base, selection)
+    for slot, w in slots:
+        layer.put(slot, w)
+    return layer, selection
+
+
+def run(layer: RowLoRA, selection: Selection, slots: list[int], x: mx.array) -> mx.array:
+    selection.set(slots)
+    try:
+        return layer(x)
+    finally:
+        selection.clear()
+
+
+def test_one_adapter_for_every_row_is_mlx_lms_lora(dtype: mx.Dtype) -> None:
+    one, two = adapter(1, 4, 10.0), adapter(2, 2, 2.5)
+    layer, selection = layer_with(dtype, (1, one), (2, two))
+    x = mx.random.normal((3, 5, D_IN), key=mx.random.key(3)).astype(dtype)
+    want = reference(layer.base, one, x)
+    assert close(run(layer, selection, [1], x), want)  # a lone view: every row on it
+    assert close(run(layer, selection, [1, 1, 1], x), want)  # a uniform batch
+
+
+def test_rows_of_several_adapters_and_none_each_get_their_own(dtype: mx.Dtype) -> None:
+    one, two = adapter(1, 4, 10.0), adapter(2, 2, 2.5)
+    layer, selection = layer_with(dtype, (1, one), (2, two))
+    x = mx.random.normal((4, 5, D_IN), key=mx.random.key(4)).astype(dtype)
+    got = run(layer, selection, [2, 0, 1, 1], x)
+    assert close(got[0:1], reference(layer.base, two, x[0:1]))
+    assert mx.array_equal(got[1:2], layer.base(x)[1:2])  # slot 0: the base, to the bit
+    assert close(got[2:4], reference(layer.base, one, x[2:4]))
+    # the same rows through the one-adapter path and through the gathered path agree
+    assert close(got[2:4], run(layer, selection, [1, 1], x[2:4]))
+    padded = run(layer, selection, [2, 1], x[:3])  # rows past the named ones: the base
+    assert mx.array_equal(padded[2:3], layer.base(x[:3])[2:3])
+
+
+def test_a_projection_none_of_the_rows_adapters_touch_is_the_base_projection() -> None:
+    layer, selection = layer_with(mx.float32, (1, adapter(1, 4, 10.0)))
+    x = mx.random.normal((2, 3, D_IN), key=mx.random.key(5))
+    assert mx.array_equal(run(layer, selection, [2, 0], x), layer.base(x))
+    assert mx.array_equal(run(layer, selection, [3], x), layer.base(x))
+
+
+def test_dropping_an_adapter_leaves_the_others_in_their_slots() -> None:
+    one, two = adapter(1, 4, 10.0), adapter(2, 2, 2.5)
+    layer, selection = layer_with(mx.float32, (1, one), (2, two))
+    x = mx.random.normal((2, 3, D_IN), key=mx.random.key(6))
+    layer.put(1, None)
+    got = run(layer, selection, [2, 1], x)
+    assert close(got[0:1], reference(layer.base, two, x[0:1]))
+    assert mx.array_equal(got[1:2], layer.base(x)[1:2])
+
+
+def test_a_forward_plans_its_rows_once_for_every_layer() -> None:
+    selection = Selection()
+    selection.set([2, 0, 1])
+    held = frozenset({1, 2})
+    plan = selection.plan(held, 3)
+    assert plan is not None and plan.single is None
+    assert plan.idx.tolist() == [2, 0, 1]
+    assert selection.plan(frozenset({1, 2}), 3) is plan  # every layer holding them shares it
+    only_one = selection.plan(frozenset({1}), 3)
+    assert only_one is not None and only_one.idx.tolist() == [0, 0, 1]
+    assert selection.plan(frozenset({3}), 3) is None
+    selection.set([1, 1, 1])
+    uniform = selection.plan(held, 3)
+    assert uniform is not None and uniform.single == 1
