@@ -26,8 +26,10 @@ from mlxd.engine.grammar import (
     ll_tokenizer,
     validate,
 )
+from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions, parse_options
-from mlxd.engine.sampling import Rng
+from mlxd.engine.prefill import feed
+from mlxd.engine.sampling import Rng, next_tokens, to_int
 from mlxd.engine.speculation import DraftLengthController
 from tests.engine.conftest import Loaded
 from tests.engine.test_rows import opts_of, pairing_of, serve
@@ -147,6 +149,58 @@ def test_seeded_sampling_with_speculation_gives_grammar_alones_tokens(
         assert decode(loaded, spec, prompt, opts, source)[0] == alone
         outputs.add(tuple(alone))
     assert len(outputs) > 1  # the seeds do sample
+
+
+def one_at_a_time(
+    loaded: Loaded, spec: GrammarSpec, prompt: list[int], opts: SamplingOptions, limit: int
+) -> list[int]:
+    """The grammar-alone decode with nothing overlapped: forward, wait, mask, choose, wait,
+    advance the matcher, for every token (forced ones included)."""
+    m = matcher(loaded, spec)
+    rng, eos = Rng(opts.seed), set(loaded.tokenizer.eos_token_ids)
+    cache = make_cache(loaded.target)
+    feed(loaded.target, cache, prompt[:-1])
+    out: list[int] = []
+    last = prompt[-1]
+    while len(out) < limit:
+        logits = loaded.target(mx.array([[last]]), cache=cache)[0, -1:, :]
+        mx.eval(logits)
+        bias = m.bias()
+        position = len(prompt) + len(out)
+        last = to_int(next_tokens(logits, prompt + out, [], opts, rng, position, bias)[0])
+        out.append(last)
+        if last in eos:
+            break
+        assert m.consume([last]) == 1
+        if m.stopped:
+            break
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_overlapped_grammar_decoding_gives_the_one_at_a_time_tokens(
+    loaded: Loaded, temperature: float
+) -> None:
+    """Solo grammar decoding queues each forward before the host computes the mask and
+    commits forced tokens without sampling or waiting: the same tokens as decoding one
+    token at a time with every step waited for (and as many, cut by the limit)."""
+    forced = 0
+    for i, schema in enumerate(SCHEMAS):
+        spec = GrammarSpec.schema(schema)
+        for j, text in enumerate(PROMPT_TEXTS):
+            opts = parse_options({"temperature": temperature, "seed": 10 * i + j})
+            prompt = list(loaded.tokenizer.encode(text))
+            out, finish, gen = decode(loaded, spec, prompt, opts)
+            assert finish == "stop"
+            assert out == one_at_a_time(loaded, spec, prompt, opts, 200)
+            check_valid(loaded, out, schema)
+            assert gen.grammar is not None
+            forced += gen.grammar.masks_forced
+            half = len(out) // 2
+            if half:
+                cut, finish, _ = decode(loaded, spec, prompt, opts, limit=half)
+                assert finish == "length" and cut == out[:half]
+    assert forced > 0  # the forced-token path ran (braces, quotes, keys)
 
 
 def test_num_predict_before_the_grammar_completes_ends_with_length(loaded: Loaded) -> None:
