@@ -16,7 +16,9 @@ temperature 0 the run checks that every grammar x speculation output is token-id
 grammar alone. The mask cost is the host time the matcher spends computing masks and the bias
 cost the host time turning them into biases, per committed token and as a share of a plain
 decode step (the host overlaps both with the forward, so the end-to-end cost is the
-grammar-alone / plain ratio); "forced" is the share of masks that allowed a single token
+grammar-alone / plain ratio); "host ms/tok" is the decoding thread's own CPU time per token
+(graph building, masks, biases, bookkeeping: what a fast GPU waits for once the host falls
+behind, and a measure that a busy machine's scheduling does not blur); "forced" is the share of masks that allowed a single token
 (committed without sampling or waiting).
 """
 
@@ -126,6 +128,7 @@ class Row:
     drafted: int = 0
     accepted: int = 0
     decode_seconds: float = 0.0
+    host_seconds: float = 0.0  # the decoding thread's own CPU time
     masks: int = 0
     mask_seconds: float = 0.0
     bias_seconds: float = 0.0
@@ -167,7 +170,7 @@ def run_one(
     method: str, target: nn.Module, draft: nn.Module, tokenizer: Any, prompt: list[int],
     schema: dict[str, Any], opts: SamplingOptions, limit: int, costs: Costs, max_k: int,
     history: SpecHistory, vocab: int, eos: set[int],
-) -> tuple[list[int], Generation, Matcher | None, float]:  # fmt: skip
+) -> tuple[list[int], Generation, Matcher | None, float, float]:  # fmt: skip
     m = None
     if method != "plain":
         m = Matcher.build(GrammarSpec.schema(schema), tokenizer, vocab, sorted(eos))
@@ -183,9 +186,9 @@ def run_one(
     gen = Generation(target, prompt, opts, stops, limit, rng, source, controller, grammar=m)
     try:
         gen.prefill()
-        t0 = time.perf_counter()
+        t0, h0 = time.perf_counter(), time.thread_time()
         out = [t for new in gen for t in new]
-        return out, gen, m, time.perf_counter() - t0
+        return out, gen, m, time.perf_counter() - t0, time.thread_time() - h0
     finally:
         gen.close()
 
@@ -250,12 +253,13 @@ def main() -> None:
                 row = table[temp, method]
                 limit = max(len(alone), 1) if method == "plain" else args.tokens
                 t0 = time.perf_counter()
-                out, gen, m, decoding = run_one(
+                out, gen, m, decoding, host = run_one(
                     method, target, draft, tokenizer, prompt, schema, opts, limit,
                     costs, args.max_k, history, vocab, eos,
                 )  # fmt: skip
                 row.seconds += time.perf_counter() - t0
                 row.decode_seconds += decoding
+                row.host_seconds += host
                 row.tokens += len(out)
                 row.requests += 1
                 row.drafted += gen.stats.drafted
@@ -295,7 +299,7 @@ def report(rows: list[Row], temp: float, costs: Costs, mismatches: int) -> None:
     alone = by.get("grammar")
     step = costs.plain
     print(f"\ntemperature {temp}   (plain decode step {step * 1e3:.3f} ms)")
-    head = f"{'method':<16}{'tok/s':>8}{'decode':>9}{'vs plain':>10}{'vs grammar':>12}"
+    head = f"{'method':<16}{'tok/s':>8}{'decode':>9}{'vs plain':>10}{'vs grammar':>12}{'host ms/tok':>13}"
     print(
         head + f"{'accept':>8}{'mask ms/tok':>13}{'bias ms/tok':>13}{'mask/step':>11}"
         f"{'forced':>8}{'complete':>10}"
@@ -313,10 +317,13 @@ def report(rows: list[Row], temp: float, costs: Costs, mismatches: int) -> None:
         done = f"{r.valid}/{r.requests}" if r.masks else "-"
         print(
             f"{r.method:<16}{r.rate:>8.1f}{r.decode_rate:>9.1f}{ratio(r, plain):>10}"
-            f"{ratio(r, alone):>12}{acc:>8}{mask_ms:>13.3f}{bias_ms:>13.3f}{share:>11}"
+            f"{ratio(r, alone):>12}{r.host_seconds / max(r.tokens, 1) * 1e3:>13.3f}{acc:>8}{mask_ms:>13.3f}{bias_ms:>13.3f}{share:>11}"
             f"{forced:>8}{done:>10}"
         )
-    print("(vs plain and vs grammar compare decode rates: prefill and setup left out)")
+    print(
+        "(vs plain and vs grammar compare decode rates: prefill and setup left out; host ms/tok:"
+        " the decoding thread's own CPU time, what a fast device waits for when the host is behind)"
+    )
     if plain is not None and alone is not None:
         print(
             f"grammar alone / plain: {alone.decode_rate / plain.decode_rate:.2f}x decoding,"
