@@ -10,6 +10,7 @@ from typing import Any
 import jsonschema
 import llguidance
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
@@ -21,9 +22,12 @@ from mlxd.engine.grammar import (
     GrammarSpec,
     Matcher,
     _compiled,
+    _unpacker,
+    bias_of,
     closed,
     compile_grammar,
     ll_tokenizer,
+    single_token,
     validate,
 )
 from mlxd.engine.kvcache import make_cache
@@ -201,6 +205,26 @@ def test_overlapped_grammar_decoding_gives_the_one_at_a_time_tokens(
                 cut, finish, _ = decode(loaded, spec, prompt, opts, limit=half)
                 assert finish == "length" and cut == out[:half]
     assert forced > 0  # the forced-token path ran (braces, quotes, keys)
+
+
+@pytest.mark.parametrize("vocab", [5, 70, 8192])
+def test_bias_unpacks_the_bitmask_on_either_path(vocab: int) -> None:
+    """The host unpack (the CPU's) and the compiled device unpack (a GPU's) give the same
+    bias: 0 exactly at the set bits below `vocab`; and a single set bit is the forced token."""
+    rng = np.random.default_rng(vocab)
+    words = (vocab + 31) // 32
+    bits = rng.integers(-(2**31), 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
+    want = [
+        [0.0 if (int(bits[r, t >> 5]) >> (t & 31)) & 1 else -np.inf for t in range(vocab)]
+        for r in range(3)
+    ]
+    assert bias_of(bits, vocab).tolist() == want
+    assert _unpacker(vocab, True)(mx.array(bits.view(np.uint32))).tolist() == want
+    one = np.zeros(words, dtype=np.int32)
+    one[(vocab - 1) >> 5] = np.int32(np.uint32(1 << ((vocab - 1) & 31)).view(np.int32))
+    assert single_token(one) == vocab - 1
+    assert single_token(np.zeros(words, dtype=np.int32)) is None
+    assert single_token(bits[0]) is None
 
 
 def test_num_predict_before_the_grammar_completes_ends_with_length(loaded: Loaded) -> None:
