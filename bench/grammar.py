@@ -3,14 +3,23 @@ grammar x speculation (draft model, prompt lookup, forced tokens alone), on a JS
 workload of 24 schemas; plus the mask cost per token as a share of a decode step.
 
     python bench/grammar.py [--pair /work/shared/models/code-pair] [--tokens 160] [--temps 0,0.7]
+    python bench/grammar.py --tiny --methods grammar,plain   # host overhead's stress case
+
+`--tiny` runs the random-weight test models (a decode step well under a millisecond, as a big
+model's is on a fast GPU relative to the host): there every host millisecond per token shows.
 
 Every method decodes the same prompts; constrained methods stop where the grammar completes
 (or at --tokens), and unconstrained plain decoding runs exactly as many tokens as grammar alone
 committed for that prompt, so the rates (committed tokens per second, prompt prefill included)
-compare like with like. At temperature 0 the run checks that every grammar x
-speculation output is token-identical to grammar alone. The mask cost is the host time the
-matcher spends computing masks (plain decoding overlaps it with the forward, so the end-to-end
-cost is the grammar-alone / plain ratio, not the mask share).
+compare like with like; "decode tok/s" leaves out prefill and the matcher's setup. At
+temperature 0 the run checks that every grammar x speculation output is token-identical to
+grammar alone. The mask cost is the host time the matcher spends computing masks and the bias
+cost the host time turning them into biases, per committed token and as a share of a plain
+decode step (the host overlaps both with the forward, so the end-to-end cost is the
+grammar-alone / plain ratio); "host ms/tok" is the decoding thread's own CPU time per token
+(graph building, masks, biases, bookkeeping: what a fast GPU waits for once the host falls
+behind, and a measure that a busy machine's scheduling does not blur); "forced" is the share of masks that allowed a single token
+(committed without sampling or waiting).
 """
 
 # ruff: noqa: E402  (the backend is configured before MLX is imported)
@@ -19,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,8 +48,10 @@ from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSour
 from mlxd.engine.forced import ForcedDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import GrammarSpec, Matcher, logits_width
+from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import load_model, measure_costs, warm_up
+from mlxd.engine.prefill import feed
 from mlxd.engine.prompt import render_chat
 from mlxd.engine.sampling import Rng
 from mlxd.engine.speculation import Costs, DraftLengthController, SpecHistory
@@ -117,14 +129,22 @@ class Row:
     seconds: float = 0.0
     drafted: int = 0
     accepted: int = 0
+    decode_seconds: float = 0.0
+    host_seconds: float = 0.0  # the decoding thread's own CPU time
     masks: int = 0
     mask_seconds: float = 0.0
+    bias_seconds: float = 0.0
+    forced: int = 0
     valid: int = 0
     requests: int = 0
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_rate(self) -> float:
+        return self.tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 # grammar alone first: unconstrained plain decoding then runs as many tokens as it committed
@@ -152,7 +172,7 @@ def run_one(
     method: str, target: nn.Module, draft: nn.Module, tokenizer: Any, prompt: list[int],
     schema: dict[str, Any], opts: SamplingOptions, limit: int, costs: Costs, max_k: int,
     history: SpecHistory, vocab: int, eos: set[int],
-) -> tuple[list[int], Generation, Matcher | None]:  # fmt: skip
+) -> tuple[list[int], Generation, Matcher | None, float, float]:  # fmt: skip
     m = None
     if method != "plain":
         m = Matcher.build(GrammarSpec.schema(schema), tokenizer, vocab, sorted(eos))
@@ -168,8 +188,9 @@ def run_one(
     gen = Generation(target, prompt, opts, stops, limit, rng, source, controller, grammar=m)
     try:
         gen.prefill()
+        t0, h0 = time.perf_counter(), time.thread_time()
         out = [t for new in gen for t in new]
-        return out, gen, m
+        return out, gen, m, time.perf_counter() - t0, time.thread_time() - h0
     finally:
         gen.close()
 
@@ -184,10 +205,20 @@ def main() -> None:
     ap.add_argument("--schemas", type=int, default=len(SCHEMAS))
     ap.add_argument("--max-k", type=int, default=6, help="draft_num_predict")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--tiny", action="store_true", help="the random-weight test models instead")
+    ap.add_argument("--methods", default=",".join(METHODS), help="a subset, in this order")
     args = ap.parse_args()
+    methods = [m for m in METHODS if m in args.methods.split(",")]
+    if "plain" in methods and "grammar" not in methods:
+        ap.error("plain decodes as many tokens as grammar alone: keep grammar in --methods")
 
-    target, tokenizer, config = load_model(args.pair / "target", BACKEND)
-    draft = load_model(args.pair / "draft", BACKEND)[0]
+    pair = args.pair
+    if args.tiny:
+        from tests.fixtures.tiny_models import build_pair
+
+        pair = build_pair(Path(tempfile.mkdtemp(prefix="mlxd-bench-"))).root
+    target, tokenizer, config = load_model(pair / "target", BACKEND)
+    draft = load_model(pair / "draft", BACKEND)[0]
     vocab = logits_width(config, tokenizer)
     eos = set(tokenizer.eos_token_ids)
     costs = measure_costs(target, draft)
@@ -199,6 +230,8 @@ def main() -> None:
         prompts.append(
             list(tokenizer.encode(render_chat(tokenizer, [{"role": "user", "content": ask}])))
         )
+    for prompt in prompts:  # every prompt's shapes seen once, untimed: the first method on a
+        warm_prompt(target, draft, prompt)  # prompt would otherwise pay them for all the rest
     print(f"device: {mx.default_device()}  schemas: {len(work)}  max new tokens: {args.tokens}"
           f"  plain decoding: {costs.plain * 1e3:.2f} ms/token")  # fmt: skip
     # Compile every grammar once first (as a server does the first time it sees a schema):
@@ -213,22 +246,24 @@ def main() -> None:
     print(f"llguidance tokenizer: {(t1 - t0) * 1e3:.0f} ms once per model;"
           f" compiling a schema and its first mask: {(t2 - t1) / len(work) * 1e3:.1f} ms the first time it is seen")  # fmt: skip
     temps = [float(t) for t in args.temps.split(",")]
-    table = {(t, m): Row(m, t) for t in temps for m in METHODS}
+    table = {(t, m): Row(m, t) for t in temps for m in methods}
     history = SpecHistory()
     for temp in temps:
         mismatches = 0
         for i, (prompt, (_, _, schema)) in enumerate(zip(prompts, work, strict=True)):
             opts = parse_options({"temperature": temp, "top_k": 0, "top_p": 1.0, "seed": i})
             alone: list[int] = []
-            for method in METHODS:  # methods take turns on each prompt: a slow spell hits all
+            for method in methods:  # methods take turns on each prompt: a slow spell hits all
                 row = table[temp, method]
                 limit = max(len(alone), 1) if method == "plain" else args.tokens
                 t0 = time.perf_counter()
-                out, gen, m = run_one(
+                out, gen, m, decoding, host = run_one(
                     method, target, draft, tokenizer, prompt, schema, opts, limit,
                     costs, args.max_k, history, vocab, eos,
                 )  # fmt: skip
                 row.seconds += time.perf_counter() - t0
+                row.decode_seconds += decoding
+                row.host_seconds += host
                 row.tokens += len(out)
                 row.requests += 1
                 row.drafted += gen.stats.drafted
@@ -236,15 +271,29 @@ def main() -> None:
                 if m is not None:
                     row.masks += m.masks_computed
                     row.mask_seconds += m.mask_seconds
+                    row.bias_seconds += getattr(m, "bias_seconds", 0.0)
+                    row.forced += getattr(m, "masks_forced", 0)
                     row.valid += int(gen.finish == "stop" and valid_json(tokenizer, out))
                 if method == "grammar":
                     alone = out
                 elif m is not None and temp == 0 and out != alone:
                     mismatches += 1
-        report([table[temp, m] for m in METHODS], temp, costs, mismatches)
+        report([table[temp, m] for m in methods], temp, costs, mismatches)
         print(f"temperature {temp} done", flush=True)
     if args.json:
         args.json.write_text(json.dumps([asdict(r) | {"rate": r.rate} for r in table.values()]))
+
+
+def warm_prompt(target: nn.Module, draft: nn.Module, prompt: list[int]) -> None:
+    """Prefill `prompt` on both models and decode a few tokens, untimed."""
+    gen = Generation(target, prompt, parse_options({"temperature": 0}), set(), 3, Rng(0))
+    gen.prefill()
+    for _ in gen:
+        pass
+    gen.close()
+    cache = make_cache(draft)
+    feed(draft, cache, prompt)
+    mx.eval([c.state for c in cache])
 
 
 def valid_json(tokenizer: Any, out: list[int]) -> bool:
@@ -256,32 +305,55 @@ def valid_json(tokenizer: Any, out: list[int]) -> bool:
 
 
 def report(rows: list[Row], temp: float, costs: Costs, mismatches: int) -> None:
-    """One table; the mask share is against the measured plain decode step (`costs.plain`)."""
-    rows = [rows[1], rows[0], *rows[2:]]  # plain first
-    plain = rows[0].rate
-    alone = rows[1].rate
+    """One table, plain first; the mask and bias shares are against the measured plain decode
+    step (`costs.plain`)."""
+    by = {r.method: r for r in rows}
+    rows = [by[m] for m in ("plain", "grammar") if m in by] + [
+        r for r in rows if r.method not in ("plain", "grammar")
+    ]
+    plain = by.get("plain")
+    alone = by.get("grammar")
     step = costs.plain
-    print(f"\ntemperature {temp}")
-    head = f"{'method':<16}{'tok/s':>8}{'vs plain':>10}{'vs grammar':>12}{'accept':>8}"
-    print(head + f"{'masks/tok':>11}{'mask ms/tok':>13}{'mask/step':>11}{'complete':>10}")
+    print(f"\ntemperature {temp}   (plain decode step {step * 1e3:.3f} ms)")
+    head = f"{'method':<16}{'tok/s':>8}{'decode':>9}{'vs plain':>10}{'vs grammar':>12}{'host ms/tok':>13}"
+    print(
+        head + f"{'accept':>8}{'mask ms/tok':>13}{'bias ms/tok':>13}{'mask/step':>11}"
+        f"{'forced':>8}{'complete':>10}"
+    )
+
+    def ratio(r: Row, base: Row | None) -> str:
+        return f"{r.decode_rate / base.decode_rate:.2f}x" if base and base.decode_rate else "-"
+
     for r in rows:
         acc = f"{r.accepted / r.drafted:.2f}" if r.drafted else "-"
-        per_tok = r.masks / r.tokens if r.tokens and r.masks else 0.0
         mask_ms = r.mask_seconds / r.tokens * 1e3 if r.tokens and r.masks else 0.0
+        bias_ms = r.bias_seconds / r.tokens * 1e3 if r.tokens and r.masks else 0.0
         share = f"{mask_ms / 1e3 / step:.1%}" if r.masks else "-"
+        forced = f"{r.forced / r.masks:.0%}" if r.masks else "-"
         done = f"{r.valid}/{r.requests}" if r.masks else "-"
         print(
-            f"{r.method:<16}{r.rate:>8.1f}{r.rate / plain:>9.2f}x{r.rate / alone:>11.2f}x{acc:>8}"
-            f"{per_tok:>11.2f}{mask_ms:>13.3f}{share:>11}{done:>10}"
+            f"{r.method:<16}{r.rate:>8.1f}{r.decode_rate:>9.1f}{ratio(r, plain):>10}"
+            f"{ratio(r, alone):>12}{r.host_seconds / max(r.tokens, 1) * 1e3:>13.3f}{acc:>8}{mask_ms:>13.3f}{bias_ms:>13.3f}{share:>11}"
+            f"{forced:>8}{done:>10}"
         )
-    best = max(rows[2:], key=lambda r: r.rate)
-    floor = min(rows[2:], key=lambda r: r.rate)
     print(
-        f"grammar alone / plain: {alone / plain:.2f}x   best grammar x spec ({best.method}) /"
-        f" grammar alone: {best.rate / alone:.2f}x   slowest ({floor.method}): "
-        f"{floor.rate / alone:.2f}x"
+        "(vs plain and vs grammar compare decode rates: prefill and setup left out; host ms/tok:"
+        " the decoding thread's own CPU time, what a fast device waits for when the host is behind)"
     )
-    if temp == 0:
+    if plain is not None and alone is not None:
+        print(
+            f"grammar alone / plain: {alone.decode_rate / plain.decode_rate:.2f}x decoding,"
+            f" {alone.rate / plain.rate:.2f}x end to end"
+        )
+    spec = [r for r in rows if r.method.startswith("grammar+")]
+    if alone is not None and spec:
+        best = max(spec, key=lambda r: r.rate)
+        floor = min(spec, key=lambda r: r.rate)
+        print(
+            f"best grammar x spec ({best.method}) / grammar alone: {best.rate / alone.rate:.2f}x"
+            f"   slowest ({floor.method}): {floor.rate / alone.rate:.2f}x  (end to end)"
+        )
+    if temp == 0 and spec:
         print(f"token identity with grammar alone: {'yes' if not mismatches else 'NO'}"
               f" ({mismatches} mismatching outputs)")  # fmt: skip
 

@@ -10,7 +10,8 @@ rows through `draft` and `absorb`. When a draft source fails or a cache cannot b
 generation carries on with plain decoding; the client sees an ordinary stream.
 
 A grammar (`engine.grammar`) masks every choice: plain steps mask the next token (the mask is
-computed on the host while the forward runs); speculative rounds walk the drafts, masking each
+computed on the host while the forward runs; a token the mask forces is committed without
+sampling or waiting, its forward queued at once); speculative rounds walk the drafts, masking each
 drafted position as the grammar stands after the drafts before it, and the matcher keeps only
 what was accepted. The grammar ending ends the generation ("stop").
 """
@@ -245,17 +246,14 @@ class Generation:
     def _choose(self, logits: mx.array, position: int) -> mx.array:
         if self.opts.top_logprobs is not None:
             self._step_logits = logits  # read once the token is committed (`_record`)
-        bias = None
-        if self.grammar is not None:
-            mx.async_eval(logits)  # the mask is computed while the forward runs
-            bias = self.grammar.bias()
-        return next_tokens(logits, self.tokens, [], self.opts, self.rng, position, bias)[0]
+        return next_tokens(logits, self.tokens, [], self.opts, self.rng, position)[0]
 
     def _plain_step(self, ahead: Any) -> list[int]:
         """Commit one token decoded plainly. Pipelined (the next forward queued before the
         host reads this token) while `ahead()` says the next step is plain as well and no
-        penalty needs this token on the host first. With a grammar only the next forward is
-        queued: its choice waits for the mask after this token (computed as that forward runs)."""
+        penalty needs this token on the host first."""
+        if self.grammar is not None:
+            return self._grammar_step(ahead)
         y, queued = self._inflight, self._queued
         self._inflight = self._queued = None
         if y is None:
@@ -264,8 +262,8 @@ class Generation:
             y = self._choose(queued, len(self.tokens))
             mx.async_eval(y)
         if self.produced + 1 < self.limit and ahead():
-            if self.grammar is not None or self.opts.top_logprobs is not None:
-                # the choice waits: for the mask after y, or for y's logprobs to be read first
+            if self.opts.top_logprobs is not None:
+                # the choice waits for y's logprobs to be read first
                 self._queued = self._feed(y)
                 mx.async_eval(self._queued)
             elif not self.opts.has_penalties:  # penalties need y on the host first
@@ -275,6 +273,44 @@ class Generation:
         self._record(self._step_logits, new)
         if self.done:
             self._inflight = self._queued = None  # queued past the end: never committed
+        self.spec.committed_plainly(len(new))
+        self._maybe_quantize()
+        return new
+
+    def _grammar_step(self, ahead: Any) -> list[int]:
+        """`_plain_step` under a grammar. The token's choice needs the mask after the last
+        committed token, but the forward that gives its logits does not: that forward is
+        always queued first (the previous step queued it on the lazy token), and the host
+        computes the mask while it runs, then queues the masked choice and, on the lazy
+        choice, the next forward, and only then waits for the token. When the mask allows
+        a single token, the token is known on the host: nothing is sampled or waited for,
+        and the next forward is queued at once (the device then runs ahead of the host)."""
+        g = self.grammar
+        assert g is not None
+        logits, self._queued = self._queued, None
+        if logits is None:
+            logits = self._feed(mx.array([self.tokens[-1]], dtype=mx.uint32))
+            mx.async_eval(logits)
+        bits, forced = g.next_mask()  # on the host while the forward runs
+        if forced is not None and self.opts.top_logprobs is None:
+            new = self._commit([forced])
+            if not self.done and ahead():
+                self._queued = self._feed(mx.array(new, dtype=mx.uint32))
+                mx.async_eval(self._queued)
+        else:
+            if self.opts.top_logprobs is not None:
+                self._step_logits = logits
+            y = next_tokens(
+                logits, self.tokens, [], self.opts, self.rng, len(self.tokens), g.bias_of(bits)
+            )[0]
+            mx.async_eval(y)
+            if self.produced + 1 < self.limit and ahead():
+                self._queued = self._feed(y)
+                mx.async_eval(self._queued)
+            new = self._commit([to_int(y)])
+            self._record(self._step_logits, new)
+        if self.done:
+            self._queued = None  # queued past the end: never committed
         self.spec.committed_plainly(len(new))
         self._maybe_quantize()
         return new

@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import json
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -220,8 +221,11 @@ class Matcher:
         self.words = (vocab + 31) // 32
         self.mask_seconds = 0.0  # host time spent computing masks (bench and metrics)
         self.masks_computed = 0
+        self.bias_seconds = 0.0  # host time spent turning masks into biases (bench)
+        self.masks_forced = 0  # masks that allowed exactly one token (no sampling needed)
         self._moves = 0  # bumped by every consume and rollback: keys the forced-token memo
         self._forced: tuple[int, list[int]] = (-1, [])
+        self._row = self.bits()  # reused by `next_mask`: the bias copies it to the device
 
     @staticmethod
     def build(spec: GrammarSpec, tokenizer: Any, vocab: int, eos: Sequence[int]) -> Matcher:
@@ -274,8 +278,6 @@ class Matcher:
 
     def mask_into(self, out: np.ndarray) -> None:
         """Fill one int32 row of `(vocab + 31) // 32` words with the allowed-token bits."""
-        import time
-
         t0 = time.perf_counter()
         self.inner.unsafe_compute_mask_ptr(out.ctypes.data, out.size * out.itemsize)
         self.mask_seconds += time.perf_counter() - t0
@@ -285,20 +287,68 @@ class Matcher:
         """An (rows, words) int32 buffer for `mask_into`, every token allowed."""
         return np.full((rows, self.words), -1, dtype=np.int32)
 
+    def next_mask(self) -> tuple[np.ndarray, int | None]:
+        """The mask for the next token, in a (1, words) buffer reused from call to call (valid
+        until the next call), and the token it allows when it allows exactly one: a forced
+        token is known on the host, so it needs neither the logits nor a sample."""
+        self.mask_into(self._row[0])
+        only = single_token(self._row[0])
+        if only is not None:
+            self.masks_forced += 1
+        return self._row, only
+
+    def bias_of(self, bits: np.ndarray) -> mx.array:
+        """`bias_of` over this matcher's vocabulary, its host time counted."""
+        t0 = time.perf_counter()
+        out = bias_of(bits, self.vocab)
+        self.bias_seconds += time.perf_counter() - t0
+        return out
+
     def bias(self) -> mx.array:
         """(1, vocab) additive bias for the next token: 0 where allowed, -inf elsewhere."""
-        buf = self.bits()
-        self.mask_into(buf[0])
-        return bias_of(buf, self.vocab)
+        return self.bias_of(self.next_mask()[0])
+
+
+def single_token(row: np.ndarray) -> int | None:
+    """The one token a mask row allows, or None when it allows none or several (a few
+    microseconds: one scan of vocab/32 words, no per-token loop)."""
+    nonzero = np.flatnonzero(row)
+    if len(nonzero) != 1:
+        return None
+    word = int(row[nonzero[0]]) & 0xFFFFFFFF
+    if word & (word - 1):
+        return None
+    return int(nonzero[0]) * 32 + word.bit_length() - 1
+
+
+# bit i of a mask word is token 32 * word + i; materialized host data, so any thread's stream
+# may read it
+_SHIFTS = mx.array(np.arange(32, dtype=np.uint32))
+
+
+def _unpack(words: mx.array, vocab: int) -> mx.array:
+    rows = words.shape[0]
+    allowed = ((words[:, :, None] >> _SHIFTS) & 1).reshape(rows, -1)[:, :vocab]
+    return mx.where(allowed, 0.0, -mx.inf)
+
+
+@functools.lru_cache(maxsize=16)
+def _unpacker(vocab: int, compiled: bool) -> Any:
+    """The unpack as one function per vocabulary, compiled on a GPU (one fused kernel where
+    there would be five launches; on the CPU a compile costs more than it saves)."""
+    fn = functools.partial(_unpack, vocab=vocab)
+    return mx.compile(fn) if compiled else fn
 
 
 def bias_of(bits: np.ndarray, vocab: int) -> mx.array:
-    """Bitmask rows (R, words) as an additive (R, vocab) float32 bias, unpacked lazily on the
-    device: only vocab/32 words cross from the host."""
-    words = mx.array(bits.view(np.uint32))
-    shifts = mx.arange(32, dtype=mx.uint32)  # built here: an array belongs to its thread's stream
-    allowed = ((words[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1)[:, :vocab]
-    return mx.where(allowed.astype(mx.bool_), 0.0, -mx.inf).astype(mx.float32)
+    """Bitmask rows (R, words) as an additive (R, vocab) float32 bias. On a GPU it is unpacked
+    there, lazily, in one compiled function: only vocab/32 words cross from the host. On the
+    CPU the device is the host: numpy unpacks it in two vectorized passes and the bias is one
+    ready array (five small MLX operations cost more there). No loop visits the vocabulary."""
+    if mx.default_device().type == mx.DeviceType.gpu:
+        return _unpacker(vocab, True)(mx.array(bits.view(np.uint32)))
+    allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
+    return mx.array(np.where(allowed, np.float32(0.0), np.float32(-np.inf)))
 
 
 @dataclass(frozen=True)
@@ -327,7 +377,7 @@ def walk(matcher: Matcher, drafts: Sequence[int]) -> Walk:
         if matcher.consume([tok]) != 1:
             break
         consumed += 1
-    return Walk(bias_of(buf, matcher.vocab), consumed)
+    return Walk(matcher.bias_of(buf), consumed)
 
 
 def settle(matcher: Matcher, walked: Walk, accepted: int) -> int:

@@ -10,6 +10,7 @@ from typing import Any
 import jsonschema
 import llguidance
 import mlx.core as mx
+import numpy as np
 import pytest
 
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
@@ -21,13 +22,18 @@ from mlxd.engine.grammar import (
     GrammarSpec,
     Matcher,
     _compiled,
+    _unpacker,
+    bias_of,
     closed,
     compile_grammar,
     ll_tokenizer,
+    single_token,
     validate,
 )
+from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions, parse_options
-from mlxd.engine.sampling import Rng
+from mlxd.engine.prefill import feed
+from mlxd.engine.sampling import Rng, next_tokens, to_int
 from mlxd.engine.speculation import DraftLengthController
 from tests.engine.conftest import Loaded
 from tests.engine.test_rows import opts_of, pairing_of, serve
@@ -147,6 +153,78 @@ def test_seeded_sampling_with_speculation_gives_grammar_alones_tokens(
         assert decode(loaded, spec, prompt, opts, source)[0] == alone
         outputs.add(tuple(alone))
     assert len(outputs) > 1  # the seeds do sample
+
+
+def one_at_a_time(
+    loaded: Loaded, spec: GrammarSpec, prompt: list[int], opts: SamplingOptions, limit: int
+) -> list[int]:
+    """The grammar-alone decode with nothing overlapped: forward, wait, mask, choose, wait,
+    advance the matcher, for every token (forced ones included)."""
+    m = matcher(loaded, spec)
+    rng, eos = Rng(opts.seed), set(loaded.tokenizer.eos_token_ids)
+    cache = make_cache(loaded.target)
+    feed(loaded.target, cache, prompt[:-1])
+    out: list[int] = []
+    last = prompt[-1]
+    while len(out) < limit:
+        logits = loaded.target(mx.array([[last]]), cache=cache)[0, -1:, :]
+        mx.eval(logits)
+        bias = m.bias()
+        position = len(prompt) + len(out)
+        last = to_int(next_tokens(logits, prompt + out, [], opts, rng, position, bias)[0])
+        out.append(last)
+        if last in eos:
+            break
+        assert m.consume([last]) == 1
+        if m.stopped:
+            break
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.5])
+def test_overlapped_grammar_decoding_gives_the_one_at_a_time_tokens(
+    loaded: Loaded, temperature: float
+) -> None:
+    """Solo grammar decoding queues each forward before the host computes the mask and
+    commits forced tokens without sampling or waiting: the same tokens as decoding one
+    token at a time with every step waited for (and as many, cut by the limit)."""
+    forced = 0
+    for i, schema in enumerate(SCHEMAS):
+        spec = GrammarSpec.schema(schema)
+        for j, text in enumerate(PROMPT_TEXTS):
+            opts = parse_options({"temperature": temperature, "seed": 10 * i + j})
+            prompt = list(loaded.tokenizer.encode(text))
+            out, finish, gen = decode(loaded, spec, prompt, opts)
+            assert finish == "stop"
+            assert out == one_at_a_time(loaded, spec, prompt, opts, 200)
+            check_valid(loaded, out, schema)
+            assert gen.grammar is not None
+            forced += gen.grammar.masks_forced
+            half = len(out) // 2
+            if half:
+                cut, finish, _ = decode(loaded, spec, prompt, opts, limit=half)
+                assert finish == "length" and cut == out[:half]
+    assert forced > 0  # the forced-token path ran (braces, quotes, keys)
+
+
+@pytest.mark.parametrize("vocab", [5, 70, 8192])
+def test_bias_unpacks_the_bitmask_on_either_path(vocab: int) -> None:
+    """The host unpack (the CPU's) and the compiled device unpack (a GPU's) give the same
+    bias: 0 exactly at the set bits below `vocab`; and a single set bit is the forced token."""
+    rng = np.random.default_rng(vocab)
+    words = (vocab + 31) // 32
+    bits = rng.integers(-(2**31), 2**31, size=(3, words), dtype=np.int64).astype(np.int32)
+    want = [
+        [0.0 if (int(bits[r, t >> 5]) >> (t & 31)) & 1 else -np.inf for t in range(vocab)]
+        for r in range(3)
+    ]
+    assert bias_of(bits, vocab).tolist() == want
+    assert _unpacker(vocab, True)(mx.array(bits.view(np.uint32))).tolist() == want
+    one = np.zeros(words, dtype=np.int32)
+    one[(vocab - 1) >> 5] = np.int32(np.uint32(1 << ((vocab - 1) & 31)).view(np.int32))
+    assert single_token(one) == vocab - 1
+    assert single_token(np.zeros(words, dtype=np.int32)) is None
+    assert single_token(bits[0]) is None
 
 
 def test_num_predict_before_the_grammar_completes_ends_with_length(loaded: Loaded) -> None:
