@@ -42,7 +42,7 @@ from mlxd.engine.memory import (
     resolve_budget,
 )
 from mlxd.engine.options import OptionsError, parse_options
-from mlxd.engine.pairing import ModelUnavailable, Pairing, load_pairing, locate
+from mlxd.engine.pairing import ModelUnavailable, Pairing, close_target, load_pairing, locate
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.probestore import ProbeStore
 from mlxd.engine.runner import PairingRunner
@@ -119,6 +119,8 @@ def _probe_blocking(entry: ModelEntry, backend: Backend, store: ProbeStore | Non
     t0 = time.perf_counter()
     if embedding_spec(entry) is not None:
         return _probe_embedder(entry, backend)
+    if entry.distributed is not None:
+        store = None  # the ranks' hosts must be reached at every start, not remembered
     try:
         key = store.key(entry, backend) if store is not None else None
     except Exception:  # unreadable files: the load below says why
@@ -137,6 +139,7 @@ def _probe_blocking(entry: ModelEntry, backend: Backend, store: ProbeStore | Non
         pairing.check_options(parse_options(entry.options))
     except OptionsError as exc:  # served, but every request using these options gets a 400
         log.warning("registry entry %s: its options do not fit the model: %s", entry.name, exc)
+    close_target(pairing.target)
     del pairing
     gc.collect()
     mx.clear_cache()

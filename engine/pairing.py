@@ -221,6 +221,27 @@ def warm_up(
                     gen.close()
 
 
+SHARDED_KV = KvLayout(refusal="a distributed target keeps its K/V unquantized")
+
+
+def _load_sharded(entry: ModelEntry, path: Path, backend: Backend) -> tuple[Any, Any, dict[str, Any]]:
+    """A target sharded over the ranks the entry names (`engine.distributed`)."""
+    from mlxd.engine.distributed.loading import GroupError, load_distributed
+
+    assert entry.distributed is not None
+    try:
+        return load_distributed(entry.name, path, entry.distributed, backend, entry.template)
+    except (GroupError, OSError, ValueError) as exc:
+        raise ModelUnavailable(f"cannot start the distributed target: {exc}") from exc
+
+
+def close_target(target: Any) -> None:
+    """Stop a distributed target's ranks now (a local model has nothing to stop)."""
+    close = getattr(target, "close", None)
+    if callable(close):
+        close()
+
+
 def check_tokenizers(target_tok: Any, draft_tok: Any) -> None:
     """Speculation compares token ids, so both sides must map the same strings to the same ids."""
     probes = ["def fib(n):\n    return n", "Hello, world! 123", " héllo ✓", "\n\n\t"]
@@ -241,7 +262,10 @@ def load_pairing(
     process) the forwards are measured and every round shape is run once, which also proves
     both models compute."""
     target_dir = locate(entry.target, "target")
-    target, tokenizer, config = load_model(target_dir, backend, entry.template)
+    if entry.distributed is not None:
+        target, tokenizer, config = _load_sharded(entry, target_dir, backend)
+    else:
+        target, tokenizer, config = load_model(target_dir, backend, entry.template)
     draft = None
     draft_dir = None
     draft_revision = ""
@@ -251,13 +275,14 @@ def load_pairing(
         draft_revision = revision_of(draft_dir, draft_config, backend)
         check_tokenizers(tokenizer, draft_tok)
     try:
-        kv = kv_layout(target)
+        kv = kv_layout(target) if entry.distributed is None else SHARDED_KV
         if costs is None:
             costs = measure_costs(target, draft)
             # proves every round shape computes; the serving thread warms the whole row
             # context for itself (MLX's CUDA build keeps compiled kernels per thread)
             warm_up(target, draft, costs)
     except Exception as exc:
+        close_target(target)
         raise ModelUnavailable(f"a forward pass failed: {exc}") from exc
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return Pairing(

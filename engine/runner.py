@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from mlxd.engine.backend import Backend
 from mlxd.engine.events import Done, Event, Failed, GenerationRequest
-from mlxd.engine.pairing import Pairing, load_pairing
+from mlxd.engine.pairing import Pairing, close_target, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.progress import beat_with
 from mlxd.engine.scheduler import Job, Scheduler
@@ -152,8 +152,10 @@ class PairingRunner:
         except BaseException as exc:
             self.loaded.set_exception(exc)
             return
+        # a sharded target's K/V live on its ranks: the daemon-side prefix cache cannot hold them
+        prefix = self.prefix if self.entry.distributed is None else None
         self.scheduler = Scheduler(
-            self.pairing, self._jobs, self.prefix, self.num_parallel, self._stepped
+            self.pairing, self._jobs, prefix, self.num_parallel, self._stepped
         )
         try:
             self.scheduler.warm()
@@ -170,6 +172,8 @@ class PairingRunner:
         finally:
             self._outbox.flush()
             self.scheduler = None
+            if self.pairing is not None:
+                close_target(self.pairing.target)
             self.pairing = None
             mx.clear_cache()
 
