@@ -279,8 +279,10 @@ def load_pairing(
         if costs is None:
             costs = measure_costs(target, draft)
             # proves every round shape computes; the serving thread warms the whole row
-            # context for itself (MLX's CUDA build keeps compiled kernels per thread)
-            warm_up(target, draft, costs)
+            # context for itself (MLX's CUDA build keeps compiled kernels per thread). A
+            # sharded target's ranks compile on their own threads: measuring proved it computes.
+            if entry.distributed is None:
+                warm_up(target, draft, costs)
     except Exception as exc:
         close_target(target)
         raise ModelUnavailable(f"a forward pass failed: {exc}") from exc

@@ -82,9 +82,13 @@ def check_distributed(value: Any, base_dir: Path) -> Distribution:
     if strategy not in STRATEGIES:
         raise ValueError(f"'strategy': expected one of {', '.join(STRATEGIES)}, got {strategy!r}")
     port = value.get("port")
-    if port is not None and (isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536):
+    if port is not None and (
+        isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536
+    ):
         raise ValueError(f"'port': expected a TCP port number, got {_describe(port)}")
     timeout = value.get("timeout", DEFAULT_TIMEOUT)
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
-        raise ValueError(f"'timeout': expected a positive number of seconds, got {_describe(timeout)}")
+        raise ValueError(
+            f"'timeout': expected a positive number of seconds, got {_describe(timeout)}"
+        )
     return Distribution(hosts, hostfile, backend, strategy, port, float(timeout))

@@ -134,7 +134,10 @@ class Group:
         cmd += ["--backend", dist.backend] + (["--float32"] if float32 else [])
         self._log = open(self._log_path, "wb")  # noqa: SIM115 (closed in close())
         self._proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             start_new_session=True,
         )
         self.status = GroupStatus(name, dist.backend, dist.strategy, [])
@@ -169,6 +172,7 @@ class Group:
         if errors:
             raise GroupError("; ".join(errors))
         self.size = int(hello["size"])
+        _calm(self._proc.pid)
         self.status.ranks = [f"rank {i}: {r}" for i, r in enumerate(hello["ranks"])]
 
     def _tail(self) -> str:
@@ -233,6 +237,18 @@ class Group:
         self._listener.close()
         self._log.close()
         shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def _calm(pid: int) -> None:
+    """Lowest priority for the launcher's threads: MLX's launcher relays the ranks' output in
+    a loop that never blocks (it polls for a writable stdin), and on a small machine that loop
+    takes CPU time from the ranks. Linux keeps a priority per thread (/proc lists them)."""
+    tasks = Path(f"/proc/{pid}/task")
+    if not tasks.is_dir():
+        return
+    for task in tasks.iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            os.setpriority(os.PRIO_PROCESS, int(task.name), 19)
 
 
 def _strip_color(line: str) -> str:

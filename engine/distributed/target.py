@@ -40,6 +40,13 @@ class DistributedTarget:
     def ranks(self) -> list[str]:
         return self.group.status.ranks
 
+    def describe(self) -> list[str]:
+        """The ranks for `ps`; once the group is lost, why, as a last line."""
+        lost = self.group.lost
+        if lost is None:
+            return list(self.ranks)
+        return [f"{r} (stopped)" for r in self.ranks] + [f"unavailable: {lost}"]
+
     def make_cache(self) -> list[Any]:
         return [ShadowKV(self.journal)]
 
