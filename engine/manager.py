@@ -479,7 +479,7 @@ class ModelManager:
         lost = lost_reason(entry.name)
         if lost is None:
             return
-        for model in self._loaded.values():
+        for model in list(self._loaded.values()):
             if model.entry.name == entry.name or entry.name in model.names:
                 model.keep_alive = 0
                 if model.users == 0:

@@ -81,6 +81,7 @@ def ranks_of(base: str, model: str) -> list[str]:
 
 def test_ps_shows_the_ranks(dist_server: RunningServer) -> None:
     generate(dist_server.base_url, "dist", "x", num_predict=2)
+    generate(dist_server.base_url, "local", "x", num_predict=2)
     ranks = ranks_of(dist_server.base_url, "dist")
     assert [r.split(":")[0] for r in ranks] == ["rank 0", "rank 1"]
     assert all(re.search(r"pid \d+", r) for r in ranks)
