@@ -152,10 +152,8 @@ class PairingRunner:
         except BaseException as exc:
             self.loaded.set_exception(exc)
             return
-        # a sharded target's K/V live on its ranks: the daemon-side prefix cache cannot hold them
-        prefix = self.prefix if self.entry.distributed is None else None
         self.scheduler = Scheduler(
-            self.pairing, self._jobs, prefix, self.num_parallel, self._stepped
+            self.pairing, self._jobs, self.prefix, self.num_parallel, self._stepped
         )
         try:
             self.scheduler.warm()

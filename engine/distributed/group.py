@@ -68,6 +68,30 @@ def forget_loss(name: str) -> None:
         _LOST.pop(name, None)
 
 
+@dataclass(frozen=True)
+class RankCache:
+    """Each rank's prefix cache: RAM bytes, and an SSD tier under `root/<split>/rank<r>`."""
+
+    ram_bytes: int = 256 * 2**20
+    ssd_bytes: int = 0
+    root: Path | None = None
+
+    def args(self) -> list[str]:
+        out = ["--cache-ram", str(self.ram_bytes)]
+        if self.root is not None and self.ssd_bytes > 0:
+            out += ["--cache-ssd", str(self.ssd_bytes), "--cache-dir", str(self.root)]
+        return out
+
+
+_RANK_CACHE = [RankCache()]
+
+
+def configure_rank_cache(cache: RankCache) -> None:
+    """What the ranks of groups started from now on keep (the daemon's prefix-cache settings;
+    the same path is used on every host)."""
+    _RANK_CACHE[0] = cache
+
+
 def launcher() -> list[str]:
     """MLX's launcher: the `mlx.launch` script beside this interpreter or on PATH, else the
     same entry point run by this interpreter (an environment without console scripts)."""
@@ -132,6 +156,7 @@ class Group:
         cmd += ["--", sys.executable, "-m", "mlxd.engine.distributed.worker"]
         cmd += ["--socket", path, "--model", str(model_dir), "--strategy", dist.strategy]
         cmd += ["--backend", dist.backend] + (["--float32"] if float32 else [])
+        cmd += _RANK_CACHE[0].args()
         self._log = open(self._log_path, "wb")  # noqa: SIM115 (closed in close())
         self._proc = subprocess.Popen(
             cmd,
@@ -225,7 +250,7 @@ class Group:
                 wire.send(self._sock, "quit")
             self._sock.close()
         try:
-            self._proc.wait(5)
+            self._proc.wait(30)  # the ranks write their prefix caches' RAM blocks out first
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._proc.pid, signal.SIGTERM)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import mlx.core as mx
@@ -26,6 +27,7 @@ class Journal:
     """Cache operations not yet sent to the ranks, in the order the engine did them."""
 
     def __init__(self) -> None:
+        self.sync: Callable[[], Any] = lambda: None  # sends what is journaled (the target's)
         self._ops: list[Op] = []
         self._lock = threading.Lock()
         self._ids = itertools.count(1)
@@ -60,11 +62,19 @@ class _Shadow:
     # rows may share a batch cache, though prompts are never read in one forward (feed_rows)
     batchable_layer = True
 
-    def _register(self, journal: Journal, *created: Any) -> None:
+    def _register(self, journal: Journal, *created: Any, sid: int | None = None) -> None:
         self.journal = journal
-        self.sid = journal.new_id()
-        journal.add(*created, self.sid)
+        self.sid = journal.new_id() if sid is None else sid
+        if created:
+            journal.add(*created, self.sid)
         weakref.finalize(self, journal.add, "drop", self.sid)
+
+    def offer_remote(self, ns: Any, tokens: list[int]) -> int:
+        """Have every rank store its shard of what this layer holds of `tokens` (under the
+        namespace's fields plus its split and rank); the tokens offered."""
+        self.journal.add("offer", self.sid, tokens, (ns.model, ns.adapter, ns.kv))
+        self.journal.sync()
+        return min(len(tokens), int(self.offset if isinstance(self.offset, int) else 0))
 
 
 def zeros(batch: int, n: int) -> mx.array:
@@ -80,6 +90,15 @@ class ShadowKV(_Shadow, KVCache):
     def trim(self, n: int) -> int:
         self.journal.add("call", self.sid, "trim", [n], {})
         return int(KVCache.trim(self, n))
+
+
+def restored(journal: Journal, sid: int, tokens: int) -> ShadowKV:
+    """The shadow of caches the ranks restored from their prefix caches as `sid`."""
+    layer = ShadowKV()
+    layer.keys = layer.values = zeros(1, tokens)
+    layer.offset = tokens
+    layer._register(journal, sid=sid)
+    return layer
 
 
 class ShadowBatch(_Shadow, BatchKVCache):

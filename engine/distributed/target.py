@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from mlxd.engine.distributed.group import Group
-from mlxd.engine.distributed.shadow import Journal, ShadowBatch, ShadowKV, zeros
+from mlxd.engine.distributed.shadow import Journal, ShadowBatch, ShadowKV, restored, zeros
 from mlxd.engine.distributed.worker import LAST_ONLY
 from mlxd.registry.distributed import Distribution
 
@@ -34,6 +34,7 @@ class DistributedTarget:
         self.group = Group(name, model_dir, dist, float32)
         self.journal = Journal()
         self.layers = [None]  # one shadow layer stands for each rank's whole list
+        self.journal.sync = lambda: self.group.call(self.journal.take())
         weakref.finalize(self, self.group.close)
 
     @property
@@ -49,6 +50,17 @@ class DistributedTarget:
 
     def make_cache(self) -> list[Any]:
         return [ShadowKV(self.journal)]
+
+    def restore_prefix(self, ns: Any, tokens: list[int]) -> tuple[list[Any] | None, int]:
+        """Caches holding the longest prefix of `tokens` that every rank has cached; (None, 0)
+        when some rank has none of it."""
+        sid = self.journal.new_id()
+        ops = self.journal.take()
+        ops.append(("restore", sid, tokens, (ns.model, ns.adapter, ns.kv)))
+        held = int(self.group.call(ops) or 0)
+        if held == 0:
+            return None, 0
+        return [restored(self.journal, sid, held)], held
 
     def close(self) -> None:
         self.group.close()

@@ -24,18 +24,62 @@ import numpy as np
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.utils import load_model
 
+from mlxd.engine.cache_use import offer_caches
 from mlxd.engine.distributed import wire
+from mlxd.engine.prefix_cache import Namespace, PrefixCache, build_caches
 
 LAST_ONLY = "last"
 QUIT = "quit"
 
 
 class Replica:
-    """A rank's real caches, by the daemon's shadow ids; each id holds every layer of a list."""
+    """A rank's real caches, by the daemon's shadow ids; each id holds every layer of a list.
 
-    def __init__(self, model: nn.Module) -> None:
+    With a prefix cache, each rank keeps its own shard's blocks under a namespace naming the
+    split and the rank (`split`): a restore takes only as many blocks as EVERY rank holds
+    (agreed through a collective), so the ranks' caches always stay the same length."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        group: mx.distributed.Group | None = None,
+        prefix: PrefixCache | None = None,
+        split: str = "",
+    ) -> None:
         self.model = model
+        self.group = group
+        self.prefix = prefix
+        self.split = split
         self.caches: dict[int, list[Any]] = {}
+
+    def namespace(self, fields: tuple[str, str, str]) -> Namespace:
+        model, adapter, kv = fields
+        return Namespace(model=f"{model}|{self.split}", adapter=adapter, kv=kv)
+
+    def offer(self, sid: int, tokens: list[int], fields: tuple[str, str, str]) -> int:
+        if self.prefix is None:
+            return 0
+        return offer_caches(self.prefix, self.namespace(fields), self.caches[sid], tokens)
+
+    def restore(self, sid: int, tokens: list[int], fields: tuple[str, str, str]) -> int:
+        """Restore the prefix every rank holds into new caches `sid`; how many tokens."""
+        found = []
+        if self.prefix is not None:
+            try:
+                found = self.prefix.lookup_keyed(self.namespace(fields), tokens)
+            except Exception:  # an unreadable entry is a miss on this rank
+                found = []
+        mine = mx.array([len(found)], dtype=mx.int32)
+        agreed = len(found)
+        if self.group is not None and self.group.size() > 1:
+            every = mx.distributed.all_gather(mine, group=self.group)
+            agreed = int(mx.min(every).item())
+        if agreed == 0:
+            return 0
+        blocks = [b for _, b in found[:agreed]]
+        layers = len(make_prompt_cache(self.model))
+        self.caches[sid] = build_caches(blocks, 0, layers, None)
+        return int(self.caches[sid][0].offset)
 
     def apply(self, op: tuple[Any, ...]) -> Any:
         kind = op[0]
@@ -61,6 +105,10 @@ class Replica:
                 getattr(c, name)(*args, **kwargs)
         elif kind == "forward":
             return self.forward(op[1], op[2], op[3])
+        elif kind == "offer":
+            return self.offer(op[1], op[2], op[3])
+        elif kind == "restore":
+            return self.restore(op[1], op[2], op[3])
         else:
             raise ValueError(f"unknown operation {kind!r}")
         return None
@@ -111,7 +159,12 @@ def serve(args: argparse.Namespace) -> int:
         wire.send(sock, {"size": group.size(), "ranks": ranks, "errors": errors})
     if model is None or any(errors):
         return 1
-    replica = Replica(model)
+    split = f"{args.strategy}x{group.size()}/rank{rank}"
+    prefix = None
+    if args.cache_ram > 0:
+        ssd_dir = Path(args.cache_dir) / split if args.cache_dir else None
+        prefix = PrefixCache(args.cache_ram, ssd_dir, args.cache_ssd if ssd_dir else 0)
+    replica = Replica(model, group, prefix, split)
     while True:
         data = None
         if sock is not None:
@@ -122,6 +175,8 @@ def serve(args: argparse.Namespace) -> int:
             data = pickle.dumps(message)
         message = pickle.loads(wire.broadcast(data, group))
         if message == QUIT:
+            if prefix is not None:
+                prefix.close()  # RAM-only blocks reach this rank's SSD tier
             return 0
         result: Any = None
         failure = None
@@ -141,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--strategy", default="tensor", choices=("tensor", "pipeline"))
     parser.add_argument("--backend", default="ring")
     parser.add_argument("--float32", action="store_true")
+    parser.add_argument("--cache-ram", type=int, default=0, help="prefix cache RAM bytes")
+    parser.add_argument("--cache-ssd", type=int, default=0, help="prefix cache SSD bytes")
+    parser.add_argument("--cache-dir", default="", help="this split's SSD tier root")
     return serve(parser.parse_args(argv))
 
 
