@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import RunningServer, ServerThread
 from tests.distributed.conftest import ring_works
-from tests.fixtures.tiny_models import TARGET_SHAPE, TinyPair, write_model
+from tests.fixtures.tiny_models import DRAFT_SHAPE, TARGET_SHAPE, TinyPair, write_model
 
 PROMPTS = ["def fib(n):\n    return", "The quick brown fox", "Hello, world!", "import os\n"]
 HOSTS = "    distributed:\n      hosts: [127.0.0.1, 127.0.0.1]\n"
@@ -27,12 +27,14 @@ def pipe_server(
     if why is not None:
         pytest.skip(f"MLX's ring backend cannot start two ranks on loopback here: {why}")
     root = tmp_path_factory.mktemp("pipe")
-    qwen = write_model(root / "qwen", tiny_pair.tokenizer_dir, seed=3, arch="qwen2", **TARGET_SHAPE)
+    tok = tiny_pair.tokenizer_dir
+    qwen = write_model(root / "qwen", tok, seed=3, arch="qwen2", **TARGET_SHAPE)
+    small = write_model(root / "qwen-draft", tok, seed=4, arch="qwen2", **DRAFT_SHAPE)
     registry = root / "models.yaml"
     registry.write_text(
         "models:\n"
-        f"  localq:\n    target: {qwen}\n    draft: {tiny_pair.draft}\n"
-        f"  pipe:\n    target: {qwen}\n    draft: {tiny_pair.draft}\n{HOSTS}"
+        f"  localq:\n    target: {qwen}\n    draft: {small}\n"
+        f"  pipe:\n    target: {qwen}\n    draft: {small}\n{HOSTS}"
         "      strategy: pipeline\n"
         f"  badsplit:\n    target: {tiny_pair.target}\n{HOSTS}      strategy: pipeline\n",
         encoding="utf-8",
