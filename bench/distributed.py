@@ -101,7 +101,9 @@ def main() -> None:
                 one(pool, base, model, PROMPTS[0], 8, "off")
         print(f"\npair {args.pair}  ranks {args.ranks}  backend {args.backend}"
               f"  strategy {args.strategy}  tokens {args.tokens}")  # fmt: skip
-        print(f"{'draft':>6} {'clients':>7} {'1 process':>10} {f'{args.ranks} procs':>10} {'ratio':>6}")
+        print(
+            f"{'draft':>6} {'clients':>7} {'1 process':>10} {f'{args.ranks} procs':>10} {'ratio':>6}"
+        )
         for method in args.methods.split(","):
             for clients in [int(c) for c in args.clients.split(",")]:
                 single, sharded = [], []

@@ -48,7 +48,7 @@ def restore(
     a miss."""
     remote = getattr(pairing.target, "restore_prefix", None)
     if remote is not None:  # a distributed target: the ranks restore what all of them hold
-        return remote(ns, list(prompt[:-1]))  # type: ignore[no-any-return]
+        return remote(ns, list(prompt[:-1]))
     rate = pairing.costs.recompute_rate
     found = cache.lookup_keyed(ns, prompt[:-1], rate)
     if not found:

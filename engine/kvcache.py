@@ -154,7 +154,7 @@ def batch_type(model: nn.Module) -> type[BatchKVCache]:
     """The batch cache class for rows of `model`, laid out as its own caches are."""
     own = getattr(model, "batch_cache_type", None)  # a distributed target's
     if own is not None:
-        return own  # type: ignore[no-any-return]
+        return own
     step = bucket_of(model)
     return bucketed_type(step).batch if step else BatchKVCache
 

@@ -224,7 +224,9 @@ def warm_up(
 SHARDED_KV = KvLayout(refusal="a distributed target keeps its K/V unquantized")
 
 
-def _load_sharded(entry: ModelEntry, path: Path, backend: Backend) -> tuple[Any, Any, dict[str, Any]]:
+def _load_sharded(
+    entry: ModelEntry, path: Path, backend: Backend
+) -> tuple[Any, Any, dict[str, Any]]:
     """A target sharded over the ranks the entry names (`engine.distributed`)."""
     from mlxd.engine.distributed.loading import GroupError, load_distributed
 

@@ -74,7 +74,8 @@ class _Shadow:
         namespace's fields plus its split and rank); the tokens offered."""
         self.journal.add("offer", self.sid, tokens, (ns.model, ns.adapter, ns.kv))
         self.journal.sync()
-        return min(len(tokens), int(self.offset if isinstance(self.offset, int) else 0))
+        held = getattr(self, "offset", 0)
+        return min(len(tokens), held if isinstance(held, int) else 0)
 
 
 def zeros(batch: int, n: int) -> mx.array:

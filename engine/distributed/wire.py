@@ -46,7 +46,7 @@ def broadcast(data: bytes | None, group: mx.distributed.Group) -> bytes:
     """Rank 0's bytes on every rank: a sum where only rank 0 contributes (the length first)."""
     mine = data if group.rank() == 0 and data is not None else b""
     n = mx.distributed.all_sum(mx.array([len(mine)], dtype=mx.int32), group=group)
-    size = int(n.item())
+    size = int(np.array(n)[0])
     if group.rank() == 0:
         buf = mx.array(np.frombuffer(mine, dtype=np.uint8))
     else:

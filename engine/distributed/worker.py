@@ -73,7 +73,7 @@ class Replica:
         agreed = len(found)
         if self.group is not None and self.group.size() > 1:
             every = mx.distributed.all_gather(mine, group=self.group)
-            agreed = int(mx.min(every).item())
+            agreed = int(np.array(every).min())
         if agreed == 0:
             return 0
         blocks = [b for _, b in found[:agreed]]

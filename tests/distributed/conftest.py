@@ -44,7 +44,9 @@ def distributed_registry(path: Path, pair: TinyPair, strategy: str = "tensor") -
 
 
 @pytest.fixture(scope="module")
-def dist_server(tiny_pair: TinyPair, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningServer]:
+def dist_server(
+    tiny_pair: TinyPair, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
     why = ring_works()
     if why is not None:
         pytest.skip(f"MLX's ring backend cannot start two ranks on loopback here: {why}")

@@ -115,4 +115,10 @@ def test_rank_death_ends_the_stream_and_the_daemon_serves_on(dist_server: Runnin
     r = httpx.post(f"{base}/api/generate", json={**body, "stream": False}, timeout=60)
     assert r.status_code >= 400 and "unavailable" in r.json()["error"]
     assert "rank 1" in r.json()["error"]
-    assert wait_for(lambda: not any(m["name"].startswith("dist") for m in httpx.get(f"{base}/api/ps").json()["models"]))
+    assert wait_for(
+        lambda: (
+            not any(
+                m["name"].startswith("dist") for m in httpx.get(f"{base}/api/ps").json()["models"]
+            )
+        )
+    )
