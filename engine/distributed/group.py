@@ -249,8 +249,9 @@ class Group:
             with contextlib.suppress(OSError):
                 wire.send(self._sock, "quit")
             self._sock.close()
+        polite = 30.0 if self._sock is not None else 0.0  # ranks that never started: no wait
         try:
-            self._proc.wait(30)  # the ranks write their prefix caches' RAM blocks out first
+            self._proc.wait(polite)  # the ranks write their prefix caches' RAM blocks out first
         except subprocess.TimeoutExpired:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self._proc.pid, signal.SIGTERM)

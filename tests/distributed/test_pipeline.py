@@ -36,7 +36,10 @@ def pipe_server(
         f"  localq:\n    target: {qwen}\n    draft: {small}\n"
         f"  pipe:\n    target: {qwen}\n    draft: {small}\n{HOSTS}"
         "      strategy: pipeline\n"
-        f"  badsplit:\n    target: {tiny_pair.target}\n{HOSTS}      strategy: pipeline\n",
+        f"  badsplit:\n    target: {tiny_pair.target}\n{HOSTS}      strategy: pipeline\n"
+        # 192.0.2.1 is reserved for documentation: never reachable
+        f"  faraway:\n    target: {tiny_pair.target}\n"
+        "    distributed:\n      hosts: [127.0.0.1, 192.0.2.1]\n      timeout: 5\n",
         encoding="utf-8",
     )
     with ServerThread(registry) as info:
@@ -82,4 +85,13 @@ def test_a_split_the_model_cannot_take_fails_its_probe(pipe_server: RunningServe
     error = r.json()["error"]
     assert "unavailable" in error and "cannot be split as a pipeline" in error
     assert "rank 0" in error
+    assert generate(pipe_server.base_url, "localq", "x").status_code == 200
+
+
+def test_a_host_that_cannot_be_reached_fails_its_probe(pipe_server: RunningServer) -> None:
+    r = generate(pipe_server.base_url, "faraway", "x")
+    assert r.status_code >= 400
+    error = r.json()["error"]
+    assert "unavailable" in error and "cannot start the distributed target" in error
+    assert "did not connect within 5s" in error or "did not start" in error
     assert generate(pipe_server.base_url, "localq", "x").status_code == 200
