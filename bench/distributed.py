@@ -89,7 +89,7 @@ def main() -> None:
     reg = registry(args.pair, args.ranks, args.backend, args.strategy, work / "models.yaml")
     port = free_port()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLXD_HOME": str(work / "home"),
-           "MLXD_HOST": f"127.0.0.1:{port}", "MLXD_CACHE_SSD": "0", "MLXD_NUM_PARALLEL": "4"}  # fmt: skip
+           "MLXD_HOST": f"127.0.0.1:{port}", "MLXD_CACHE_SSD": "0", "MLXD_NUM_PARALLEL": "4", "MLXD_KEEP_ALIVE": "-1"}  # fmt: skip
     cmd = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(reg)]
     log = open(work / "serve.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
