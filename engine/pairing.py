@@ -177,14 +177,19 @@ def _recompute_rate(target: nn.Module, tokens: int = 512) -> float:
     return held / seconds if seconds > 0 else 0.0
 
 
-def measure_costs(target: nn.Module, draft: nn.Module | None, context: int = 64) -> Costs:
-    verify = _forward_seconds(target, VERIFY_WIDTHS, context)
+def measure_costs(
+    target: nn.Module, draft: nn.Module | None, context: int = 64, sharded: bool = False
+) -> Costs:
+    """What speculation costs on this pairing. A `sharded` target is measured in fewer passes
+    (each of its forwards is a round trip through its ranks), and its prefill rate is left
+    unknown: its ranks decide about their own prefix caches' SSD tiers."""
+    verify = _forward_seconds(target, VERIFY_WIDTHS, context, passes=2 if sharded else 7)
     draft_step = _forward_seconds(draft, (1,), context)[1] if draft is not None else 0.0
     return Costs(
         verify=verify,
         draft_step=draft_step,
         plain_step=_plain_seconds(target, context),
-        recompute_rate=_recompute_rate(target),
+        recompute_rate=0.0 if sharded else _recompute_rate(target),
     )
 
 
@@ -279,7 +284,7 @@ def load_pairing(
     try:
         kv = kv_layout(target) if entry.distributed is None else SHARDED_KV
         if costs is None:
-            costs = measure_costs(target, draft)
+            costs = measure_costs(target, draft, sharded=entry.distributed is not None)
             # proves every round shape computes; the serving thread warms the whole row
             # context for itself (MLX's CUDA build keeps compiled kernels per thread). A
             # sharded target's ranks compile on their own threads: measuring proved it computes.
