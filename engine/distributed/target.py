@@ -4,7 +4,8 @@ It is called as mlx-lm models are (`target(tokens, cache=layers)`) and makes cac
 (`make_cache()`), so the engine's decoding, batching and speculation run unchanged. A forward
 sends the cache journal and the tokens to rank 0, every rank runs its shard, and rank 0's
 logits (every rank computes the full logits) come back as an `mx.array`; the shadow caches
-then grow as the ranks' caches did. Forwards wider than `WIDE` tokens are prompt chunks, whose
+then grow as the ranks' caches did. Forwards wider than `WIDE` tokens (wider than any verify
+round: one pending token plus the most drafts a request may ask for) are prompt chunks, whose
 callers read only the last position: only that position is sent back, the rest are zeros.
 """
 
@@ -20,9 +21,10 @@ import numpy as np
 from mlxd.engine.distributed.group import Group
 from mlxd.engine.distributed.shadow import Journal, ShadowBatch, ShadowKV, restored, zeros
 from mlxd.engine.distributed.worker import LAST_ONLY
+from mlxd.engine.options import MAX_DRAFT_TOKENS
 from mlxd.registry.distributed import Distribution
 
-WIDE = 32
+WIDE = 1 + MAX_DRAFT_TOKENS
 
 
 class DistributedTarget:
