@@ -70,6 +70,7 @@ def ps_entry(
         details=local.details.ollama_details() if local is not None else {},
         expires_at=expires_at(status, now),
         context_length=status.need.context,
+        ranks=list(status.ranks) or None,
     )
 
 

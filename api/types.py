@@ -210,8 +210,8 @@ class ShowResponse(msgspec.Struct, omit_defaults=True):
     unavailable: str | None = None
 
 
-class RunningModel(msgspec.Struct):
-    """One model of /api/ps."""
+class RunningModel(msgspec.Struct, omit_defaults=True):
+    """One model of /api/ps; `ranks` (mlxd's) for a target sharded over several processes."""
 
     name: str
     model: str
@@ -221,6 +221,7 @@ class RunningModel(msgspec.Struct):
     details: dict[str, Any]
     expires_at: str
     context_length: int
+    ranks: list[str] | None = None
 
 
 class PsResponse(msgspec.Struct):

@@ -237,6 +237,9 @@ def cmd_ps(args: argparse.Namespace) -> int:
             human_until(m.get("expires_at", "")),
         ])  # fmt: skip
     print(table(rows))
+    for m in models:  # a distributed pairing's ranks, where they run (and why it stopped)
+        for rank in m.get("ranks") or []:
+            print(f"  {m['name']}  {rank}")
     return 0
 
 

@@ -18,6 +18,7 @@ from mlxd.api.state import ServerState
 from mlxd.daemon.config import Settings
 from mlxd.daemon.lifecycle import Lifecycle
 from mlxd.engine.backend import Backend
+from mlxd.engine.distributed.group import RankCache, configure_rank_cache
 from mlxd.engine.manager import ModelManager
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.probestore import ProbeStore
@@ -59,6 +60,10 @@ def build_state(settings: Settings, backend: Backend) -> ServerState:
     # Not ensure_home(): a home that cannot be created turns the SSD tier off, not the daemon.
     cache_dir = settings.cache_dir or mlxd_home() / "kvcache"
     prefix = PrefixCache(settings.cache_ram_bytes, cache_dir, settings.cache_ssd_bytes)
+    # a distributed target's ranks keep their own shards' blocks, each under this root
+    configure_rank_cache(
+        RankCache(settings.cache_ram_bytes, settings.cache_ssd_bytes, cache_dir / "distributed")
+    )
     manager = ModelManager(
         backend,
         default_keep_alive=settings.keep_alive,

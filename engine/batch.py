@@ -151,11 +151,7 @@ class RowBatch:
         own = []
         step = kvcache.bucket_of(self.target)
         for c in self.cache:
-            part = c.extract(slot)
-            layer = kvcache.new_kv_cache(step)
-            if part.keys is not None and part.offset:
-                layer.update_and_fetch(part.keys, part.values)
-            own.append(layer)
+            own.append(kvcache.own_layer(c.extract(slot), step))
         gen.cache = own
         del self.gens[slot]
         if not self.gens:

@@ -53,6 +53,9 @@ def restore(
     """Target caches holding the longest cached prefix of the prompt (all but its last token),
     with the draft's state restored into `source` as far as the blocks carry it; (None, 0) on
     a miss."""
+    remote = getattr(pairing.target, "restore_prefix", None)
+    if remote is not None:  # a distributed target: the ranks restore what all of them hold
+        return remote(ns, list(prompt[:-1]))
     rate = pairing.costs.recompute_rate
     found = cache.lookup_keyed(ns, prompt[:-1], rate)
     if not found:
@@ -143,6 +146,9 @@ def offer_caches(
     streamed."""
     if not target:
         return 0
+    remote = getattr(target[0], "offer_remote", None)
+    if remote is not None:  # a distributed target: each rank stores its own shard
+        return int(remote(ns, list(tokens)))
     covered = min(int(target[0].offset), len(tokens))
     draft_cache: list[Any] = []
     draft_covered = 0

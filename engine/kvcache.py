@@ -143,11 +143,18 @@ def bucketed_type(step: int) -> type[BucketedKVCache]:
 
 def plain_kv(layer: Any) -> bool:
     """Whether a layer is a plain K/V cache (exact or bucketed): what a batch cache can hold."""
-    return type(layer) is KVCache or isinstance(layer, BucketedKVCache)
+    return (
+        type(layer) is KVCache
+        or isinstance(layer, BucketedKVCache)
+        or getattr(layer, "batchable_layer", False)  # a distributed target's shadow layer
+    )
 
 
 def batch_type(model: nn.Module) -> type[BatchKVCache]:
     """The batch cache class for rows of `model`, laid out as its own caches are."""
+    own = getattr(model, "batch_cache_type", None)  # a distributed target's
+    if own is not None:
+        return own
     step = bucket_of(model)
     return bucketed_type(step).batch if step else BatchKVCache
 
@@ -156,6 +163,17 @@ def make_cache(model: nn.Module) -> list[Any]:
     """mlx-lm's cache for `model`, with plain KV layers bucketed where its mark says so."""
     step = bucket_of(model)
     return [new_kv_cache(step) if type(c) is KVCache else c for c in make_prompt_cache(model)]
+
+
+def own_layer(part: KVCache, step: int | None) -> KVCache:
+    """A row's own layer from what a batch cache's `extract` gave it (copied into the
+    layout its model's caches use; a distributed target's shadow layer is already its own)."""
+    if getattr(part, "adopt_as_is", False):
+        return part
+    layer = new_kv_cache(step)
+    if part.keys is not None and part.offset:
+        layer.update_and_fetch(part.keys, part.values)
+    return layer
 
 
 def new_kv_cache(step: int | None) -> KVCache:

@@ -24,6 +24,7 @@ import mlx.core as mx
 from mlxd.engine.adapters import AdapterError, check_entry_adapters
 from mlxd.engine.backend import Backend
 from mlxd.engine.counts import EVICTION, LOAD, LOAD_FAILURE, RUNNER_RESTART, LifecycleCounts
+from mlxd.engine.distributed.group import forget_loss, lost_reason
 from mlxd.engine.embedding.model import (
     Embedded,
     EmbedRequest,
@@ -42,7 +43,7 @@ from mlxd.engine.memory import (
     resolve_budget,
 )
 from mlxd.engine.options import OptionsError, parse_options
-from mlxd.engine.pairing import ModelUnavailable, Pairing, load_pairing, locate
+from mlxd.engine.pairing import ModelUnavailable, Pairing, close_target, load_pairing, locate
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.probestore import ProbeStore
 from mlxd.engine.runner import PairingRunner
@@ -119,6 +120,8 @@ def _probe_blocking(entry: ModelEntry, backend: Backend, store: ProbeStore | Non
     t0 = time.perf_counter()
     if embedding_spec(entry) is not None:
         return _probe_embedder(entry, backend)
+    if entry.distributed is not None:
+        store = None  # the ranks' hosts must be reached at every start, not remembered
     try:
         key = store.key(entry, backend) if store is not None else None
     except Exception:  # unreadable files: the load below says why
@@ -137,6 +140,7 @@ def _probe_blocking(entry: ModelEntry, backend: Backend, store: ProbeStore | Non
         pairing.check_options(parse_options(entry.options))
     except OptionsError as exc:  # served, but every request using these options gets a 400
         log.warning("registry entry %s: its options do not fit the model: %s", entry.name, exc)
+    close_target(pairing.target)
     del pairing
     gc.collect()
     mx.clear_cache()
@@ -288,6 +292,7 @@ class ModelStatus:
     waiting: int
     loading: bool
     stopping: bool
+    ranks: tuple[str, ...] = ()  # a distributed target's ranks (and why its group ended)
 
 
 def _status(model: Resident, now: float) -> ModelStatus:
@@ -306,7 +311,14 @@ def _status(model: Resident, now: float) -> ModelStatus:
         waiting=model.waiting,
         loading=model.loading,
         stopping=model.retired or (model.users > 0 and model.keep_alive <= 0),
+        ranks=_ranks(model),
     )
+
+
+def _ranks(model: Resident) -> tuple[str, ...]:
+    pairing = getattr(model.runner, "pairing", None)
+    describe = getattr(getattr(pairing, "target", None), "describe", None)
+    return tuple(describe()) if callable(describe) else ()
 
 
 def _adapted(entry: ModelEntry) -> bool:
@@ -438,6 +450,8 @@ class ModelManager:
         probed = self._probes.get(entry)
         if probed is not None and not probed.ok:
             raise ModelUnavailable(f"model '{entry.name}' is unavailable: {probed.reason}")
+        if entry.distributed is not None:
+            self._check_group(entry)
         ticket = self.queue.enter()
         try:
             model = self._ready(entry)  # fast path: loaded, no load decision to wait for
@@ -458,6 +472,19 @@ class ModelManager:
                 raise ModelUnavailable(str(exc) or type(exc).__name__) from exc
             raise
         return lease, time.perf_counter() - t0
+
+    def _check_group(self, entry: ModelEntry) -> None:
+        """A distributed pairing whose group was lost stays unavailable, with the reason,
+        until it is unloaded (`mlxd stop`) or the daemon restarts; its runner is retired."""
+        lost = lost_reason(entry.name)
+        if lost is None:
+            return
+        for model in list(self._loaded.values()):
+            if model.entry.name == entry.name or entry.name in model.names:
+                model.keep_alive = 0
+                if model.users == 0:
+                    self._retire(model)
+        raise ModelUnavailable(f"model '{entry.name}' is unavailable: {lost}")
 
     def release(self, slot: Loaded) -> None:
         """The request is done with its pairing (idempotent)."""
@@ -735,6 +762,7 @@ class ModelManager:
     def unload(self, name: str) -> bool:
         """Unload now if idle, else as soon as its requests finish; never waits."""
         found = [m for m in self._loaded.values() if m.entry.name == name or name in m.names]
+        forget_loss(name)  # a lost distributed group is tried afresh on the next load
         for model in found:
             model.keep_alive = 0
             if model.users == 0:

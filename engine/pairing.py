@@ -204,8 +204,13 @@ def _recompute_rate(target: nn.Module, tokens: int = 512) -> float:
     return held / seconds if seconds > 0 else 0.0
 
 
-def measure_costs(target: nn.Module, draft: nn.Module | None, context: int = 64) -> Costs:
-    verify = _forward_seconds(target, VERIFY_WIDTHS, context)
+def measure_costs(
+    target: nn.Module, draft: nn.Module | None, context: int = 64, sharded: bool = False
+) -> Costs:
+    """What speculation costs on this pairing. A `sharded` target is measured in fewer passes
+    (each of its forwards is a round trip through its ranks), and its prefill rate is left
+    unknown: its ranks decide about their own prefix caches' SSD tiers."""
+    verify = _forward_seconds(target, VERIFY_WIDTHS, context, passes=2 if sharded else 7)
     draft_step = _forward_seconds(draft, (1,), context)[1] if draft is not None else 0.0
     rows = {}
     if draft is not None and all(plain_kv(c) for c in make_cache(draft)):
@@ -215,7 +220,7 @@ def measure_costs(target: nn.Module, draft: nn.Module | None, context: int = 64)
         draft_step=draft_step,
         draft_batch=rows,
         plain_step=_plain_seconds(target, context),
-        recompute_rate=_recompute_rate(target),
+        recompute_rate=0.0 if sharded else _recompute_rate(target),
     )
 
 
@@ -252,6 +257,29 @@ def warm_up(
                     gen.close()
 
 
+SHARDED_KV = KvLayout(refusal="a distributed target keeps its K/V unquantized")
+
+
+def _load_sharded(
+    entry: ModelEntry, path: Path, backend: Backend
+) -> tuple[Any, Any, dict[str, Any]]:
+    """A target sharded over the ranks the entry names (`engine.distributed`)."""
+    from mlxd.engine.distributed.loading import GroupError, load_distributed
+
+    assert entry.distributed is not None
+    try:
+        return load_distributed(entry.name, path, entry.distributed, backend, entry.template)
+    except (GroupError, OSError, ValueError) as exc:
+        raise ModelUnavailable(f"cannot start the distributed target: {exc}") from exc
+
+
+def close_target(target: Any) -> None:
+    """Stop a distributed target's ranks now (a local model has nothing to stop)."""
+    close = getattr(target, "close", None)
+    if callable(close):
+        close()
+
+
 def check_tokenizers(target_tok: Any, draft_tok: Any) -> None:
     """Speculation compares token ids, so both sides must map the same strings to the same ids."""
     probes = ["def fib(n):\n    return n", "Hello, world! 123", " héllo ✓", "\n\n\t"]
@@ -272,7 +300,10 @@ def load_pairing(
     process) the forwards are measured and every round shape is run once, which also proves
     both models compute."""
     target_dir = locate(entry.target, "target")
-    target, tokenizer, config = load_model(target_dir, backend, entry.template)
+    if entry.distributed is not None:
+        target, tokenizer, config = _load_sharded(entry, target_dir, backend)
+    else:
+        target, tokenizer, config = load_model(target_dir, backend, entry.template)
     draft = None
     draft_dir = None
     draft_revision = ""
@@ -282,13 +313,16 @@ def load_pairing(
         draft_revision = revision_of(draft_dir, draft_config, backend)
         check_tokenizers(tokenizer, draft_tok)
     try:
-        kv = kv_layout(target)
+        kv = kv_layout(target) if entry.distributed is None else SHARDED_KV
         if costs is None:
-            costs = measure_costs(target, draft)
+            costs = measure_costs(target, draft, sharded=entry.distributed is not None)
             # proves every round shape computes; the serving thread warms the whole row
-            # context for itself (MLX's CUDA build keeps compiled kernels per thread)
-            warm_up(target, draft, costs)
+            # context for itself (MLX's CUDA build keeps compiled kernels per thread). A
+            # sharded target's ranks compile on their own threads: measuring proved it computes.
+            if entry.distributed is None:
+                warm_up(target, draft, costs)
     except Exception as exc:
+        close_target(target)
         raise ModelUnavailable(f"a forward pass failed: {exc}") from exc
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
     return Pairing(

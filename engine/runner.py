@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from mlxd.engine.backend import Backend
 from mlxd.engine.events import Done, Event, Failed, GenerationRequest
-from mlxd.engine.pairing import Pairing, load_pairing
+from mlxd.engine.pairing import Pairing, close_target, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.progress import beat_with
 from mlxd.engine.scheduler import Job, Scheduler
@@ -170,6 +170,8 @@ class PairingRunner:
         finally:
             self._outbox.flush()
             self.scheduler = None
+            if self.pairing is not None:
+                close_target(self.pairing.target)
             self.pairing = None
             mx.clear_cache()
 

@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from mlxd.registry.distributed import Distribution, check_distributed
 from mlxd.registry.embedded import EMBEDDED_DIR
 from mlxd.registry.names import InvalidModelName, parse_name
 
@@ -67,6 +68,7 @@ ENTRY_KEYS: tuple[str, ...] = (
     "messages",
     "kind",
     "pooling",
+    "distributed",
 )
 # `kind`: what the model is served for (absent: detected from its files); `pooling`: how an
 # embedding model pools its tokens when its files and mlxd's table do not say.
@@ -75,7 +77,14 @@ ENTRY_CHOICES: Mapping[str, tuple[str, ...]] = MappingProxyType(
 )
 # What decides a loaded pairing: entries equal on these share one loaded base (adapters, options
 # and the system prompt are per request).
-LOAD_KEYS: tuple[str, ...] = ("target", "draft", "draft_tokens", "template", "context_length")
+LOAD_KEYS: tuple[str, ...] = (
+    "target",
+    "draft",
+    "draft_tokens",
+    "template",
+    "context_length",
+    "distributed",
+)
 
 # Ollama's option names and their types (``ollama:api/types.go`` Options + Runner). Unknown
 # names are rejected: in a hand-written file a typo such as ``temprature`` must not be ignored
@@ -163,6 +172,7 @@ class ModelEntry:
     adapters: tuple[AdapterRef, ...] = ()  # mounted on the target, selected per request
     draft_adapters: tuple[AdapterRef, ...] = ()  # mounted on the draft model
     messages: tuple[Mapping[str, str], ...] = field(default=(), hash=False)  # chats start so
+    distributed: Distribution | None = None  # the target sharded over several processes
     source: Path = field(default_factory=lambda: Path("<memory>"))
     line: int | None = None
 
@@ -413,6 +423,7 @@ def _load_entry(
         "adapters": lambda v: _check_adapters(v, base_dir),
         "draft_adapters": lambda v: _check_adapters(v, base_dir),
         "messages": _check_messages,
+        "distributed": lambda v: check_distributed(v, base_dir),
     }
     for key, key_node, value_node in ctx.pairs(vnode, name):
         if key == "options":
@@ -438,6 +449,8 @@ def _load_entry(
 
     if "target" not in fields:
         raise ctx.error("missing required key 'target'", knode, name)
+    if "distributed" in fields and (fields.get("adapters") or fields.get("draft_adapters")):
+        raise ctx.error("a distributed pairing cannot mount adapters", knode, name, "distributed")
     return ModelEntry(
         name=name,
         source=ctx.path,
