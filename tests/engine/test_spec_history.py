@@ -139,7 +139,9 @@ def test_auto_that_did_not_pay_starts_on_its_lookup_arm(loaded: Loaded) -> None:
 
 def test_requests_share_one_pause_clock(loaded: Loaded) -> None:
     """A request that ends inside the pause spends its plain tokens from the pairing's clock;
-    the next one waits only for the rest, then runs its trial."""
+    the next one waits only for the rest. Its pause ends 16 tokens in, where the draft would
+    first have to read the prompt and those 16 tokens with only 32 left to repay it: it stays
+    plain to the end, and the request after it runs the trial from its start."""
     history = _not_paying()
     prompt = prompts(loaded.tokenizer, 1)[0]
     plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=48)
@@ -151,8 +153,13 @@ def test_requests_share_one_pause_clock(loaded: Loaded) -> None:
     assert second.off and second.pause_tokens == 64 - 48
     source = _CountingDraft(loaded.draft, GREEDY, Rng(0))
     gen = run(loaded, prompt, second, source)
-    assert gen.stats.rounds > 0  # the trial came 16 tokens in
-    assert source.read == (len(prompt) + 16,)  # the draft read everything at once, then
+    assert gen.stats.rounds == 0 and source.read == ()  # no catch-up paid by plain tokens
+    assert gen.out == plain  # type: ignore[attr-defined]
+    third = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    assert not third.off  # the pause is spent
+    source = _CountingDraft(loaded.draft, GREEDY, Rng(0))
+    gen = run(loaded, prompt, third, source)
+    assert gen.stats.rounds > 0 and source.read == (len(prompt),)  # the trial, from the start
     assert gen.out == plain  # type: ignore[attr-defined]
 
 
