@@ -236,13 +236,16 @@ class DraftLengthController:
         doubt: float = 0.15,
         pause_tokens: int = 16,
         max_pause: int = 1024,
+        model_pause: int = 256,
         history: SpecHistory | None = None,
         source: str = "",
         regime: str = "",
     ) -> None:
         """With a `history` in which `source` did not pay lately (in this sampling `regime`),
         the request waits out the pairing's pause clock first (`off` at once; a source with a
-        cheaper arm runs that)."""
+        cheaper arm runs that). A source that runs a draft model (`draft_cost` > 0) pauses for
+        at least `model_pause` tokens, and up to 4x `max_pause`: each of its trials pays for
+        the draft reading the prompt, which only a long pause amortizes."""
         self.costs = costs
         self.max_k = max_k = min(max_k, MAX_DRAFT_TOKENS)
         self.draft_cost = draft_cost
@@ -260,6 +263,9 @@ class DraftLengthController:
         self.clock = RoundClock()  # this trial's timed rounds
         self.arms: dict[str, RoundClock] = {}  # the same, per arm that drafts with a model
         self.pending_seconds = 0.0  # draft prefill time, charged to the next timed round
+        if draft_cost > 0:
+            pause_tokens = max(pause_tokens, model_pause)
+            max_pause = max(max_pause, 4 * max_pause)
         self.pause_tokens = pause_tokens  # plain tokens before speculation is tried again
         self.base_pause = pause_tokens
         self.backoff = 0  # the last pause after a lost trial (0: none since the last paid one)
@@ -276,7 +282,8 @@ class DraftLengthController:
                 self.prior_hits[i], self.prior_tries[i] = past.hits[i], past.tries[i]
             if past.spec_seconds * floor > past.plain_seconds > 0:
                 assert history is not None
-                left = history.pause_left(key, start=4 * pause_tokens)
+                start = pause_tokens if draft_cost > 0 else 4 * pause_tokens
+                left = history.pause_left(key, start=start)
                 self.off = left > 0  # it did not pay lately: wait out the pause, then a trial
                 self.pause_tokens = left or pause_tokens
 
