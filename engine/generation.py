@@ -34,7 +34,7 @@ from mlxd.engine.kvcache import make_cache, plain_kv
 from mlxd.engine.logprobs import TokenLogprob, position_logprobs
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.prefill import feed
-from mlxd.engine.sampling import Rng, next_tokens, to_int, to_ints
+from mlxd.engine.sampling import Rng, choose, next_tokens, to_int, to_ints
 from mlxd.engine.specstate import CATCH_UP_RATIO, Mode, Speculation
 from mlxd.engine.speculation import DraftLengthController, SpecStats
 from mlxd.engine.verify import Verdict, verify
@@ -84,6 +84,13 @@ class Generation:
         self.logprobs: list[TokenLogprob] = []  # committed, not yet taken (top_logprobs set)
         self._step_logits: mx.array | None = None  # the last plain step's, when logprobs wanted
         self._round: tuple[int, str] = (0, "")  # the last round's draft count and its arm
+        # nothing between plain tokens but the forward and the choice (`_lean_step`)
+        self._lean = (
+            grammar is None
+            and opts.top_logprobs is None
+            and not opts.has_penalties
+            and opts.kv_bits is None
+        )
         if source is not None and not can_trim_prompt_cache(self.cache):
             self.spec.stop("the target cache cannot be trimmed", failed=False)
 
@@ -164,6 +171,8 @@ class Generation:
 
     def step(self) -> list[int]:
         """One solo step: a speculative round, or one plainly decoded token."""
+        if self._inflight is not None and self._lean and self.spec.mode is Mode.OFF:
+            return self._lean_step(self._inflight)
         if self.done:
             return []
         k = self.draft_length()
@@ -277,6 +286,28 @@ class Generation:
         self.spec.committed_plainly(len(new), self._worth_resuming)
         self._maybe_quantize()
         return new
+
+    def _lean_step(self, y: mx.array) -> list[int]:
+        """`_plain_step` for the common case, with nothing but the forward between tokens:
+        speculation off, no grammar, penalties, logprobs or KV quantization, the next token
+        already queued. Queues the one after it, then reads this one (the same choices)."""
+        position = len(self.tokens) + 1
+        if self.produced + 1 < self.limit:
+            logits = self.target(y.reshape(1, 1), cache=self.cache)[0, -1:, :]
+            queued = choose(logits, self.opts, self.rng, position)[0]
+            mx.async_eval(queued)
+            self._inflight = queued
+        else:
+            self._inflight = None
+        tok = int(y.item())  # type: ignore[arg-type]
+        self.tokens.append(tok)
+        self.produced += 1
+        if tok in self.eos:
+            self.finish = "stop"
+            self._inflight = None  # queued past the end: never committed
+        elif self.produced >= self.limit:
+            self.finish = "length"
+        return [tok]
 
     def settle(self) -> list[int]:
         """Commit the token in flight, if any: afterwards the cache holds every committed
