@@ -265,7 +265,7 @@ class DraftLengthController:
         self.pending_seconds = 0.0  # draft prefill time, charged to the next timed round
         if draft_cost > 0:
             pause_tokens = max(pause_tokens, model_pause)
-            max_pause = max(max_pause, 4 * max_pause)
+            max_pause *= 4
         self.pause_tokens = pause_tokens  # plain tokens before speculation is tried again
         self.base_pause = pause_tokens
         self.backoff = 0  # the last pause after a lost trial (0: none since the last paid one)
