@@ -1,7 +1,16 @@
 """Speculative decoding, side by side in one run: plain decoding, mlxd's draft sources, and
-mlx-lm's `speculative_generate_step` at k = 2..6, on the code-pair's held-out code prompts.
+mlx-lm's plain `generate_step` and `speculative_generate_step` at k = 2..6, on the code-pair's
+held-out code prompts.
 
     python bench/spec.py --pair ../shared/models/code-pair [--prompts 20] [--tokens 128]
+    python bench/spec.py --pair ../shared/models/code-pair --fat [--pairs code,fat-bf16,fat-4bit]
+
+`--fat` builds the code pair fattened to the cost of a 7B target and a 0.5B draft (hidden 3584,
+28 layers, MLP 18944; draft 896 / 24 / 4864; `--fat-target` / `--fat-draft` change the shapes)
+with the code pair's `../fatten.py`, in bf16 and 4-bit, into --work (built once, then reused),
+and benchmarks the pairs one after the other: the same prompts, the same tokens, one table per
+pair and a summary of every pair at the end (plain tok/s, mlx-lm plain and each mlxd method as
+a ratio to plain). The fat pairs are slow on a CPU: keep --prompts and --tokens small there.
 
 Every method decodes exactly --tokens new tokens per prompt (EOS does not stop it), so the
 rates compare like with like. Times include the prompt prefill. Prints one table per
@@ -12,8 +21,11 @@ temperature and the ratios the goals are stated in; --json writes the raw number
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,6 +52,7 @@ from mlxd.engine.speculation import Costs, DraftLengthController, SpecHistory
 
 @dataclass
 class Row:
+    pair: str
     method: str
     temperature: float
     tokens: int
@@ -102,6 +115,33 @@ def mlxlm_run(
     return n, from_draft
 
 
+FAT_TARGET = "3584,28,18944"  # hidden, layers, MLP: a Qwen2.5-7B-like target
+FAT_DRAFT = "896,24,4864"  # a Qwen2.5-0.5B-like draft
+OURS = ["plain (mlxd)", "mlxd model", "mlxd lookup", "mlxd auto"]
+
+
+def fat_pair(code: Path, work: Path, target: str, draft: str, bits: int) -> Path:
+    """The code pair fattened to the given shapes (built once under `work`, then reused)."""
+    name = f"fat-{'bf16' if not bits else f'{bits}bit'}-{target.replace(',', 'x')}"
+    out = work / name
+    fatten = code.parent / "fatten.py"
+    for role, shape in (("target", target), ("draft", draft)):
+        dest = out / role
+        if (dest / "config.json").is_file():
+            continue
+        hidden, layers, mlp = shape.split(",")
+        cmd = [sys.executable, str(fatten), str(code / role), str(dest), "--hidden", hidden,
+               "--layers", layers, "--intermediate", mlp]  # fmt: skip
+        if bits:
+            cmd += ["--bits", str(bits)]
+        print(f"building {dest} ...", flush=True)
+        subprocess.run(cmd, check=True)
+    heldout = out / "heldout_prompts.json"
+    if not heldout.is_file():
+        heldout.write_bytes((code / "heldout_prompts.json").read_bytes())
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -109,22 +149,47 @@ def main() -> None:
     ap.add_argument(
         "--pair", type=Path, default=Path(__file__).resolve().parents[2] / "shared/models/code-pair"
     )
+    ap.add_argument("--fat", action="store_true", help="also the fat pairs (bf16 and 4-bit)")
+    ap.add_argument("--pairs", default=None, help="which of code,fat-bf16,fat-4bit to run")
+    ap.add_argument("--fat-target", default=FAT_TARGET, help="hidden,layers,MLP")
+    ap.add_argument("--fat-draft", default=FAT_DRAFT, help="hidden,layers,MLP")
+    ap.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "mlxd-fat")
     ap.add_argument("--prompts", type=int, default=20)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--temps", default="0,0.7")
-    ap.add_argument("--ks", default="2,3,4,5,6")
+    ap.add_argument("--ks", default="2,3,4,5,6", help="mlx-lm's draft lengths ('' for none)")
     ap.add_argument(
         "--max-k", type=int, default=6, help="mlxd's draft_num_predict (the adaptive maximum)"
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
 
+    names = (args.pairs or ("code,fat-bf16,fat-4bit" if args.fat else "code")).split(",")
+    rows: list[Row] = []
+    for name in names:
+        if name == "code":
+            path = args.pair
+        elif name in ("fat-bf16", "fat-4bit"):
+            bits = 4 if name == "fat-4bit" else 0
+            path = fat_pair(args.pair, args.work, args.fat_target, args.fat_draft, bits)
+        else:
+            raise SystemExit(f"unknown pair {name!r}: choose from code, fat-bf16, fat-4bit")
+        rows += bench_pair(name, path, args)
+        gc.collect()
+        mx.clear_cache()
+    summary(rows, [float(t) for t in args.temps.split(",")], names)
+    if args.json:
+        args.json.write_text(json.dumps([asdict(r) | {"rate": r.rate} for r in rows], indent=1))
+
+
+def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
     # Both engines decode the models as mlxd loads them (float32 on the CPU).
-    target, tokenizer, _ = load_model(args.pair / "target", BACKEND)
-    draft = load_model(args.pair / "draft", BACKEND)[0]
-    heads = json.loads((args.pair / "heldout_prompts.json").read_text())["code"][: args.prompts]
+    target, tokenizer, _ = load_model(path / "target", BACKEND)
+    draft = load_model(path / "draft", BACKEND)[0]
+    heads = json.loads((path / "heldout_prompts.json").read_text())["code"][: args.prompts]
     prompts = [list(tokenizer.encode(h["prompt"])) for h in heads]
     costs = measure_costs(target, draft)
+    print(f"\n== {pair}: {path}")
     print(f"device: {mx.default_device()}  prompts: {len(prompts)}  new tokens: {args.tokens}")
     print("measured verify cost v(L) = t(L)/t(1): " + " ".join(
         f"{w}:{costs.v(w) / costs.v(1):.2f}" for w in sorted(costs.verify)
@@ -134,11 +199,13 @@ def main() -> None:
     # Warm up mlxd's paths once (kernel compiles, allocator), as its probe-open does.
     warm_up(target, draft, costs, args.max_k)
 
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = [int(k) for k in args.ks.split(",") if k.strip()]
     temps = [float(t) for t in args.temps.split(",")]
-    ours = ["plain (mlxd)", "mlxd model", "mlxd lookup", "mlxd auto"]
-    theirs = ["mlx-lm plain", *(f"mlx-lm k={k}" for k in ks)]
-    table = {(t, name): Row(name, t, 0, 0.0) for t in temps for name in ours + theirs}
+    # mlx-lm's plain decoding takes turns with mlxd's methods on each prompt: plain against plain
+    # is the closest comparison, so a slow spell of the machine must hit both alike.
+    first = [*OURS, "mlx-lm plain"]
+    theirs = [f"mlx-lm k={k}" for k in ks]
+    table = {(t, name): Row(pair, name, t, 0, 0.0) for t in temps for name in first + theirs}
     history = SpecHistory()  # one pairing's history, as the server keeps it across requests
 
     def run(name: str, prompt: list[int], seed: int, temp: float) -> tuple[int, ...]:
@@ -156,11 +223,10 @@ def main() -> None:
     # them alike. The engines run one after the other: mlx-lm's verify forwards land on a new
     # cache length every round, hundreds of new CUDA graphs per prompt, which crowd MLX's graph
     # and buffer caches under whatever runs next.
-    for group in (ours, theirs):
-        for temp in temps:
-            if group is theirs:
-                for k in [0, *ks]:
-                    mlxlm_run(target, draft if k else None, prompts[0][:16], temp, k, 2 * k + 2)
+    for group in (first, theirs):
+        for temp in temps if group else []:
+            for k in [0] if group is first else ks:  # mlx-lm's samplers and shapes, once
+                mlxlm_run(target, draft if k else None, prompts[0][:16], temp, k, 2 * k + 2)
             for i, prompt in enumerate(prompts):
                 for name in group:
                     row = table[temp, name]
@@ -179,8 +245,23 @@ def main() -> None:
     rows = list(table.values())
     for temp in temps:
         report([r for r in rows if r.temperature == temp], temp)
-    if args.json:
-        args.json.write_text(json.dumps([asdict(r) | {"rate": r.rate} for r in rows], indent=1))
+    return rows
+
+
+def summary(rows: list[Row], temps: list[float], pairs: list[str]) -> None:
+    """One line per pair and temperature: plain's rate, the rest as ratios to it."""
+    others = ["mlx-lm plain", "mlxd model", "mlxd lookup", "mlxd auto"]
+    print(f"\n{'pair':<10}{'temp':>6}{'plain tok/s':>13}" + "".join(f"{o:>14}" for o in others))
+    floor = 1.0
+    for pair in pairs:
+        for temp in temps:
+            by = {r.method: r.rate for r in rows if r.pair == pair and r.temperature == temp}
+            plain = by["plain (mlxd)"]
+            ratios = [by[o] / plain if plain else 0.0 for o in others]
+            floor = min(floor, *ratios[1:])
+            cells = "".join(f"{x:>13.2f}x" for x in ratios)
+            print(f"{pair:<10}{temp:>6}{plain:>13.1f}{cells}")
+    print(f"slowest mlxd method / plain over every cell: {floor:.2f}x")
 
 
 def report(rows: list[Row], temp: float) -> None:
@@ -194,12 +275,17 @@ def report(rows: list[Row], temp: float) -> None:
         )  # fmt: skip
         print(f"{r.method:<16}{r.rate:>9.1f}{r.rate / plain:>9.2f}x{acc:>12}{share:>12}")
     ours = max((r for r in rows if r.method.startswith("mlxd")), key=lambda r: r.rate)
-    theirs = max((r for r in rows if r.method.startswith("mlx-lm k=")), key=lambda r: r.rate)
+    spec = [r for r in rows if r.method.startswith("mlx-lm k=")]
     floor = min(r.rate for r in rows if r.method.startswith("mlxd")) / plain
+    best = ""
+    if spec:
+        theirs = max(spec, key=lambda r: r.rate)
+        best = f"best mlxd ({ours.method}) / best mlx-lm ({theirs.method}): "
+        best += f"{ours.rate / theirs.rate:.2f}x   "
+    lm_plain = next(r for r in rows if r.method == "mlx-lm plain").rate
     print(
-        f"best mlxd ({ours.method}) / best mlx-lm ({theirs.method}): {ours.rate / theirs.rate:.2f}x"
-        f"   slowest mlxd method / plain: {floor:.2f}x"
-        f"   mlx-lm plain / mlxd plain: {next(r for r in rows if r.method == 'mlx-lm plain').rate / plain:.2f}x"
+        f"{best}slowest mlxd method / plain: {floor:.2f}x"
+        f"   mlx-lm plain / mlxd plain: {lm_plain / plain:.2f}x"
     )
 
 

@@ -71,6 +71,11 @@ class DraftSource(ABC):
         this row together with others; None: this row proposes on its own (`propose`)."""
         return None
 
+    def lag(self, tokens: Sequence[int]) -> int:
+        """Committed tokens the source would have to read before its next draft (a draft
+        model's catch-up after a pause); 0 for sources that keep no model state."""
+        return 0
+
     def checkpoint(self) -> Any:
         """Companion state to store with the target's cache; None when there is nothing."""
         return None
@@ -162,6 +167,9 @@ class ModelDraftSource(DraftSource):
             raise RuntimeError("draft cache cannot be trimmed")
         self.cached = list(tokens[:keep])
         self._drafts, self._fed = None, 0
+
+    def lag(self, tokens: Sequence[int]) -> int:
+        return len(tokens) - len(self.cached)
 
     def checkpoint(self) -> Any:
         """The draft's caches and the tokens they hold (shared, not copied: the prefix cache
@@ -271,6 +279,9 @@ class HybridDraftSource(DraftSource):
     def cheaper(self) -> DraftSource | None:
         self.model.dispose()
         return self.lookup
+
+    def lag(self, tokens: Sequence[int]) -> int:
+        return self.model.lag(tokens)
 
     def checkpoint(self) -> Any:
         return self.model.checkpoint()

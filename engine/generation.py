@@ -35,8 +35,8 @@ from mlxd.engine.kvcache import make_cache, plain_kv
 from mlxd.engine.logprobs import TokenLogprob, position_logprobs
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.prefill import feed
-from mlxd.engine.sampling import Rng, next_tokens, to_int, to_ints
-from mlxd.engine.specstate import Mode, Speculation
+from mlxd.engine.sampling import Rng, choose, next_tokens, to_int, to_ints
+from mlxd.engine.specstate import CATCH_UP_RATIO, Mode, Speculation
 from mlxd.engine.speculation import DraftLengthController, SpecStats
 from mlxd.engine.verify import Verdict, verify
 
@@ -84,6 +84,14 @@ class Generation:
         self.finish: str | None = None  # "stop" after EOS, "length" at the limit
         self.logprobs: list[TokenLogprob] = []  # committed, not yet taken (top_logprobs set)
         self._step_logits: mx.array | None = None  # the last plain step's, when logprobs wanted
+        self._round: tuple[int, str] = (0, "")  # the last round's draft count and its arm
+        # nothing between plain tokens but the forward and the choice (`_lean_step`)
+        self._lean = (
+            grammar is None
+            and opts.top_logprobs is None
+            and not opts.has_penalties
+            and opts.kv_bits is None
+        )
         if source is not None and not can_trim_prompt_cache(self.cache):
             self.spec.stop("the target cache cannot be trimmed", failed=False)
 
@@ -118,10 +126,14 @@ class Generation:
         if not self._source_behind or self.source is None:
             return
         self._source_behind = False
+        t0 = time.perf_counter()
         try:
             self.source.prefill(self.tokens)
         except Exception as exc:  # a broken draft must not fail the request
             self.spec.stop(f"draft prefill failed: {exc}")
+            return
+        if self.controller is not None:  # what reading the prompt cost is part of the trial
+            self.controller.charge(time.perf_counter() - t0)
 
     def close(self) -> None:
         self.spec.close(self.produced)
@@ -160,6 +172,8 @@ class Generation:
 
     def step(self) -> list[int]:
         """One solo step: a speculative round, or one plainly decoded token."""
+        if self._inflight is not None and self._lean and self.spec.mode is Mode.OFF:
+            return self._lean_step(self._inflight)
         if self.done:
             return []
         k = self.draft_length()
@@ -173,7 +187,8 @@ class Generation:
         new = self._speculative_round(k)
         self._maybe_quantize()
         if self.controller is not None and self.spec.on:
-            self.controller.observe_time(time.perf_counter() - t0, len(new))
+            drafted, arm = self._round
+            self.controller.observe_time(time.perf_counter() - t0, len(new), drafted, arm)
         return new
 
     def draft_length(self) -> int:
@@ -208,6 +223,12 @@ class Generation:
 
     def _has_draft(self) -> bool:
         return self.source is not None and self.source.has_draft(self.tokens)
+
+    def _worth_resuming(self) -> bool:
+        """Whether the rest of the request repays the source's catch-up after a pause."""
+        if self.source is None:
+            return False
+        return self.source.lag(self.tokens) * CATCH_UP_RATIO <= self.limit - self.produced
 
     def _commit(self, new: list[int], walked: int = 0) -> list[int]:
         """Append new tokens up to EOS (kept, so callers see why it ended), the limit, and the
@@ -273,7 +294,7 @@ class Generation:
         self._record(self._step_logits, new)
         if self.done:
             self._inflight = self._queued = None  # queued past the end: never committed
-        self.spec.committed_plainly(len(new))
+        self.spec.committed_plainly(len(new), self._worth_resuming)
         self._maybe_quantize()
         return new
 
@@ -315,6 +336,28 @@ class Generation:
         self._maybe_quantize()
         return new
 
+    def _lean_step(self, y: mx.array) -> list[int]:
+        """`_plain_step` for the common case, with nothing but the forward between tokens:
+        speculation off, no grammar, penalties, logprobs or KV quantization, the next token
+        already queued. Queues the one after it, then reads this one (the same choices)."""
+        position = len(self.tokens) + 1
+        if self.produced + 1 < self.limit:
+            logits = self.target(y.reshape(1, 1), cache=self.cache)[0, -1:, :]
+            queued = choose(logits, self.opts, self.rng, position)[0]
+            mx.async_eval(queued)
+            self._inflight = queued
+        else:
+            self._inflight = None
+        tok = int(y.item())  # type: ignore[arg-type]
+        self.tokens.append(tok)
+        self.produced += 1
+        if tok in self.eos:
+            self.finish = "stop"
+            self._inflight = None  # queued past the end: never committed
+        elif self.produced >= self.limit:
+            self.finish = "length"
+        return [tok]
+
     def settle(self) -> list[int]:
         """Commit the token in flight, if any: afterwards the cache holds every committed
         token but the last (what a round, a batch or the prefix cache expects)."""
@@ -324,6 +367,7 @@ class Generation:
 
     def _speculative_round(self, k: int) -> list[int]:
         draft = self.propose(k)
+        self._round = (draft.count, draft.source)
         pending = mx.array([self.tokens[-1]], dtype=mx.uint32)
         inputs = mx.concatenate([pending, draft.tokens]) if draft.count else pending
         logits = self.target(inputs[None], cache=self.cache)[0]
@@ -408,7 +452,7 @@ class Generation:
         new = self._commit(verdict.tokens, held)
         self._record(logits, new)
         if not draft.count:
-            self.spec.committed_plainly(len(new))
+            self.spec.committed_plainly(len(new), self._worth_resuming)
         if self.source is not None and self.finish is None and draft.count:
             try:
                 self.source.accept(self.tokens)

@@ -2,7 +2,9 @@
 
 ON: every round asks the draft source for up to k tokens (k from the row's controller).
 PAUSED(n): speculation stopped paying; the next n committed tokens are decoded plainly, then
-a trial round runs (ON again). OFF: plain decoding to the end (no source, a source that failed,
+a trial round runs (ON again), unless the source would first have to catch up on more tokens
+than the rest of the request can repay (a draft model that read nothing during the pause): then
+OFF, and the pairing's pause clock schedules the next trial at a later request's start. OFF: plain decoding to the end (no source, a source that failed,
 a target cache that cannot be trimmed, or a controller that gave up). The state belongs to the
 row, not to the way it is stepped: a row moving between solo and batched decoding keeps it.
 """
@@ -10,12 +12,21 @@ row, not to the way it is stepped: a row moving between solo and batched decodin
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from enum import Enum
 
 from mlxd.engine.drafting import DraftSource
 from mlxd.engine.speculation import DraftLengthController, SpecStats
 
 log = logging.getLogger(__name__)
+
+# A paused draft model resumes only where the request has this many tokens left per token it
+# must catch up on: reading the pause's tokens costs a prefill that a short rest cannot repay.
+CATCH_UP_RATIO = 8
+
+
+def _always() -> bool:
+    return True
 
 
 class Mode(Enum):
@@ -77,17 +88,22 @@ class Speculation:
         self.stats.disabled_reason = f"speculation paused {self.stats.paused} time(s): not paying"
         self.mode, self.pause_left = Mode.PAUSED, pause
 
-    def committed_plainly(self, tokens: int) -> None:
-        """`tokens` were decoded without drafts; a pause counts them down and ends in a trial."""
+    def committed_plainly(self, tokens: int, worth_resuming: Callable[[], bool] = _always) -> None:
+        """`tokens` were decoded without drafts; a pause counts them down and ends in a trial,
+        or (when `worth_resuming` says catching the source up would not pay) in OFF."""
         if self.mode is not Mode.PAUSED or tokens <= 0:
             return
         assert self.controller is not None
         spent = min(tokens, self.pause_left)
         self.controller.paused_for(spent)
         self.pause_left -= spent
-        if self.pause_left <= 0:
-            self.controller.resume()
-            self.mode = Mode.ON
+        if self.pause_left > 0:
+            return
+        if not worth_resuming():
+            self.stop("speculation paused: catching the draft up would not pay", failed=False)
+            return
+        self.controller.resume()
+        self.mode = Mode.ON
 
     def stop(self, reason: str, failed: bool = True) -> None:
         """OFF for good: plain decoding to the end."""

@@ -202,13 +202,48 @@ class SpecHistory:
             rec.plain_seconds = rec.plain_seconds * d + seen.plain_seconds
 
 
+@dataclass
+class RoundClock:
+    """Decayed sums over timed speculative rounds: wall seconds, what the cost model says the
+    same rounds cost (their drafts and verify widths, at the acceptance they really had), and
+    the tokens they committed."""
+
+    seconds: float = 0.0
+    modelled: float = 0.0
+    tokens: float = 0.0
+    weight: float = 0.0
+    rounds: int = 0
+
+    def add(self, seconds: float, modelled: float, tokens: int, decay: float) -> None:
+        self.seconds = self.seconds * decay + seconds
+        self.modelled = self.modelled * decay + modelled
+        self.tokens = self.tokens * decay + tokens
+        self.weight = self.weight * decay + 1.0
+        self.rounds += 1
+
+    def slower(self, plain: float, floor: float) -> float:
+        """How much slower than plain decoding these rounds commit tokens (> 1: losing), by
+        the wall clock or by the cost model, whichever says worse: the clock sees host and
+        launch overheads the model misses, the model sees a loss the clock's noise hides."""
+        if not self.tokens:
+            return 0.0
+        return max(self.seconds, self.modelled) / self.tokens * floor / plain
+
+
+FREE_SOURCES = ("lookup", "forced")  # sources whose drafts cost no forward
+MODEL_ARM = "model"  # the arm of a mixed source (auto) judged on its own rounds
+
+
 class DraftLengthController:
     """Chooses k per round; `off` once speculation no longer pays.
 
     The cost model picks k; the clock decides whether speculation stays on: once speculative
-    rounds, as measured, commit tokens slower than plain decoding does (by a margin that shrinks
-    as rounds add up), it turns off. Forward costs alone mislead on launch-bound GPUs, where a
-    lazily chained draft and verify overlap.
+    rounds commit tokens slower than plain decoding does (by the wall clock, or by the cost
+    model at the acceptance they really had; by a margin that shrinks as rounds add up), it
+    turns off. Forward costs alone mislead on launch-bound GPUs, where a lazily chained draft
+    and verify overlap. A source of several arms (`auto`) is also judged arm by arm: an arm
+    that runs a draft model and loses turns it off (the source then continues with its
+    cheaper arm), even while the free arm's wins hide that loss in the mix.
     """
 
     def __init__(
@@ -225,13 +260,16 @@ class DraftLengthController:
         doubt: float = 0.15,
         pause_tokens: int = 16,
         max_pause: int = 1024,
+        model_pause: int = 256,
         history: SpecHistory | None = None,
         source: str = "",
         regime: str = "",
     ) -> None:
         """With a `history` in which `source` did not pay lately (in this sampling `regime`),
         the request waits out the pairing's pause clock first (`off` at once; a source with a
-        cheaper arm runs that)."""
+        cheaper arm runs that). A source that runs a draft model (`draft_cost` > 0) pauses for
+        at least `model_pause` tokens, and up to 4x `max_pause`: each of its trials pays for
+        the draft reading the prompt, which only a long pause amortizes."""
         self.costs = costs
         self.max_k = max_k = min(max_k, MAX_DRAFT_TOKENS)
         self.draft_cost = draft_cost
@@ -245,11 +283,13 @@ class DraftLengthController:
         self.floor = floor
         self.decay = decay
         self.doubt = doubt  # how much slower than plain a few rounds must look to stop
-        self.weight = 0.0  # decayed count of timed rounds
         self.judged = False  # this trial already cleared the backoff
-        self.seconds = 0.0  # decayed sums over speculative rounds, as measured
-        self.tokens = 0.0
-        self.timed_rounds = 0
+        self.clock = RoundClock()  # this trial's timed rounds
+        self.arms: dict[str, RoundClock] = {}  # the same, per arm that drafts with a model
+        self.pending_seconds = 0.0  # draft prefill time, charged to the next timed round
+        if draft_cost > 0:
+            pause_tokens = max(pause_tokens, model_pause)
+            max_pause *= 4
         self.pause_tokens = pause_tokens  # plain tokens before speculation is tried again
         self.base_pause = pause_tokens
         self.backoff = 0  # the last pause after a lost trial (0: none since the last paid one)
@@ -266,7 +306,8 @@ class DraftLengthController:
                 self.prior_hits[i], self.prior_tries[i] = past.hits[i], past.tries[i]
             if past.spec_seconds * floor > past.plain_seconds > 0:
                 assert history is not None
-                left = history.pause_left(key, start=4 * pause_tokens)
+                start = pause_tokens if draft_cost > 0 else 4 * pause_tokens
+                left = history.pause_left(key, start=start)
                 self.off = left > 0  # it did not pay lately: wait out the pause, then a trial
                 self.pause_tokens = left or pause_tokens
 
@@ -279,8 +320,8 @@ class DraftLengthController:
         """Try speculation again after a pause: a trial, judged after `patience` rounds. What
         was learned about acceptance is kept; the timing starts afresh."""
         self.off = False
-        self.seconds = self.tokens = self.weight = 0.0
-        self.timed_rounds = 0
+        self.clock = RoundClock()
+        self.arms = {}
         self.judged = False
 
     def _stop_paying(self) -> None:
@@ -370,27 +411,56 @@ class DraftLengthController:
                 self.hits[i] += 1
                 seen.hits[i] += 1
 
-    def observe_time(self, seconds: float, committed: int) -> None:
-        """A speculative round's wall time and how many tokens it committed."""
+    @property
+    def weight(self) -> float:
+        return self.clock.weight
+
+    @property
+    def timed_rounds(self) -> int:
+        return self.clock.rounds
+
+    def charge(self, seconds: float) -> None:
+        """Time the source spent outside rounds (reading the prompt), borne by the next round."""
+        self.pending_seconds += seconds
+
+    def observe_time(self, seconds: float, committed: int, drafted: int = 0, arm: str = "") -> None:
+        """A speculative round's wall time, how many tokens it committed, how many it drafted
+        (0: judge by the wall clock alone) and which arm of the source drafted them."""
         plain = self.costs.plain
+        seconds += self.pending_seconds
+        self.pending_seconds = 0.0
         # One round that compiled a new kernel shape must not condemn speculation for good.
         seconds = min(seconds, 4.0 * plain * max(committed, 1))
-        self.seen.spec_seconds += seconds
+        modelled = 0.0
+        if drafted:
+            draft_cost = 0.0 if arm in FREE_SOURCES else self.draft_cost
+            modelled = drafted * draft_cost + self.costs.v(drafted + 1)
+        self.seen.spec_seconds += max(seconds, modelled)
         self.seen.plain_seconds += plain * committed
-        self.seconds = self.seconds * self.decay + seconds
-        self.tokens = self.tokens * self.decay + committed
-        self.weight = self.weight * self.decay + 1.0
-        self.timed_rounds += 1
-        if self.timed_rounds < self.patience or not self.tokens:
-            return
-        slower = self.seconds / self.tokens * self.floor / plain  # > 1: losing to plain
-        # A round commits 1..k+1 tokens, so a few rounds are a noisy sample: stopping on a short
-        # unlucky run costs a pause where speculation pays. The margin shrinks as rounds add up.
-        if slower > 1.0 + self.doubt / math.sqrt(self.weight):
+        self.clock.add(seconds, modelled, committed, self.decay)
+        losing = self._losing(self.clock)
+        if drafted and arm == MODEL_ARM and not self.key.startswith(MODEL_ARM):
+            own = self.arms.setdefault(arm, RoundClock())
+            own.add(seconds, modelled, committed, self.decay)
+            losing = losing or self._losing(own)
+        if losing:
             self._stop_paying()
-        elif slower <= 1.0 and not self.judged:  # the trial's verdict: it pays
+        elif (
+            self.clock.rounds >= self.patience
+            and not self.judged
+            and self.clock.slower(plain, self.floor) <= 1.0
+        ):  # the trial's verdict: it pays
             self.judged = True
             self._paid()
+
+    def _losing(self, clock: RoundClock) -> bool:
+        """Whether these rounds, past `patience`, commit tokens slower than plain decoding.
+        A round commits 1..k+1 tokens, so a few rounds are a noisy sample: stopping on a short
+        unlucky run costs a pause where speculation pays. The margin shrinks as rounds add up."""
+        if clock.rounds < self.patience or not clock.tokens:
+            return False
+        slower = clock.slower(self.costs.plain, self.floor)
+        return slower > 1.0 + self.doubt / math.sqrt(clock.weight)
 
 
 class FixedDraftLength(DraftLengthController):
@@ -402,5 +472,5 @@ class FixedDraftLength(DraftLengthController):
     def choose(self) -> int:
         return self.max_k
 
-    def observe_time(self, seconds: float, committed: int) -> None:
+    def observe_time(self, seconds: float, committed: int, drafted: int = 0, arm: str = "") -> None:
         return None

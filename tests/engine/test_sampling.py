@@ -43,9 +43,13 @@ def test_the_compiled_sampler_matches_the_reference(rows: int) -> None:
         assert compiled(logits, keys).tolist() == want.tolist()
 
 
-def test_a_position_draws_the_same_token_alone_or_inside_a_wider_round() -> None:
-    """Row i of a verify round samples position p + i exactly as a one-row step at p + i."""
-    opts = parse_options({"temperature": 0.9, "seed": 3})
+@pytest.mark.parametrize("cut", [{}, {"top_k": 0, "top_p": 1.0}], ids=["shaped", "tempered"])
+def test_a_position_draws_the_same_token_alone_or_inside_a_wider_round(
+    cut: dict[str, float],
+) -> None:
+    """Row i of a verify round samples position p + i exactly as a one-row step at p + i
+    (one row's noise is drawn without stacking, the temperature alone without a softmax)."""
+    opts = parse_options({"temperature": 0.9, "seed": 3, **cut})
     rng = Rng(3)
     logits = mx.random.normal((5, 64), key=mx.random.key(0)) * 2
     wide = choose(logits, opts, rng, 40).tolist()

@@ -134,41 +134,51 @@ def test_auto_that_did_not_pay_starts_on_its_lookup_arm(loaded: Loaded) -> None:
     assert gen.stats.disabled_reason == "auto: continued with lookup only"
     assert model.proposals == 0
     later = DraftLengthController(FLAT, 4, 0.05, history=history, source="auto")
-    assert later.off and later.pause_tokens == 64 - 48
+    assert later.off and later.pause_tokens == 256 - 48  # a draft model's pause: 256 tokens
+
+
+def _short_pause(history: SpecHistory) -> DraftLengthController:
+    """A draft model's controller with a 64-token pause (the tiny test requests are short)."""
+    return DraftLengthController(FLAT, 4, 0.05, history=history, source="model", model_pause=64)
 
 
 def test_requests_share_one_pause_clock(loaded: Loaded) -> None:
     """A request that ends inside the pause spends its plain tokens from the pairing's clock;
-    the next one waits only for the rest, then runs its trial."""
+    the next one waits only for the rest. Its pause ends 16 tokens in, where the draft would
+    first have to read the prompt and those 16 tokens with only 32 left to repay it: it stays
+    plain to the end, and the request after it runs the trial from its start."""
     history = _not_paying()
     prompt = prompts(loaded.tokenizer, 1)[0]
     plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=48)
-    first = run(
-        loaded, prompt, DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
-    )
+    first = run(loaded, prompt, _short_pause(history))
     assert first.stats.rounds == 0 and first.out == plain  # type: ignore[attr-defined]
-    second = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
+    second = _short_pause(history)
     assert second.off and second.pause_tokens == 64 - 48
     source = _CountingDraft(loaded.draft, GREEDY, Rng(0))
     gen = run(loaded, prompt, second, source)
-    assert gen.stats.rounds > 0  # the trial came 16 tokens in
-    assert source.read == (len(prompt) + 16,)  # the draft read everything at once, then
+    assert gen.stats.rounds == 0 and source.read == ()  # no catch-up paid by plain tokens
+    assert gen.out == plain  # type: ignore[attr-defined]
+    third = _short_pause(history)
+    assert not third.off  # the pause is spent
+    source = _CountingDraft(loaded.draft, GREEDY, Rng(0))
+    gen = run(loaded, prompt, third, source)
+    assert gen.stats.rounds > 0 and source.read == (len(prompt),)  # the trial, from the start
     assert gen.out == plain  # type: ignore[attr-defined]
 
 
 def test_failed_trials_lengthen_the_shared_pause() -> None:
     history = _not_paying()
     first = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
-    assert first.off and first.pause_tokens == 64
-    first.paused_for(64)
+    assert first.off and first.pause_tokens == 256
+    first.paused_for(256)
     first.resume()
     for _ in range(first.patience):  # a trial whose rounds lose to plain decoding
         first.observe_time(3.0, 1)
-    assert first.off and first.pause_tokens == 128
+    assert first.off and first.pause_tokens == 512
     first.conclude()
     later = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
-    assert later.off and later.pause_tokens == 128
-    later.paused_for(128)
+    assert later.off and later.pause_tokens == 512
+    later.paused_for(512)
     trial = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
     assert not trial.off  # the pause is spent: this request tries again
 
@@ -213,7 +223,7 @@ def test_a_trial_that_pays_restarts_the_backoff_within_a_request() -> None:
     ctl = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
     for _ in range(ctl.patience):
         ctl.observe_time(3.0, 1)
-    assert ctl.off and ctl.pause_tokens == 16
+    assert ctl.off and ctl.pause_tokens == 256
     ctl.resume()
     for _ in range(ctl.patience):
         ctl.observe_time(0.5, 5)
@@ -221,11 +231,11 @@ def test_a_trial_that_pays_restarts_the_backoff_within_a_request() -> None:
     assert history.pause_left("model", start=0) == 0  # cleared mid-request
     while not ctl.off:  # the recent rounds turn losing
         ctl.observe_time(3.0, 1)
-    assert ctl.pause_tokens == 16
+    assert ctl.pause_tokens == 256
 
 
 def test_without_a_history_lost_trials_still_back_off() -> None:
-    ctl = DraftLengthController(FLAT, 4, 0.05, pause_tokens=4)
+    ctl = DraftLengthController(FLAT, 4, 0.0, pause_tokens=4)
     pauses = []
     for _ in range(3):
         for _ in range(ctl.patience):

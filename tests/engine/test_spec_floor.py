@@ -1,0 +1,152 @@
+"""The floor: a draft source that does not pay is paused or dropped within a few rounds, pays
+nothing while it is, and never changes a token."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+
+from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
+from mlxd.engine.generation import Generation
+from mlxd.engine.options import parse_options
+from mlxd.engine.sampling import Rng
+from mlxd.engine.specstate import Mode
+from mlxd.engine.speculation import Costs, DraftLengthController
+from tests.engine.conftest import Loaded
+from tests.engine.test_speculative import generate, prompts
+
+GREEDY = parse_options({"temperature": 0})
+# Every verify position costs a tenth of a step more: a round that commits one token loses.
+SLOPED = Costs(verify={w: 1.0 + 0.1 * (w - 1) for w in range(1, 10)}, plain_step=1.0)
+PATIENCE = 4
+
+
+def _wrong(
+    reference: Sequence[int], vocab: int, tokens: Sequence[int], start: int, n: int
+) -> list[int]:
+    """n tokens, the first of which is never the target's next token."""
+    at = len(tokens) - start
+    return [(reference[at] + 1) % vocab] * n
+
+
+class _AlwaysRejected(DraftSource):
+    """Drafts that the target rejects at their first token, every round."""
+
+    name = "rejected"
+
+    def __init__(self, reference: list[int], start: int, vocab: int) -> None:
+        self.reference, self.start, self.vocab = reference, start, vocab
+        self.rounds = 0
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        self.rounds += 1
+        out = _wrong(self.reference, self.vocab, tokens, self.start, n)
+        return Draft(mx.array(out, dtype=mx.uint32), n, self.name)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        pass
+
+
+class _RejectedModel(ModelDraftSource):
+    """A real draft model (its cache, its catch-up) whose proposals are always rejected."""
+
+    def __init__(self, loaded: Loaded, reference: list[int], start: int) -> None:
+        super().__init__(loaded.draft, GREEDY, Rng(0))
+        self.reference, self.start = reference, start
+        self.vocab = loaded.target.args.vocab_size
+        self.read: list[int] = []
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.read.append(len(tokens) - len(self.cached))
+        super().prefill(tokens)
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        self.read.append(len(tokens) - len(self.cached))
+        drafted = super().propose(tokens, n)  # the draft model runs (and its cache advances)
+        out = _wrong(self.reference, self.vocab, tokens, self.start, drafted.count)
+        self._drafts = mx.array(out, dtype=mx.uint32)
+        return Draft(self._drafts, drafted.count, self.name)
+
+
+def _run(
+    loaded: Loaded, prompt: list[int], source: DraftSource, limit: int
+) -> tuple[list[int], Generation]:
+    controller = DraftLengthController(SLOPED, 4, 0.0, patience=PATIENCE, pause_tokens=8)
+    gen = Generation(loaded.target, prompt, GREEDY, set(), limit, Rng(0), source, controller)
+    try:
+        gen.prefill()
+        return [t for new in gen for t in new], gen
+    finally:
+        gen.close()
+
+
+def test_always_rejected_drafts_pause_within_patience_and_change_nothing(loaded: Loaded) -> None:
+    """Fast forwards on this machine make every round look cheap by the wall clock; the cost
+    model at the acceptance the rounds really had (one token per round) says they lose, so the
+    source pauses after `patience` rounds, each trial after a pause is as short, and every
+    token is plain decoding's."""
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=96)
+    source = _AlwaysRejected(plain, len(prompt), loaded.target.args.vocab_size)
+    out, gen = _run(loaded, prompt, source, limit=96)
+    assert out == plain
+    assert gen.stats.accepted == 0
+    assert gen.stats.paused >= 2
+    # pauses of 8, 16, 32 ... tokens: at most a few trials of `patience` rounds each
+    assert gen.stats.rounds <= PATIENCE * (gen.stats.paused + 1)
+
+
+def test_a_paused_draft_model_that_would_catch_up_too_much_ends_off(loaded: Loaded) -> None:
+    """A draft model reads nothing while paused; when the pause ends, reading what it missed
+    would cost more than the rest of the request can repay, so speculation ends for the
+    request instead: no catch-up is paid, and the tokens are plain decoding's."""
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=48)
+    source = _RejectedModel(loaded, plain, len(prompt))
+    out, gen = _run(loaded, prompt, source, limit=48)
+    assert out == plain
+    assert gen.spec.mode is Mode.OFF and gen.source is None
+    assert gen.stats.rounds == PATIENCE and gen.stats.paused == 1
+    assert gen.stats.disabled_reason == "speculation paused: catching the draft up would not pay"
+    # it read the prompt, then only what each round needed: never the pause's tokens
+    assert source.read[0] == len(prompt) and max(source.read[1:]) <= 2
+
+
+def test_a_long_request_resumes_a_paused_draft_model(loaded: Loaded) -> None:
+    """Where the rest of the request is long enough to repay the catch-up, the trial runs."""
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=160)
+    source = _RejectedModel(loaded, plain, len(prompt))
+    out, gen = _run(loaded, prompt, source, limit=160)
+    assert out == plain
+    assert gen.stats.paused >= 2 and gen.stats.rounds > PATIENCE  # it tried again
+    assert max(source.read[1:]) >= 8  # ... after reading the first pause's tokens
+
+
+def test_the_cost_model_stops_rounds_the_wall_clock_calls_cheap() -> None:
+    """Rounds that commit one token each lose under the measured cost curve, however fast the
+    wall clock saw them; judged by the wall clock alone they would run on."""
+    judged = DraftLengthController(SLOPED, 4, 0.0)
+    clock_only = DraftLengthController(SLOPED, 4, 0.0)
+    for _ in range(judged.patience):
+        judged.observe_time(1e-6, 1, drafted=3, arm="lookup")
+        clock_only.observe_time(1e-6, 1)
+    assert judged.off and not clock_only.off
+
+
+def test_auto_drops_its_draft_model_arm_when_that_arm_loses() -> None:
+    """Free lookup rounds that win big must not hide draft-model rounds that lose: the model
+    arm is judged on its own rounds, and `auto` continues with lookup alone."""
+    costs = Costs(verify={w: 1.0 for w in range(1, 10)}, draft_step=0.3, plain_step=1.0)
+    ctl = DraftLengthController(costs, 4, 0.3, source="auto")
+    rounds = 0
+    while not ctl.off and rounds < 40:
+        ctl.observe_time(0.5, 5, drafted=4, arm="lookup")  # 10x plain
+        ctl.observe_time(2.0, 1, drafted=3, arm="model")  # half as fast as plain
+        rounds += 1
+        assert ctl.clock.slower(costs.plain, ctl.floor) < 1.0  # the mix pays throughout
+    assert ctl.off and rounds <= ctl.patience
