@@ -332,21 +332,14 @@ def _unpack(words: mx.array, vocab: int) -> mx.array:
     return mx.where(allowed, 0.0, -mx.inf)
 
 
-@functools.lru_cache(maxsize=16)
-def _unpacker(vocab: int, compiled: bool) -> Any:
-    """The unpack as one function per vocabulary, compiled on a GPU (one fused kernel where
-    there would be five launches; on the CPU a compile costs more than it saves)."""
-    fn = functools.partial(_unpack, vocab=vocab)
-    return mx.compile(fn) if compiled else fn
-
-
 def bias_of(bits: np.ndarray, vocab: int) -> mx.array:
     """Bitmask rows (R, words) as an additive (R, vocab) float32 bias. On a GPU it is unpacked
-    there, lazily, in one compiled function: only vocab/32 words cross from the host. On the
-    CPU the device is the host: numpy unpacks it in two vectorized passes and the bias is one
-    ready array (five small MLX operations cost more there). No loop visits the vocabulary."""
+    there, lazily: only vocab/32 words cross from the host (not compiled: on an H200 the
+    compiled unpack made grammar decoding 3x slower). On the CPU the device is the host: numpy
+    unpacks it in two vectorized passes and the bias is one ready array (five small MLX
+    operations cost more there). No loop visits the vocabulary."""
     if mx.default_device().type == mx.DeviceType.gpu:
-        return _unpacker(vocab, True)(mx.array(bits.view(np.uint32)))
+        return _unpack(mx.array(bits.view(np.uint32)), vocab)
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
     return mx.array(np.where(allowed, np.float32(0.0), np.float32(-np.inf)))
 

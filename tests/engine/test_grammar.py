@@ -22,7 +22,7 @@ from mlxd.engine.grammar import (
     GrammarSpec,
     Matcher,
     _compiled,
-    _unpacker,
+    _unpack,
     bias_of,
     closed,
     compile_grammar,
@@ -209,7 +209,7 @@ def test_overlapped_grammar_decoding_gives_the_one_at_a_time_tokens(
 
 @pytest.mark.parametrize("vocab", [5, 70, 8192])
 def test_bias_unpacks_the_bitmask_on_either_path(vocab: int) -> None:
-    """The host unpack (the CPU's) and the compiled device unpack (a GPU's) give the same
+    """The host unpack (the CPU's) and the device unpack (a GPU's) give the same
     bias: 0 exactly at the set bits below `vocab`; and a single set bit is the forced token."""
     rng = np.random.default_rng(vocab)
     words = (vocab + 31) // 32
@@ -219,7 +219,7 @@ def test_bias_unpacks_the_bitmask_on_either_path(vocab: int) -> None:
         for r in range(3)
     ]
     assert bias_of(bits, vocab).tolist() == want
-    assert _unpacker(vocab, True)(mx.array(bits.view(np.uint32))).tolist() == want
+    assert _unpack(mx.array(bits.view(np.uint32)), vocab).tolist() == want
     one = np.zeros(words, dtype=np.int32)
     one[(vocab - 1) >> 5] = np.int32(np.uint32(1 << ((vocab - 1) & 31)).view(np.int32))
     assert single_token(one) == vocab - 1
