@@ -14,6 +14,7 @@ request hold its pairing's thread for as long as it liked.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -234,6 +235,13 @@ FREE_SOURCES = ("lookup", "forced")  # sources whose drafts cost no forward
 MODEL_ARM = "model"  # the arm of a mixed source (auto) judged on its own rounds
 
 
+def floor_on() -> bool:
+    """Whether speculation that stops paying is paused (the default). `MLXD_SPEC_FLOOR=0`
+    keeps every source drafting whatever it costs: for measuring a draft's acceptance, and
+    for tests that pin drafting itself rather than its speed."""
+    return os.environ.get("MLXD_SPEC_FLOOR", "1") != "0"
+
+
 class DraftLengthController:
     """Chooses k per round; `off` once speculation no longer pays.
 
@@ -308,7 +316,8 @@ class DraftLengthController:
                 assert history is not None
                 start = pause_tokens if draft_cost > 0 else 4 * pause_tokens
                 left = history.pause_left(key, start=start)
-                self.off = left > 0  # it did not pay lately: wait out the pause, then a trial
+                # it did not pay lately: wait out the pause, then a trial
+                self.off = left > 0 and floor_on()
                 self.pause_tokens = left or pause_tokens
 
     def paused_for(self, tokens: int) -> None:
@@ -443,7 +452,7 @@ class DraftLengthController:
             own = self.arms.setdefault(arm, RoundClock())
             own.add(seconds, modelled, committed, self.decay)
             losing = losing or self._losing(own)
-        if losing:
+        if losing and floor_on():
             self._stop_paying()
         elif (
             self.clock.rounds >= self.patience

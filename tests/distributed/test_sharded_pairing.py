@@ -38,7 +38,10 @@ def generate(base: str, model: str, prompt: str, **options: Any) -> dict[str, An
 
 
 @pytest.mark.parametrize("method", ["model", "lookup"])
-def test_solo_same_tokens_and_draft_stats(dist_server: RunningServer, method: str) -> None:
+def test_solo_same_tokens_and_draft_stats(
+    dist_server: RunningServer, method: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")  # drafting itself is pinned here, not its speed
     for prompt in PROMPTS[:2]:
         want = generate(dist_server.base_url, "local", prompt, draft_method=method)
         got = generate(dist_server.base_url, "dist", prompt, draft_method=method)

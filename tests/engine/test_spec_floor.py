@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import mlx.core as mx
+import pytest
 
 from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
@@ -136,6 +137,17 @@ def test_the_cost_model_stops_rounds_the_wall_clock_calls_cheap() -> None:
         judged.observe_time(1e-6, 1, drafted=3, arm="lookup")
         clock_only.observe_time(1e-6, 1)
     assert judged.off and not clock_only.off
+
+
+def test_with_the_floor_off_a_losing_source_keeps_drafting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`MLXD_SPEC_FLOOR=0`: the same losing rounds stop nothing (nor does a pause in history)."""
+    monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
+    kept = DraftLengthController(SLOPED, 4, 0.0)
+    for _ in range(4 * kept.patience):
+        kept.observe_time(1e-6, 1, drafted=3, arm="lookup")
+    assert not kept.off
 
 
 def test_auto_drops_its_draft_model_arm_when_that_arm_loses() -> None:
