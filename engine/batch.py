@@ -33,11 +33,14 @@ B x W tokens, estimated as the target's measured cost of a B*W-token forward (`C
 linear past the widest measured width: conservative), plus the draft steps: W forwards of the
 draft batch (`Costs.draft_rows`, measured per row count) and each other row's own. The batch
 picks the W with the most expected committed tokens per second, W = 1 (plain) included, so
-speculation backs off as rows are added exactly where it stops paying.
+speculation backs off as rows are added exactly where it stops paying. Each drafting row's
+controller then judges the round's wall time, as a lone row's does (`_judge`): a row whose
+drafts lose in the batch pauses or stops, whatever the planner expected.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -170,6 +173,7 @@ class RowBatch:
         if not any(wants) and all(g.plain_only for g in gens):
             return self._plain_round()
         self.drop_ahead()
+        t0 = time.perf_counter()
         ks = plan_widths(gens, wants, self.costs) if any(wants) else wants
         drafts = self._propose(ks)
         width = 1 + max(d.count for d in drafts)
@@ -194,10 +198,22 @@ class RowBatch:
             for d, c in zip(drafts, chosen, strict=True)
         ]
         self.keep([1 + v.accepted for v in verdicts], width)
-        return [
+        committed = [
             Committed(g, g.absorb(d, v, w, logits[i]))
             for i, (g, d, v, w) in enumerate(zip(gens, drafts, verdicts, walks, strict=True))
         ]
+        self._judge(drafts, committed, time.perf_counter() - t0)
+        return committed
+
+    def _judge(self, drafts: list[Draft], committed: list[Committed], seconds: float) -> None:
+        """Each drafting row's controller judges the round as a lone row's judges its own: the
+        round's wall time is scaled to what one plain step costs against a plain round of
+        these rows, so a row whose drafts do not pay in the batch pauses as it would alone."""
+        share = seconds * self.costs.plain / max(self.costs.v(len(self.gens)), 1e-9)
+        for d, c in zip(drafts, committed, strict=True):
+            ctl = c.gen.controller
+            if d.count and ctl is not None and c.gen.spec.on:
+                ctl.observe_time(share, len(c.tokens), d.count, d.source)
 
     def _plain_round(self) -> list[Committed]:
         """A round where no row drafts, pipelined: the next one is queued before this one's

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import pytest
 
+from mlxd.engine.batch import RowBatch
 from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
@@ -162,3 +163,31 @@ def test_auto_drops_its_draft_model_arm_when_that_arm_loses() -> None:
         rounds += 1
         assert ctl.clock.slower(costs.plain, ctl.floor) < 1.0  # the mix pays throughout
     assert ctl.off and rounds <= ctl.patience
+
+
+def test_batched_rows_whose_drafts_lose_pause_as_alone(loaded: Loaded) -> None:
+    """In a batch each drafting row's controller judges the rounds too: rows whose drafts are
+    always rejected pause within the patience, and every row keeps plain decoding's tokens."""
+    rows = 3
+    texts = prompts(loaded.tokenizer, rows)
+    plains = [generate(loaded.target, p, GREEDY, None, limit=64)[0] for p in texts]
+    gens = []
+    for prompt, plain in zip(texts, plains, strict=True):
+        source = _AlwaysRejected(plain, len(prompt), loaded.target.args.vocab_size)
+        controller = DraftLengthController(SLOPED, 4, 0.0, patience=PATIENCE, pause_tokens=8)
+        gen = Generation(loaded.target, prompt, GREEDY, set(), 64, Rng(0), source, controller)
+        gen.prefill()
+        gens.append(gen)
+    batch = RowBatch(loaded.target, SLOPED)
+    batch.join(gens)
+    out: list[list[int]] = [[] for _ in gens]
+    while len(batch):
+        for c in batch.round():
+            out[gens.index(c.gen)] += c.tokens
+        for g in [g for g in batch.gens if g.done]:
+            batch.leave(g)
+    assert out == plains
+    for g in gens:  # at most `patience` losing rounds per trial
+        assert g.stats.accepted == 0 and g.stats.paused >= 1
+        assert g.stats.rounds <= PATIENCE * (g.stats.paused + 1)
+        g.close()
