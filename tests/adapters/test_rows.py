@@ -13,7 +13,7 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlxd.engine.adapters import AdapterError
 from mlxd.engine.backend import configure_backend
-from mlxd.engine.batch import RowBatch
+from mlxd.engine.batch import Committed, RowBatch
 from mlxd.engine.events import Done, Event, Failed, GenerationRequest
 from mlxd.engine.options import parse_options
 from mlxd.engine.pairing import Pairing, load_pairing
@@ -92,17 +92,23 @@ def test_a_row_on_an_adapter_decodes_as_mlx_lm_with_that_adapter(
         assert tokens(event) != reference(tiny_pair.target, None, prompt, TOKENS)
 
 
+@pytest.fixture
+def widths(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows of every batch round run (plain, pipelined or drafting)."""
+    seen: list[int] = []
+    round_ = RowBatch.round
+
+    def recorded(self: RowBatch) -> list[Committed]:
+        seen.append(len(self.gens))
+        return round_(self)
+
+    monkeypatch.setattr(RowBatch, "round", recorded)
+    return seen
+
+
 def test_rows_of_two_adapters_and_the_base_share_a_batch_and_each_gets_its_solo_output(
-    pairing: Pairing, adapters: Adapters, monkeypatch: pytest.MonkeyPatch
+    pairing: Pairing, adapters: Adapters, widths: list[int]
 ) -> None:
-    widths: list[int] = []
-    keep = RowBatch.keep
-
-    def recorded(self: RowBatch, kept: list[int], width: int) -> None:
-        widths.append(len(kept))
-        keep(self, kept, width)
-
-    monkeypatch.setattr(RowBatch, "keep", recorded)
     mix = [adapters.sql, None, adapters.tests, adapters.dora, adapters.sql, None]
     reqs = [request(PROMPTS[i % 3], a) for i, a in enumerate(mix)]
     batched = run(pairing, reqs, num_parallel=8)
@@ -115,16 +121,8 @@ def test_rows_of_two_adapters_and_the_base_share_a_batch_and_each_gets_its_solo_
 
 
 def test_a_batch_of_rows_on_one_adapter_gives_each_row_its_solo_output(
-    pairing: Pairing, adapters: Adapters, monkeypatch: pytest.MonkeyPatch
+    pairing: Pairing, adapters: Adapters, widths: list[int]
 ) -> None:
-    widths: list[int] = []
-    keep = RowBatch.keep
-
-    def recorded(self: RowBatch, kept: list[int], width: int) -> None:
-        widths.append(len(kept))
-        keep(self, kept, width)
-
-    monkeypatch.setattr(RowBatch, "keep", recorded)
     reqs = [request(PROMPTS[i], adapters.sql) for i in range(3)]
     batched = run(pairing, reqs, num_parallel=8)
     assert max(widths) == 3  # one forward for all three rows, each layer on one adapter
