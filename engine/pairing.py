@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
+from mlxd.engine import rowpad
 from mlxd.engine.adapters import DEFAULT_ADAPTER_BYTES, AdapterSet
 from mlxd.engine.backend import Backend
 from mlxd.engine.context import row_context
@@ -28,7 +30,8 @@ from mlxd.engine.speculation import Costs, FixedDraftLength, SpecHistory
 from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import model_digest, resolve_local
 
-VERIFY_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+log = logging.getLogger(__name__)
+VERIFY_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
 DRAFT_ROWS = (1, 2, 4, 8)  # rows of a batched draft step measured at probe-open
 GREEDY = parse_options({"temperature": 0})
 DEFAULT_DRAFT_TOKENS = 4
@@ -210,7 +213,12 @@ def measure_costs(
     """What speculation costs on this pairing. A `sharded` target is measured in fewer passes
     (each of its forwards is a round trip through its ranks), and its prefill rate is left
     unknown: its ranks decide about their own prefix caches' SSD tiers."""
-    verify = _forward_seconds(target, VERIFY_WIDTHS, context, passes=2 if sharded else 7)
+    passes = 2 if sharded else 7
+    verify = _forward_seconds(target, VERIFY_WIDTHS, context, passes)
+    padded = {} if sharded else rowpad.plan(verify)
+    if rowpad.install(target, padded):  # what the padded widths cost now, measured
+        log.info("forwards of n tokens run as m (n: m): %s", padded)
+        verify |= _forward_seconds(target, tuple(sorted(padded)), context, passes)
     draft_step = _forward_seconds(draft, (1,), context)[1] if draft is not None else 0.0
     rows = {}
     if draft is not None and all(plain_kv(c) for c in make_cache(draft)):
@@ -219,6 +227,7 @@ def measure_costs(
         verify=verify,
         draft_step=draft_step,
         draft_batch=rows,
+        padded=padded,
         plain_step=_plain_seconds(target, context),
         recompute_rate=0.0 if sharded else _recompute_rate(target),
     )
@@ -321,6 +330,8 @@ def load_pairing(
             # sharded target's ranks compile on their own threads: measuring proved it computes.
             if entry.distributed is None:
                 warm_up(target, draft, costs)
+        else:  # measured by an earlier probe: pad as it found cheaper
+            rowpad.install(target, costs.padded)
     except Exception as exc:
         close_target(target)
         raise ModelUnavailable(f"a forward pass failed: {exc}") from exc

@@ -29,7 +29,7 @@ from mlxd.registry.store import model_digest, resolve_local
 
 log = logging.getLogger(__name__)
 
-FORMAT = 2  # bump when what a probe checks or measures changes
+FORMAT = 3  # bump when what a probe checks or measures changes
 
 
 def _version(package: str) -> str:
@@ -71,11 +71,12 @@ class ProbeStore:
         try:
             data = json.loads((self.root / f"{key}.json").read_text(encoding="utf-8"))
             known = {f.name for f in dataclasses.fields(Costs)}
-            tables = ("verify", "draft_batch")
+            tables = ("verify", "draft_batch", "padded")
             values = {k: float(v) for k, v in data.items() if k in known and k not in tables}
             verify = {int(w): float(s) for w, s in data["verify"].items()}
             rows = {int(b): float(s) for b, s in data.get("draft_batch", {}).items()}
-            return Costs(verify=verify, draft_batch=rows, **values)
+            padded = {int(n): int(m) for n, m in data.get("padded", {}).items()}
+            return Costs(verify=verify, draft_batch=rows, padded=padded, **values)
         except (OSError, ValueError, KeyError, TypeError, AttributeError):
             return None
 
@@ -84,6 +85,7 @@ class ProbeStore:
         data = dataclasses.asdict(costs)
         data["verify"] = {str(w): s for w, s in costs.verify.items()}
         data["draft_batch"] = {str(b): s for b, s in costs.draft_batch.items()}
+        data["padded"] = {str(n): m for n, m in costs.padded.items()}
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = self.root / f".{key}.{os.getpid()}.tmp"

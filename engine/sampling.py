@@ -35,23 +35,45 @@ def _mix(x: int) -> int:
     return x ^ (x >> 31)
 
 
+KEY_BLOCK = 64  # positions whose keys reach the device together
+
+
 class Rng:
     """A request's randomness as a function of token position: seeded requests replay
-    exactly (alone, batched, speculating or not); unseeded ones draw a fresh seed."""
+    exactly (alone, batched, speculating or not); unseeded ones draw a fresh seed. Keys are
+    built on the host a block of positions at a time, so a decode step slices a key already
+    on the device instead of sending one."""
 
     def __init__(self, seed: int | None) -> None:
         if seed is None:
             seed = random.SystemRandom().getrandbits(63)
         self.seed = seed & _MASK
+        self._blocks: dict[int, mx.array] = {}  # block index -> (KEY_BLOCK, 2) keys
+
+    def _seed_of(self, position: int) -> int:
+        return _mix(self.seed ^ _mix(position))
+
+    def _block(self, index: int) -> mx.array:
+        block = self._blocks.get(index)
+        if block is None:
+            if len(self._blocks) >= 2:  # decoding moves forward: keep this block and the last
+                self._blocks = {i: b for i, b in self._blocks.items() if i == index - 1}
+            first = index * KEY_BLOCK
+            seeds = [self._seed_of(first + i) for i in range(KEY_BLOCK)]
+            pairs = [[s >> 32, s & 0xFFFFFFFF] for s in seeds]  # as `mx.random.key` lays it out
+            block = self._blocks[index] = mx.array(pairs, dtype=mx.uint32)
+        return block
 
     def key(self, position: int) -> mx.array:
-        """The PRNG key of the token at `position` of the sequence (prompt included)."""
-        return mx.random.key(_mix(self.seed ^ _mix(position)))
+        """The PRNG key of the token at `position` of the sequence (prompt included): the
+        key `mx.random.key` makes of the position's seed."""
+        return self._block(position // KEY_BLOCK)[position % KEY_BLOCK]
 
     def keys(self, position: int, count: int) -> mx.array:
         """The keys of positions position .. position + count - 1, stacked (count, 2)."""
-        if count == 1:
-            return self.key(position)[None]
+        index, offset = divmod(position, KEY_BLOCK)
+        if offset + count <= KEY_BLOCK:
+            return self._block(index)[offset : offset + count]
         return mx.stack([self.key(position + i) for i in range(count)])
 
 

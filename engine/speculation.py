@@ -31,6 +31,9 @@ class Costs:
     recompute_rate: float = 0.0  # bytes of K/V per second a cold prefill produces; 0: unknown
     # rows B -> seconds of one B-row single-token draft forward (a batched draft step)
     draft_batch: dict[int, float] = field(default_factory=dict)
+    # tokens n -> m: the target's projections run n-token forwards as m-token ones
+    # (`engine.rowpad`); `verify` holds the costs as padded
+    padded: dict[int, int] = field(default_factory=dict)
 
     @property
     def plain(self) -> float:

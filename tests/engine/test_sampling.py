@@ -55,3 +55,14 @@ def test_a_position_draws_the_same_token_alone_or_inside_a_wider_round(
     wide = choose(logits, opts, rng, 40).tolist()
     alone = [choose(logits[i : i + 1], opts, rng, 40 + i).tolist()[0] for i in range(5)]
     assert wide == alone
+
+
+def test_keys_are_the_positions_own_whatever_block_they_come_from() -> None:
+    """A key sliced from a block of keys is `mx.random.key` of its position's seed, read
+    one at a time, several at once, across a block's end and going back after a rollback."""
+    rng = Rng(2**62 + 12345)
+    want = {p: mx.random.key(rng._seed_of(p)).tolist() for p in range(0, 300)}
+    for p in (0, 5, 63, 64, 200, 130, 7):
+        assert rng.key(p).tolist() == want[p]
+    for p, n in ((60, 9), (0, 64), (127, 2), (250, 5), (3, 1)):
+        assert rng.keys(p, n).tolist() == [want[p + i] for i in range(n)]

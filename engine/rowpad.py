@@ -1,0 +1,101 @@
+"""Forwards of a few tokens padded to a token count whose matrix kernels are cheaper.
+
+A forward of n tokens (B rows of a batched decode round, or the L tokens of a verify) runs
+every projection as one matrix product of n rows, and on MLX's CUDA build its cost is not
+monotonic in n: one row runs a gemv, more rows a cuBLAS gemm whose kernels for a few rows are
+slow. On an H200, an 8B bf16 forward of 2 to 6 tokens costs 1.5 decode steps and one of 8
+tokens 1.0; a 4-bit one of 7 tokens 3.9 steps and one of 8 2.1 (Apple GPUs show the same kind
+of cliff). So a product of n rows is run as one of m > n rows, zeros appended and the extra
+rows dropped, wherever the forward of m tokens was measured cheaper than that of n (`plan`,
+from the v(L) curve measured at probe-open). Only the projections are padded: attention and the
+caches see the real rows, and each row's output is what it would be unpadded (rows of a matrix
+product do not mix). Where the curve is monotonic, as on a CPU, nothing is padded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import mlx.core as mx
+import mlx.nn as nn
+
+MARGIN = 0.9  # pad only where the wider forward costs at most this share of the narrower
+TIE = 1.05  # widths within this factor of the cheapest count as cheapest
+_ZEROS: dict[tuple[int, int, mx.Dtype], mx.array] = {}
+
+
+def plan(verify: Mapping[int, float], margin: float = MARGIN) -> dict[int, int]:
+    """Token count n -> the measured count m > n to pad it to: the cheapest measured forward
+    wider than n, where it costs at most `margin` of the n-token one. Only measured counts
+    are planned."""
+    out = {}
+    for n, cost in verify.items():
+        wider = {m: c for m, c in verify.items() if m > n}
+        if n < 2 or not wider:
+            continue
+        best = min(wider.values())
+        fits = [m for m, c in wider.items() if c <= min(margin * cost, TIE * best)]
+        if fits:
+            out[n] = min(fits)  # the narrowest of the cheapest: less attention, less memory
+    return out
+
+
+def effective(verify: Mapping[int, float], padded: Mapping[int, int]) -> dict[int, float]:
+    """The verify costs once padded: an n-token forward costs what its padded width costs."""
+    return {n: verify[padded.get(n, n)] for n in verify}
+
+
+def install(model: nn.Module, padded: Mapping[int, int]) -> int:
+    """Pad `model`'s linear projections' row counts as `padded` says (an empty table takes
+    the padding off); the number of projections changed. Each keeps its type's behaviour (it
+    becomes a subclass), so code that recognises a projection by its type still does."""
+    table = dict(padded)
+    kinds: dict[type, type] = {}
+    changed = 0
+    for _, layer in model.named_modules():
+        base = layer.base_kind if isinstance(layer, _Padded) else type(layer)
+        if base not in (nn.Linear, nn.QuantizedLinear):
+            continue
+        if not table:
+            layer.__class__ = base
+        else:
+            if base not in kinds:
+                name = f"RowPadded{base.__name__}"
+                kinds[base] = type(name, (_Padded, base), {"pad_to": table, "base_kind": base})
+            layer.__class__ = kinds[base]
+        changed += 1
+    return changed
+
+
+def padding_of(model: nn.Module) -> dict[int, int]:
+    """The table `install` gave `model`'s projections (empty when none)."""
+    for _, layer in model.named_modules():
+        if isinstance(layer, _Padded):
+            return dict(layer.pad_to)
+    return {}
+
+
+class _Padded:
+    """Mixed in ahead of a projection class: its call runs on `pad_to[n]` rows."""
+
+    pad_to: dict[int, int]
+    base_kind: type
+
+    def __call__(self, x: mx.array) -> mx.array:
+        width = x.shape[-1]
+        n = x.size // width if width else 0
+        m = self.pad_to.get(n)
+        if m is None:
+            return super().__call__(x)  # type: ignore[misc]
+        rows = mx.concatenate([x.reshape(n, width), _zeros(m - n, width, x.dtype)])
+        y = super().__call__(rows)[:n]  # type: ignore[misc]
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _zeros(rows: int, width: int, dtype: mx.Dtype) -> mx.array:
+    key = (rows, width, dtype)
+    z = _ZEROS.get(key)
+    if z is None:
+        z = _ZEROS[key] = mx.zeros((rows, width), dtype=dtype)
+        mx.eval(z)
+    return z
