@@ -55,7 +55,7 @@ from mlxd.engine.drafting import Draft, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
 from mlxd.engine.sampling import Rng, choose, to_ints
-from mlxd.engine.speculation import Costs
+from mlxd.engine.speculation import FREE_SOURCES, Costs
 from mlxd.engine.verify import Verdict, choices, decide
 
 
@@ -86,24 +86,26 @@ def expected_tokens(gen: Generation, k: int) -> float:
     return expected
 
 
+def draft_seconds(gens: Sequence[Generation], ks: Sequence[int], costs: Costs) -> float:
+    """What drafting ks[i] tokens for each row costs: rows whose draft model drafts batched
+    share its steps (one B-row forward each, `draft_rows`); any other row pays its own."""
+    alone = sum(
+        n * (g.controller.draft_cost if g.controller is not None else 0.0)
+        for g, n in zip(gens, ks, strict=True)
+        if n and not g.drafts_batched
+    )
+    shared = [n for g, n in zip(gens, ks, strict=True) if n and g.drafts_batched]
+    return alone + max(shared, default=0) * costs.draft_rows(len(shared))
+
+
 def plan_widths(gens: Sequence[Generation], wants: Sequence[int], costs: Costs) -> list[int]:
-    """Drafts per row for this round: the batch-wide width with the best expected rate. Rows
-    whose draft model drafts batched share its steps (one B-row forward each, `draft_rows`);
-    any other row pays its own draft steps."""
+    """Drafts per row for this round: the batch-wide width with the best expected rate."""
     rows = len(gens)
-    together = [g.drafts_batched for g in gens]
     best, best_rate = 0, rows / costs.v(rows)
     for k in sorted({w for w in wants if w > 0}):
         ks = [min(w, k) for w in wants]
         expected = sum(expected_tokens(g, n) for g, n in zip(gens, ks, strict=True))
-        alone = sum(
-            n * (g.controller.draft_cost if g.controller is not None else 0.0)
-            for g, n, t in zip(gens, ks, together, strict=True)
-            if not t
-        )
-        shared = [n for n, t in zip(ks, together, strict=True) if t and n > 0]
-        steps = max(shared, default=0) * costs.draft_rows(len(shared))
-        rate = expected / (costs.v(rows * (k + 1)) + alone + steps)
+        rate = expected / (costs.v(rows * (k + 1)) + draft_seconds(gens, ks, costs))
         if rate > best_rate:
             best, best_rate = k, rate
     return [min(w, best) for w in wants]
@@ -202,18 +204,28 @@ class RowBatch:
             Committed(g, g.absorb(d, v, w, logits[i]))
             for i, (g, d, v, w) in enumerate(zip(gens, drafts, verdicts, walks, strict=True))
         ]
-        self._judge(drafts, committed, time.perf_counter() - t0)
+        self._judge(drafts, committed, time.perf_counter() - t0, width)
         return committed
 
-    def _judge(self, drafts: list[Draft], committed: list[Committed], seconds: float) -> None:
-        """Each drafting row's controller judges the round as a lone row's judges its own: the
-        round's wall time is scaled to what one plain step costs against a plain round of
-        these rows, so a row whose drafts do not pay in the batch pauses as it would alone."""
-        share = seconds * self.costs.plain / max(self.costs.v(len(self.gens)), 1e-9)
+    def _judge(
+        self, drafts: list[Draft], committed: list[Committed], seconds: float, width: int
+    ) -> None:
+        """Each drafting row's controller judges the round as a lone row's judges its own, by
+        what the whole batch committed: the round's time (by the wall clock and by the cost
+        model) is shared out per committed token and scaled so that a plain round of these
+        rows costs one plain step a token. A row whose drafts pay for itself but not for the
+        rows padded to its width pauses, as a lone row whose drafts lose does."""
+        rows, total = len(self.gens), sum(len(c.tokens) for c in committed)
+        if not total:
+            return
+        paid = [0 if d.source in FREE_SOURCES else d.count for d in drafts]
+        modelled = self.costs.v(rows * width) + draft_seconds(self.gens, paid, self.costs)
+        per_token = rows * self.costs.plain / max(self.costs.v(rows), 1e-9) / total
         for d, c in zip(drafts, committed, strict=True):
-            ctl = c.gen.controller
+            ctl, n = c.gen.controller, len(c.tokens)
             if d.count and ctl is not None and c.gen.spec.on:
-                ctl.observe_time(share, len(c.tokens), d.count, d.source)
+                share = per_token * n
+                ctl.observe_time(seconds * share, n, d.count, d.source, modelled * share)
 
     def _plain_round(self) -> list[Committed]:
         """A round where no row drafts, pipelined: the next one is queued before this one's

@@ -435,18 +435,27 @@ class DraftLengthController:
         """Time the source spent outside rounds (reading the prompt), borne by the next round."""
         self.pending_seconds += seconds
 
-    def observe_time(self, seconds: float, committed: int, drafted: int = 0, arm: str = "") -> None:
+    def observe_time(
+        self,
+        seconds: float,
+        committed: int,
+        drafted: int = 0,
+        arm: str = "",
+        modelled: float | None = None,
+    ) -> None:
         """A speculative round's wall time, how many tokens it committed, how many it drafted
-        (0: judge by the wall clock alone) and which arm of the source drafted them."""
+        (0: judge by the wall clock alone), which arm of the source drafted them, and what
+        the cost model says the round cost (default: a lone row's k drafts and verify)."""
         plain = self.costs.plain
         seconds += self.pending_seconds
         self.pending_seconds = 0.0
         # One round that compiled a new kernel shape must not condemn speculation for good.
         seconds = min(seconds, 4.0 * plain * max(committed, 1))
-        modelled = 0.0
-        if drafted:
-            draft_cost = 0.0 if arm in FREE_SOURCES else self.draft_cost
-            modelled = drafted * draft_cost + self.costs.v(drafted + 1)
+        if modelled is None:
+            modelled = 0.0
+            if drafted:
+                draft_cost = 0.0 if arm in FREE_SOURCES else self.draft_cost
+                modelled = drafted * draft_cost + self.costs.v(drafted + 1)
         self.seen.spec_seconds += max(seconds, modelled)
         self.seen.plain_seconds += plain * committed
         self.clock.add(seconds, modelled, committed, self.decay)
@@ -484,5 +493,12 @@ class FixedDraftLength(DraftLengthController):
     def choose(self) -> int:
         return self.max_k
 
-    def observe_time(self, seconds: float, committed: int, drafted: int = 0, arm: str = "") -> None:
+    def observe_time(
+        self,
+        seconds: float,
+        committed: int,
+        drafted: int = 0,
+        arm: str = "",
+        modelled: float | None = None,
+    ) -> None:
         return None

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import pytest
 
-from mlxd.engine.batch import RowBatch
+from mlxd.engine.batch import Committed, RowBatch
 from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
@@ -191,3 +191,26 @@ def test_batched_rows_whose_drafts_lose_pause_as_alone(loaded: Loaded) -> None:
         assert g.stats.accepted == 0 and g.stats.paused >= 1
         assert g.stats.rounds <= PATIENCE * (g.stats.paused + 1)
         g.close()
+
+
+def test_a_batch_judges_drafts_by_what_the_whole_batch_commits(loaded: Loaded) -> None:
+    """A row whose drafts win for itself but make its batch-mates pay a wider forward is
+    judged a loser: the round's time is shared out per token the batch committed."""
+    costs = Costs(verify={1: 1.0, 2: 1.5, 4: 2.0, 8: 4.0}, plain_step=1.0)
+    texts = prompts(loaded.tokenizer, 4)
+    gens = [Generation(loaded.target, p, GREEDY, set(), 16, Rng(0)) for p in texts]
+    controller = DraftLengthController(costs, 4, 0.0, patience=PATIENCE)
+    gens[0] = Generation(
+        loaded.target, texts[0], GREEDY, set(), 16, Rng(0), _AlwaysRejected([], 0, 9), controller
+    )
+    batch = RowBatch(loaded.target, costs)
+    batch.gens = gens
+    drafts = [Draft(mx.array([1], dtype=mx.uint32), 1, "rejected")] + [Draft.empty()] * 3
+    committed = [Committed(gens[0], [5, 6])] + [Committed(g, [7]) for g in gens[1:]]
+    batch._judge(drafts, committed, seconds=3.0, width=2)
+    # a plain round of 4 rows: 4 tokens in v(4) = 2.0, so a token's plain share is 0.5 s;
+    # this round committed 5 tokens in 3.0 s: 0.6 s each, 1.2 s for the row's 2 tokens
+    share = 4 * 1.0 / 2.0 / 5 * 2
+    assert controller.clock.seconds == pytest.approx(3.0 * share)
+    assert controller.clock.modelled == pytest.approx(costs.v(8) * share)
+    assert controller.clock.slower(costs.plain, 1.0) > 1.0  # alone it would look 1.33x faster
