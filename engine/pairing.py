@@ -216,7 +216,7 @@ def measure_costs(
     passes = 2 if sharded else 7
     verify = _forward_seconds(target, VERIFY_WIDTHS, context, passes)
     padded = {} if sharded else rowpad.plan(verify)
-    if rowpad.install(target, padded):  # what the padded widths cost now, measured
+    if padded and rowpad.install(target, padded):  # what the padded widths cost now
         log.info("forwards of n tokens run as m (n: m): %s", padded)
         verify |= _forward_seconds(target, tuple(sorted(padded)), context, passes)
     draft_step = _forward_seconds(draft, (1,), context)[1] if draft is not None else 0.0
@@ -330,7 +330,7 @@ def load_pairing(
             # sharded target's ranks compile on their own threads: measuring proved it computes.
             if entry.distributed is None:
                 warm_up(target, draft, costs)
-        else:  # measured by an earlier probe: pad as it found cheaper
+        elif entry.distributed is None:  # measured by an earlier probe: pad as it found
             rowpad.install(target, costs.padded)
     except Exception as exc:
         close_target(target)

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 import mlx.core as mx
 import mlx.nn as nn
 
-MARGIN = 0.9  # pad only where the wider forward costs at most this share of the narrower
+MARGIN = 0.75  # pad only where the wider forward costs at most this share of the narrower
 TIE = 1.05  # widths within this factor of the cheapest count as cheapest
 _ZEROS: dict[tuple[int, int, mx.Dtype], mx.array] = {}
 

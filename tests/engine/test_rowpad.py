@@ -26,12 +26,22 @@ from tests.fixtures.tiny_models import TinyPair
 BF16 = {1: 8.44, 2: 12.61, 3: 12.78, 4: 12.55, 5: 12.82, 6: 12.56, 8: 8.54, 12: 8.73, 16: 8.40}
 # the same in 4-bit: every token costs until 8, which costs as 3
 Q4 = {1: 7.8, 2: 12.23, 3: 16.72, 4: 21.12, 5: 25.45, 6: 30.64, 8: 16.64, 12: 16.84, 16: 17.01}
+# a 7B-shaped 4-bit target, and an 8B bf16 one on a noisy day (v(L), H200)
+WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
+FAT_Q4 = dict(
+    zip(WIDTHS, (1.0, 1.55, 1.96, 2.39, 2.84, 3.37, 3.76, 2.18, 2.15, 2.14, 2.17), strict=True)
+)
+NOISY = dict(
+    zip(WIDTHS, (1.0, 1.67, 1.59, 1.54, 1.37, 1.33, 1.48, 1.53, 1.63, 1.49, 1.44), strict=True)
+)
 PAD = {2: 8, 3: 8, 5: 8, 6: 8}
 
 
 def test_plan_pads_to_the_narrowest_of_the_cheapest_wider_forwards() -> None:
     assert rowpad.plan(BF16) == {2: 8, 3: 8, 4: 8, 5: 8, 6: 8}
-    assert rowpad.plan(Q4) == {4: 8, 5: 8, 6: 8}
+    assert rowpad.plan(Q4) == {5: 8, 6: 8}
+    assert rowpad.plan(FAT_Q4) == {6: 8, 7: 8}
+    assert rowpad.plan(NOISY) == {}  # a noisy curve's dips are no cliff
     cpu = {w: 1.0 + 0.4 * w for w in (1, 2, 3, 4, 8, 16)}  # compute-bound: monotonic
     assert rowpad.plan(cpu) == {}
     assert rowpad.effective(Q4, rowpad.plan(Q4))[5] == Q4[8]
