@@ -250,6 +250,14 @@ def main() -> None:
     history = SpecHistory()
     for temp in temps:
         mismatches = 0
+        # each method once, untimed, at this temperature: the kernels its sampling compiles
+        # are a server's first request's cost, not its decoding rate
+        warm = parse_options({"temperature": temp, "top_k": 0, "top_p": 1.0, "seed": 0})
+        for method in methods:
+            run_one(
+                method, target, draft, tokenizer, prompts[0], work[0][2], warm, 24,
+                costs, args.max_k, SpecHistory(), vocab, eos,
+            )  # fmt: skip
         for i, (prompt, (_, _, schema)) in enumerate(zip(prompts, work, strict=True)):
             opts = parse_options({"temperature": temp, "top_k": 0, "top_p": 1.0, "seed": i})
             alone: list[int] = []

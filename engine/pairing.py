@@ -23,7 +23,7 @@ from mlxd.engine.kvcache import batch_type, make_cache, plain_kv, set_bucket
 from mlxd.engine.kvquant import KvLayout, kv_layout
 from mlxd.engine.memory import computes_in_float32
 from mlxd.engine.options import SamplingOptions, parse_options
-from mlxd.engine.prefill import CHUNK, feed, warm_shapes
+from mlxd.engine.prefill import CHUNK, bucketed, feed, warm_shapes
 from mlxd.engine.prompt import FimFormat, detect_fim
 from mlxd.engine.sampling import Rng
 from mlxd.engine.speculation import Costs, FixedDraftLength, SpecHistory
@@ -34,6 +34,14 @@ log = logging.getLogger(__name__)
 VERIFY_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
 DRAFT_ROWS = (1, 2, 4, 8)  # rows of a batched draft step measured at probe-open
 GREEDY = parse_options({"temperature": 0})
+# sampling forms each compile their own kernels (`sampling.sampler`): greedy, Ollama's defaults,
+# top-p off (as OpenAI clients send), and the temperature alone
+WARM_SAMPLING: tuple[dict[str, float], ...] = (
+    {"temperature": 0.0},
+    {"temperature": 0.7},
+    {"temperature": 0.7, "top_p": 1.0},
+    {"temperature": 0.7, "top_k": 0, "top_p": 1.0},
+)
 DEFAULT_DRAFT_TOKENS = 4
 
 
@@ -247,8 +255,8 @@ def warm_up(
         if model is not None:
             warm_shapes(model, context)
     prompt = [0, 1, 2, 3] * 4
-    for temperature in (0.0, 0.7):
-        opts = parse_options({"temperature": temperature, "seed": 0})
+    for options in WARM_SAMPLING if bucketed(target) else WARM_SAMPLING[:2]:
+        opts = parse_options({**options, "seed": 0})
         for k in range(1, max_k + 1):
             sources: list[DraftSource] = [LookupDraftSource(4, 1)]
             if draft is not None:

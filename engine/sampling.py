@@ -129,21 +129,37 @@ def shaping(opts: SamplingOptions) -> Shaping:
     return (opts.temperature, opts.top_k, opts.top_p, opts.min_p)
 
 
+Value = float | mx.array  # a shaping's number, or the same number held in an array
+Form = tuple[int, bool, bool]  # top_k, whether top-p cuts, whether min-p cuts
+
+
+def form_of(how: Shaping) -> Form:
+    """What decides the operations a shaping runs (its numbers do not)."""
+    _, top_k, top_p, min_p = how
+    return (top_k, top_p < 1.0, min_p > 0.0)
+
+
 def shaped(logits: mx.array, how: Shaping) -> mx.array:
     """The sampling distribution for each row: top-k, temperature, top-p, min-p, renormalized."""
-    temperature, top_k, top_p, min_p = how
+    return _shaped(logits, form_of(how), how[0], how[2], how[3])
+
+
+def _shaped(
+    logits: mx.array, form: Form, temperature: Value, top_p: Value, min_p: Value
+) -> mx.array:
+    top_k, by_p, by_min = form
     logits = logits.astype(mx.float32)
     vocab = logits.shape[-1]
     if 0 < top_k < vocab:
         kth = mx.min(mx.topk(logits, top_k, axis=-1), axis=-1, keepdims=True)
         logits = mx.where(logits >= kth, logits, -mx.inf)
     probs = mx.softmax(logits / temperature, axis=-1)
-    if top_p < 1.0:
+    if by_p:
         desc = mx.sort(probs, axis=-1)[..., ::-1]
         before = mx.cumsum(desc, axis=-1) - desc
         cutoff = mx.min(mx.where(before < top_p, desc, mx.inf), axis=-1, keepdims=True)
         probs = mx.where(probs >= cutoff, probs, 0.0)
-    if min_p > 0.0:
+    if by_min:
         floor = min_p * mx.max(probs, axis=-1, keepdims=True)
         probs = mx.where(probs >= floor, probs, 0.0)
     return probs / mx.sum(probs, axis=-1, keepdims=True)
@@ -160,29 +176,54 @@ def sample(probs: mx.array, noise: mx.array) -> mx.array:
 
 def tempered(how: Shaping) -> bool:
     """Whether the shaping is the temperature alone (no top-k, top-p or min-p cut)."""
-    _, top_k, top_p, min_p = how
-    return top_k <= 0 and top_p >= 1.0 and min_p <= 0.0
+    return _tempered(form_of(how))
+
+
+def _tempered(form: Form) -> bool:
+    top_k, by_p, by_min = form
+    return top_k <= 0 and not by_p and not by_min
 
 
 def draw(logits: mx.array, how: Shaping, noise: mx.array) -> mx.array:
     """The Gumbel-max draw of `sample(shaped(logits, how), noise)`. With the temperature alone
     the softmax is skipped: log softmax(x / T) differs from x / T by one constant per row,
     which moves no argmax, so the draw is the same exact sample for a third of the work."""
-    if tempered(how):
-        scaled = logits.astype(mx.float32) / how[0]
+    return _draw(logits, form_of(how), how[0], how[2], how[3], noise)
+
+
+def _draw(
+    logits: mx.array, form: Form, temperature: Value, top_p: Value, min_p: Value, noise: mx.array
+) -> mx.array:
+    if _tempered(form):
+        scaled = logits.astype(mx.float32) / temperature
         return mx.argmax(scaled + noise, axis=-1).astype(mx.uint32)
-    return sample(shaped(logits, how), noise)
+    return sample(_shaped(logits, form, temperature, top_p, min_p), noise)
 
 
 @functools.lru_cache(maxsize=64)
 def sampler(how: Shaping, compiled: bool) -> Callable[[mx.array, mx.array], mx.array]:
-    """The position-keyed noise, `shaped` and `sample` as one function per shaping, compiled
-    on a GPU: a sampled step is a couple dozen small operations, and launching them one by
-    one costs more than computing them (mlx-lm compiles its samplers too). On the CPU each
-    new shape would cost a C++ compile for nothing. Same arithmetic, same tokens."""
+    """The position-keyed noise, `shaped` and `sample` as one function, compiled on a GPU: a
+    sampled step is a couple dozen small operations, and launching them one by one costs more
+    than computing them (mlx-lm compiles its samplers too). The shaping's numbers reach the
+    compiled function as an array, so every temperature (and top-p, min-p) of one form shares
+    its kernels: on MLX's CUDA build each newly compiled kernel costs a request a visible
+    stall. On the CPU each new shape would cost a C++ compile for nothing. Same arithmetic
+    (the same float32 numbers), same tokens."""
+    core = _core(form_of(how), compiled)
+    values = mx.array([how[0], how[2], how[3]], dtype=mx.float32)
+    mx.eval(values)
 
     def run(logits: mx.array, keys: mx.array) -> mx.array:
-        return draw(logits, how, gumbel_rows(keys, int(logits.shape[-1])))
+        return core(logits, keys, values)
+
+    return run
+
+
+@functools.lru_cache(maxsize=32)
+def _core(form: Form, compiled: bool) -> Callable[[mx.array, mx.array, mx.array], mx.array]:
+    def run(logits: mx.array, keys: mx.array, values: mx.array) -> mx.array:
+        noise = gumbel_rows(keys, int(logits.shape[-1]))
+        return _draw(logits, form, values[0], values[1], values[2], noise)
 
     return mx.compile(run) if compiled else run
 
@@ -197,9 +238,11 @@ def choose(
     """The token for each row of already penalized `logits` (L, V), row i sitting at
     `position` + i: the argmax when greedy, else the position-keyed sample. Lazy. A grammar's
     `bias` (L, V: 0 allowed, -inf not) masks the logits first, so the choice is the argmax or
-    an exact sample of the masked distribution."""
+    an exact sample of the masked distribution. The bias is added in the logits' own dtype
+    (adding 0 or -inf is exact in any): masked rows then reuse the kernels unmasked rows
+    compiled."""
     if bias is not None:
-        logits = logits.astype(mx.float32) + bias
+        logits = logits + bias.astype(logits.dtype)
     if opts.greedy:
         return mx.argmax(logits, axis=-1).astype(mx.uint32)
     on_gpu = mx.default_device().type == mx.DeviceType.gpu

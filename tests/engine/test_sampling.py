@@ -5,6 +5,7 @@ from __future__ import annotations
 import mlx.core as mx
 import pytest
 
+from mlxd.engine import sampling
 from mlxd.engine.options import parse_options
 from mlxd.engine.sampling import Rng, choose, gumbel_rows, sample, sampler, shaped, shaping
 
@@ -66,3 +67,43 @@ def test_keys_are_the_positions_own_whatever_block_they_come_from() -> None:
         assert rng.key(p).tolist() == want[p]
     for p, n in ((60, 9), (0, 64), (127, 2), (250, 5), (3, 1)):
         assert rng.keys(p, n).tolist() == [want[p + i] for i in range(n)]
+
+
+def test_one_compiled_sampler_serves_every_temperature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shaping's numbers are inputs of the compiled function: a new temperature reuses the
+    kernels another compiled (it is traced once), and draws what the reference draws."""
+    traced = []
+    real = sampling._draw
+
+    def counting(*args: object) -> mx.array:
+        traced.append(1)
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(sampling, "_draw", counting)
+    sampling._core.cache_clear()
+    sampler.cache_clear()
+    rng = Rng(5)
+    logits = mx.random.normal((1, 97), key=mx.random.key(1)) * 3
+    for temperature in (0.7, 0.9, 1.3):
+        how = shaping(parse_options({"temperature": temperature, "top_k": 0, "top_p": 1.0}))
+        got = sampler(how, True)(logits, rng.keys(8, 1))
+        want = sample(shaped(logits, how), gumbel_rows(rng.keys(8, 1), 97))
+        assert got.tolist() == want.tolist()
+    assert len(traced) == 1
+
+
+@pytest.mark.parametrize("options", [{"temperature": 0}, SHAPINGS[0], SHAPINGS[1]])
+def test_a_mask_chooses_the_same_in_the_logits_dtype(options: dict[str, float]) -> None:
+    """A grammar's bias added to bf16 logits chooses what it chooses added in float32."""
+    opts = parse_options(options)
+    rng = Rng(8)
+    logits = (mx.random.normal((3, 97), key=mx.random.key(2)) * 3).astype(mx.bfloat16)
+    bias = mx.where(mx.arange(97) % 3 == 0, 0.0, -mx.inf)[None].astype(mx.float32)
+    bias = mx.broadcast_to(bias, (3, 97))
+    wide = logits.astype(mx.float32) + bias
+    if opts.greedy:
+        want = mx.argmax(wide, axis=-1).astype(mx.uint32)
+    else:
+        want = sample(shaped(wide, shaping(opts)), gumbel_rows(rng.keys(30, 3), 97))
+    assert choose(logits, opts, rng, 30, bias).tolist() == want.tolist()
+    assert all(t % 3 == 0 for t in want.tolist())
