@@ -21,7 +21,6 @@ import mlx.nn as nn
 
 MARGIN = 0.75  # pad only where the wider forward costs at most this share of the narrower
 TIE = 1.05  # widths within this factor of the cheapest count as cheapest
-_ZEROS: dict[tuple[int, int, mx.Dtype], mx.array] = {}
 
 
 def plan(verify: Mapping[int, float], margin: float = MARGIN) -> dict[int, int]:
@@ -87,15 +86,6 @@ class _Padded:
         m = self.pad_to.get(n)
         if m is None:
             return super().__call__(x)  # type: ignore[misc]
-        rows = mx.concatenate([x.reshape(n, width), _zeros(m - n, width, x.dtype)])
+        rows = mx.pad(x.reshape(n, width), [(0, m - n), (0, 0)])
         y = super().__call__(rows)[:n]  # type: ignore[misc]
         return y.reshape(*x.shape[:-1], y.shape[-1])
-
-
-def _zeros(rows: int, width: int, dtype: mx.Dtype) -> mx.array:
-    key = (rows, width, dtype)
-    z = _ZEROS.get(key)
-    if z is None:
-        z = _ZEROS[key] = mx.zeros((rows, width), dtype=dtype)
-        mx.eval(z)
-    return z

@@ -210,8 +210,7 @@ def sampler(how: Shaping, compiled: bool) -> Callable[[mx.array, mx.array], mx.a
     stall. On the CPU each new shape would cost a C++ compile for nothing. Same arithmetic
     (the same float32 numbers), same tokens."""
     core = _core(form_of(how), compiled)
-    values = mx.array([how[0], how[2], how[3]], dtype=mx.float32)
-    mx.eval(values)
+    values = mx.array([how[0], how[2], how[3]], dtype=mx.float32)  # host data: any thread reads it
 
     def run(logits: mx.array, keys: mx.array) -> mx.array:
         return core(logits, keys, values)
