@@ -177,6 +177,9 @@ class RowBatch:
         self.drop_ahead()
         t0 = time.perf_counter()
         ks = plan_widths(gens, wants, self.costs) if any(wants) else wants
+        for g, want, k in zip(gens, wants, ks, strict=True):
+            if want and not k and g.controller is not None:
+                g.controller.benched()
         drafts = self._propose(ks)
         width = 1 + max(d.count for d in drafts)
         rows = []

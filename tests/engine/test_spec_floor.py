@@ -214,3 +214,34 @@ def test_a_batch_judges_drafts_by_what_the_whole_batch_commits(loaded: Loaded) -
     assert controller.clock.seconds == pytest.approx(3.0 * share)
     assert controller.clock.modelled == pytest.approx(costs.v(8) * share)
     assert controller.clock.slower(costs.plain, 1.0) > 1.0  # alone it would look 1.33x faster
+
+
+def test_rows_a_batch_never_lets_draft_pause_and_decode_pipelined(loaded: Loaded) -> None:
+    """Where the measured costs say no draft pays in the batch (every verify token costs a
+    step, as on a CPU), rows that keep wanting drafts pause within the patience: their
+    source stops running and the batch's rounds become pipelined plain rounds."""
+    linear = Costs(verify={w: float(w) for w in range(1, 17)}, plain_step=1.0)
+    texts = prompts(loaded.tokenizer, 3)
+    plains = [generate(loaded.target, p, GREEDY, None, limit=40)[0] for p in texts]
+    gens = []
+    for prompt, plain in zip(texts, plains, strict=True):
+        source = _AlwaysRejected(plain, len(prompt), loaded.target.args.vocab_size)
+        controller = DraftLengthController(linear, 4, 0.0, patience=PATIENCE, pause_tokens=64)
+        gen = Generation(loaded.target, prompt, GREEDY, set(), 40, Rng(0), source, controller)
+        gen.prefill()
+        gens.append(gen)
+    batch = RowBatch(loaded.target, linear)
+    batch.join(gens)
+    out: list[list[int]] = [[] for _ in gens]
+    queued = 0
+    while len(batch):
+        for c in batch.round():
+            out[gens.index(c.gen)] += c.tokens
+        queued += batch.ahead is not None
+        for g in [g for g in batch.gens if g.done]:
+            batch.leave(g)
+    assert out == plains
+    for g in gens:
+        assert g.stats.rounds == 0 and g.stats.paused == 1 and g.source.rounds == 0
+        g.close()
+    assert queued >= 40 - PATIENCE - 2  # every round after the benched ones ran ahead
