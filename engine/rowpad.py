@@ -39,11 +39,6 @@ def plan(verify: Mapping[int, float], margin: float = MARGIN) -> dict[int, int]:
     return out
 
 
-def effective(verify: Mapping[int, float], padded: Mapping[int, int]) -> dict[int, float]:
-    """The verify costs once padded: an n-token forward costs what its padded width costs."""
-    return {n: verify[padded.get(n, n)] for n in verify}
-
-
 def install(model: nn.Module, padded: Mapping[int, int]) -> int:
     """Pad `model`'s linear projections' row counts as `padded` says (an empty table takes
     the padding off); the number of projections changed. Each keeps its type's behaviour (it
