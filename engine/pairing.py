@@ -33,6 +33,7 @@ from mlxd.registry.store import model_digest, resolve_local
 log = logging.getLogger(__name__)
 VERIFY_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
 DRAFT_ROWS = (1, 2, 4, 8)  # rows of a batched draft step measured at probe-open
+TARGET_ROWS = (1, 2, 3, 4, 5, 6, 7, 8)  # rows of a batched decode round measured at probe-open
 GREEDY = parse_options({"temperature": 0})
 # sampling forms each compile their own kernels (`sampling.sampler`): greedy, Ollama's defaults,
 # top-p off (as OpenAI clients send), and the temperature alone
@@ -160,11 +161,11 @@ def _forward_seconds(
     return {width: statistics.median(s) for width, s in samples.items()}
 
 
-def _draft_rows_seconds(
+def _rows_seconds(
     model: nn.Module, rows: tuple[int, ...], context: int, passes: int = 5
 ) -> dict[int, float]:
     """Median seconds of a B-row single-token forward over a batch cache of `context` keys
-    per row: what one batched draft step costs (`engine.draftbatch`)."""
+    per row: what one batched draft step (`engine.draftbatch`) or plain round costs."""
     kind = batch_type(model)
     caches = {}
     for b in rows:
@@ -223,14 +224,19 @@ def measure_costs(
     unknown: its ranks decide about their own prefix caches' SSD tiers."""
     passes = 2 if sharded else 7
     verify = _forward_seconds(target, VERIFY_WIDTHS, context, passes)
-    padded = {} if sharded else rowpad.plan(verify)
+    batched: dict[int, float] = {}
+    if not sharded and all(plain_kv(c) for c in make_cache(target)):
+        batched = _rows_seconds(target, TARGET_ROWS, context)
+    padded = {} if sharded else rowpad.plan_both(verify, batched)
     if padded and rowpad.install(target, padded):  # what the padded widths cost now
         log.info("forwards of n tokens run as m (n: m): %s", padded)
-        verify |= _forward_seconds(target, tuple(sorted(padded)), context, passes)
+        verify |= _forward_seconds(
+            target, tuple(w for w in VERIFY_WIDTHS if w in padded), context, passes
+        )
     draft_step = _forward_seconds(draft, (1,), context)[1] if draft is not None else 0.0
     rows = {}
     if draft is not None and all(plain_kv(c) for c in make_cache(draft)):
-        rows = _draft_rows_seconds(draft, DRAFT_ROWS, context)
+        rows = _rows_seconds(draft, DRAFT_ROWS, context)
     return Costs(
         verify=verify,
         draft_step=draft_step,

@@ -39,6 +39,15 @@ def plan(verify: Mapping[int, float], margin: float = MARGIN) -> dict[int, int]:
     return out
 
 
+def plan_both(verify: Mapping[int, float], rows: Mapping[int, float]) -> dict[int, int]:
+    """The plan from both measured curves: n-token forwards of one row (`verify`: a verify's
+    tokens) and n-row forwards of one token each (`rows`: a batched decode round). Their
+    projections are the same n-row products, but their attention is not (on a GPU a verify's
+    queries attend unfused), so a cliff in the projections can show in one curve only; where
+    both plan a count, the batch's curve, whose attention costs least, decides."""
+    return {**plan(verify), **plan(rows)}
+
+
 def install(model: nn.Module, padded: Mapping[int, int]) -> int:
     """Pad `model`'s linear projections' row counts as `padded` says (an empty table takes
     the padding off); the number of projections changed. Each keeps its type's behaviour (it

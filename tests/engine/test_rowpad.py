@@ -46,6 +46,14 @@ def test_plan_pads_to_the_narrowest_of_the_cheapest_wider_forwards() -> None:
     assert rowpad.plan(cpu) == {}
 
 
+def test_a_cliff_in_batched_rounds_pads_though_the_verify_curve_shows_none() -> None:
+    """An 8B bf16 target on an H200: a round of 2 or 4 rows cost 15.4 and 13.8 ms and one of
+    8 rows 9.2 (one row 9.2); the same day's verify curve was flat and noisy."""
+    rows = {1: 9.16, 2: 15.36, 3: 15.1, 4: 13.78, 5: 13.2, 6: 12.9, 7: 12.4, 8: 9.19}
+    assert rowpad.plan_both(NOISY, rows) == {2: 8, 3: 8, 4: 8, 5: 8, 6: 8, 7: 8}
+    assert rowpad.plan_both(FAT_Q4, {b: 1.0 + 0.1 * b for b in range(1, 9)}) == {6: 8, 7: 8}
+
+
 def fresh(pair: TinyPair) -> nn.Module:
     model = load(str(pair.target))[0]
     model.set_dtype(mx.float32)
