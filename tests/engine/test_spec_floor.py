@@ -165,27 +165,45 @@ def test_auto_drops_its_draft_model_arm_when_that_arm_loses() -> None:
     assert ctl.off and rounds <= ctl.patience
 
 
-def test_batched_rows_whose_drafts_lose_pause_as_alone(loaded: Loaded) -> None:
-    """In a batch each drafting row's controller judges the rounds too: rows whose drafts are
-    always rejected pause within the patience, and every row keeps plain decoding's tokens."""
-    rows = 3
-    texts = prompts(loaded.tokenizer, rows)
-    plains = [generate(loaded.target, p, GREEDY, None, limit=64)[0] for p in texts]
+def _rejected_rows(
+    loaded: Loaded, costs: Costs, limit: int, pause_tokens: int
+) -> tuple[list[Generation], list[list[int]]]:
+    """Three prefilled greedy rows whose drafts are always rejected, and their plain tokens."""
+    texts = prompts(loaded.tokenizer, 3)
+    plains = [generate(loaded.target, p, GREEDY, None, limit=limit)[0] for p in texts]
     gens = []
     for prompt, plain in zip(texts, plains, strict=True):
         source = _AlwaysRejected(plain, len(prompt), loaded.target.args.vocab_size)
-        controller = DraftLengthController(SLOPED, 4, 0.0, patience=PATIENCE, pause_tokens=8)
-        gen = Generation(loaded.target, prompt, GREEDY, set(), 64, Rng(0), source, controller)
+        controller = DraftLengthController(
+            costs, 4, 0.0, patience=PATIENCE, pause_tokens=pause_tokens
+        )
+        gen = Generation(loaded.target, prompt, GREEDY, set(), limit, Rng(0), source, controller)
         gen.prefill()
         gens.append(gen)
-    batch = RowBatch(loaded.target, SLOPED)
+    return gens, plains
+
+
+def _batched(loaded: Loaded, costs: Costs, gens: list[Generation]) -> tuple[list[list[int]], int]:
+    """Every row's tokens from batch rounds until all are done, and how many rounds left a
+    round queued ahead."""
+    batch = RowBatch(loaded.target, costs)
     batch.join(gens)
     out: list[list[int]] = [[] for _ in gens]
+    queued = 0
     while len(batch):
         for c in batch.round():
             out[gens.index(c.gen)] += c.tokens
+        queued += batch.ahead is not None
         for g in [g for g in batch.gens if g.done]:
             batch.leave(g)
+    return out, queued
+
+
+def test_batched_rows_whose_drafts_lose_pause_as_alone(loaded: Loaded) -> None:
+    """In a batch each drafting row's controller judges the rounds too: rows whose drafts are
+    always rejected pause within the patience, and every row keeps plain decoding's tokens."""
+    gens, plains = _rejected_rows(loaded, SLOPED, 64, pause_tokens=8)
+    out, _ = _batched(loaded, SLOPED, gens)
     assert out == plains
     for g in gens:  # at most `patience` losing rounds per trial
         assert g.stats.accepted == 0 and g.stats.paused >= 1
@@ -221,25 +239,8 @@ def test_rows_a_batch_never_lets_draft_pause_and_decode_pipelined(loaded: Loaded
     step, as on a CPU), rows that keep wanting drafts pause within the patience: their
     source stops running and the batch's rounds become pipelined plain rounds."""
     linear = Costs(verify={w: float(w) for w in range(1, 17)}, plain_step=1.0)
-    texts = prompts(loaded.tokenizer, 3)
-    plains = [generate(loaded.target, p, GREEDY, None, limit=40)[0] for p in texts]
-    gens = []
-    for prompt, plain in zip(texts, plains, strict=True):
-        source = _AlwaysRejected(plain, len(prompt), loaded.target.args.vocab_size)
-        controller = DraftLengthController(linear, 4, 0.0, patience=PATIENCE, pause_tokens=64)
-        gen = Generation(loaded.target, prompt, GREEDY, set(), 40, Rng(0), source, controller)
-        gen.prefill()
-        gens.append(gen)
-    batch = RowBatch(loaded.target, linear)
-    batch.join(gens)
-    out: list[list[int]] = [[] for _ in gens]
-    queued = 0
-    while len(batch):
-        for c in batch.round():
-            out[gens.index(c.gen)] += c.tokens
-        queued += batch.ahead is not None
-        for g in [g for g in batch.gens if g.done]:
-            batch.leave(g)
+    gens, plains = _rejected_rows(loaded, linear, 40, pause_tokens=64)
+    out, queued = _batched(loaded, linear, gens)
     assert out == plains
     for g in gens:
         assert g.stats.rounds == 0 and g.stats.paused == 1 and g.source.rounds == 0
