@@ -174,7 +174,7 @@ class Generation:
 
     def step(self) -> list[int]:
         """One solo step: a speculative round, or one plainly decoded token."""
-        if self._inflight is not None and self._lean and self.spec.mode is Mode.OFF:
+        if self._inflight is not None and self._lean and self._plain_for_two():
             return self._lean_step(self._inflight)
         if self.done:
             return []
@@ -338,10 +338,17 @@ class Generation:
         self._maybe_quantize()
         return new
 
+    def _plain_for_two(self) -> bool:
+        """Whether this token and the next are decoded plainly (speculation off, or paused for
+        two more tokens at least): a paused row decodes as fast as one that never drafted."""
+        spec = self.spec
+        return spec.mode is Mode.OFF or (spec.mode is Mode.PAUSED and spec.pause_left > 1)
+
     def _lean_step(self, y: mx.array) -> list[int]:
         """`_plain_step` for the common case, with nothing but the forward between tokens:
-        speculation off, no grammar, penalties, logprobs or KV quantization, the next token
-        already queued. Queues the one after it, then reads this one (the same choices)."""
+        no speculation for two tokens, no grammar, penalties, logprobs or KV quantization, the
+        next token already queued. Queues the one after it, then reads this one (the same
+        choices)."""
         position = len(self.tokens) + 1
         if self.produced + 1 < self.limit:
             logits = self.target(y.reshape(1, 1), cache=self.cache)[0, -1:, :]
@@ -358,6 +365,8 @@ class Generation:
             self._inflight = None  # queued past the end: never committed
         elif self.produced >= self.limit:
             self.finish = "length"
+        if self.spec.mode is Mode.PAUSED:
+            self.spec.committed_plainly(1, self._worth_resuming)
         return [tok]
 
     def settle(self) -> list[int]:

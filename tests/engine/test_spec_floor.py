@@ -102,6 +102,32 @@ def test_always_rejected_drafts_pause_within_patience_and_change_nothing(loaded:
     assert gen.stats.rounds <= PATIENCE * (gen.stats.paused + 1)
 
 
+def test_a_paused_row_decodes_as_lean_as_one_that_never_drafted(
+    loaded: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While paused, a greedy row's tokens go through the same lean step (forward and choice,
+    nothing else between tokens) as a row with speculation off; the pause still counts down
+    and ends in trials, and the tokens are plain decoding's."""
+    lean = Generation._lean_step
+    calls = []
+
+    def counted(self: Generation, y: mx.array) -> list[int]:
+        calls.append(self.spec.mode)
+        return lean(self, y)
+
+    monkeypatch.setattr(Generation, "_lean_step", counted)
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=96)
+    source = _AlwaysRejected(plain, len(prompt), loaded.target.args.vocab_size)
+    out, gen = _run(loaded, prompt, source, limit=96)
+    assert out == plain
+    assert gen.stats.paused >= 2 and gen.stats.rounds > PATIENCE  # paused, then tried again
+    paused = calls.count(Mode.PAUSED)
+    # every paused token but the first and last of each pause (the last pause may end OFF)
+    assert paused + calls.count(Mode.OFF) >= 96 - gen.stats.rounds - 2 * gen.stats.paused
+    assert paused > gen.stats.paused
+
+
 def test_a_paused_draft_model_that_would_catch_up_too_much_ends_off(loaded: Loaded) -> None:
     """A draft model reads nothing while paused; when the pause ends, reading what it missed
     would cost more than the rest of the request can repay, so speculation ends for the
