@@ -1,10 +1,12 @@
 """Four LoRA adapters on one base vs the base alone, same server, same run.
 
     python bench/adapters.py [--model DIR] [--clients 1,8] [--tokens 64] [--requests 4]
+                             [--layers 16]
 
-Trains four real adapters (mlx-lm's tuner, rank 8 on every projection, a few steps each) on
-`--model` (default: the code pair's target), serves the base and the four adapter entries from
-one `mlxd serve`, and for each client count runs, alternately and `--rounds` times, bursts where
+Trains four real adapters (mlx-lm's tuner, a few steps each) on `--model` (default: the code
+pair's target) as `mlx_lm.lora` trains them by default: rank 8, scale 20, every projection of
+the last `--layers` blocks (16; -1: every block, the costliest case). Serves the base and the
+four adapter entries from one `mlxd serve`, and for each client count runs, alternately and `--rounds` times, bursts where
 every client sends `--requests` greedy `/api/generate` requests either all to the base or
 rotating over the four adapters (so rows of different adapters share every batch). Prints
 aggregate tokens/s of each, their ratio (goal >= 0.9), the base loads counted by `/metrics`
@@ -47,15 +49,17 @@ TEXTS = [
 PROMPTS = [f"def function_{i}(values, threshold={i}):\n" for i in range(16)]
 
 
-def train(base: Path, out: Path) -> list[Path]:
+def train(base: Path, out: Path, layers: int) -> list[Path]:
     from tests.fixtures.adapters import train_adapter
 
     paths = []
     for i, text in enumerate(TEXTS):
-        target = out / f"adapter{i}"
+        target = out / f"adapter{i}-layers{layers}"
         if not (target / "adapters.safetensors").exists():
             t0 = time.perf_counter()
-            train_adapter(base, target, text, rank=8, scale=10.0, steps=3, seed=i)
+            train_adapter(
+                base, target, text, rank=8, scale=20.0, num_layers=layers, steps=3, seed=i
+            )
             print(f"trained adapter{i} in {time.perf_counter() - t0:.1f}s", flush=True)
         paths.append(target)
     return paths
@@ -137,11 +141,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4, help="requests per client per burst")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=16, help="adapted blocks, from the last")
     args = ap.parse_args()
 
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
-    adapters = train(args.model, work)
+    adapters = train(args.model, work, args.layers)
     names = [f"adapter{i}" for i in range(len(adapters))]
     registry = work / "models.yaml"
     lines = ["models:", f"  base:\n    target: {args.model.resolve()}"]
@@ -166,7 +171,10 @@ def main() -> None:
             rss_adapters = rss_bytes(proc.pid)
         adapter_bytes = metric(base, "adapter_bytes")
         files = sum((p / "adapters.safetensors").stat().st_size for p in adapters)
-        print(f"\nmodel {args.model}  tokens {args.tokens}  requests/client {args.requests}")
+        print(
+            f"\nmodel {args.model}  adapted blocks {args.layers}  tokens {args.tokens}"
+            f"  requests/client {args.requests}"
+        )
         print(
             f"{'clients':>7} {'base tok/s':>11} {'4 adapters':>11} {'ratio':>6}"
             f" {'base tok/cpu-s':>15} {'4 adapters':>11} {'ratio':>6}"
