@@ -80,13 +80,6 @@ class _Loaded:
     revision: str
     layers: dict[str, LayerWeights] = field(default_factory=dict)
 
-    @property
-    def nbytes(self) -> int:
-        total = 0
-        for w in self.layers.values():
-            total += w.a.nbytes + w.b.nbytes + (w.ratio.nbytes if w.ratio is not None else 0)
-        return total
-
 
 def _module(model: nn.Module, path: str) -> Any:
     node: Any = model
@@ -249,9 +242,9 @@ class AdapterSet:
     def _mount(self, loaded: _Loaded) -> Mount:
         taken = {m.slot for m in self._mounts.values()}
         slot = next(s for s in range(1, len(taken) + 2) if s not in taken)
-        mount = Mount(loaded.revision, slot, loaded.nbytes, sorted(loaded.layers))
-        for module, weights in loaded.layers.items():
-            wrap(self.model, module, self.selection).put(slot, weights)
+        mount = Mount(loaded.revision, slot, 0, sorted(loaded.layers))
+        for module, weights in loaded.layers.items():  # bytes as held: the base's dtype, padded
+            mount.nbytes += wrap(self.model, module, self.selection).put(slot, weights)
         mx.clear_cache()  # the stacks it replaced: their memory goes back, not to MLX's cache
         self._mounts[loaded.revision] = mount
         self.loads += 1

@@ -8,13 +8,16 @@ slot 0 being "no adapter" (zeros). Before a forward the caller names each row's 
     y = base(x) + (x @ A[slot]) @ sB[slot]                         (LoRA, as mlx-lm's LoRALinear)
     y = (x W^T + (x @ A[slot]) @ sB[slot]) * ratio[slot] + bias     (DoRA)
 
-On a CPU each array operation costs about as much as the small matmuls of a low-rank term, so
-the layer spends as few as it can: the scale s is folded into B once, at mount; the per-row
-slot indices are built once per forward for all layers (`Selection.plan`), not per layer; rows
-of several adapters take two `gather_mm`s, which pick each row's matrices without copying them;
-rows that all use one adapter on a layer (a lone row, a uniform batch) multiply by its matrices
-directly, the sum in the second matmul (`addmm`); and a layer none of the rows' adapters
-touches is the base layer. DoRA's ratio m / ||W + s B^T A^T|| is a constant of the adapter and
+Each array operation costs about as much as the small matmuls of a low-rank term, so the layer
+spends as few as it can: the scale s is folded into B once, at mount; the per-row slot indices
+are built once per forward for all layers (`Selection.plan`), not per layer; rows of several
+adapters take two `gather_mm`s, which pick each row's matrices without copying them; and a
+layer none of the rows' adapters touches is the base layer. On a CPU, rows that all use one
+adapter on a layer (a lone row, a uniform batch) multiply by its matrices directly, the sum in
+the second matmul (`addmm`). On a GPU every row takes the `gather_mm`s: on an H200 (7B shapes,
+bf16) they added 13 us per projection where `addmm` added 40 and a plain matmul by an (in, r)
+matrix, which misses the one-row kernel, 58. Ranks are padded with zeros to a multiple of 8
+(exact): MLX's CUDA kernels fault on bf16 matrices of rank 4. DoRA's ratio m / ||W + s B^T A^T|| is a constant of the adapter and
 the base, computed once at mount (mlx-lm recomputes it, dequantizing W, on every call).
 
 Stacks are rebuilt when an adapter is mounted or dropped (between forwards, on the pairing's
@@ -30,6 +33,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 __all__ = ["LayerWeights", "Plan", "RowLoRA", "Selection", "dora_ratio", "wrap"]
+
+RANK_ALIGN = 8  # stacks' rank is a multiple of this (zero-padded)
 
 
 @dataclass(frozen=True)
@@ -123,10 +128,14 @@ def _base_weight(base: nn.Module) -> mx.array:
     return base.weight
 
 
+def _on_gpu() -> bool:
+    return bool(mx.default_device().type == mx.DeviceType.gpu)
+
+
 def _stack_dtype(base: nn.Module) -> mx.Dtype:
     """The dtype adapters' terms compute in beside `base`: the base's own (a quantized one: its
     scales') on a GPU; float32 on a CPU, whose `gather_mm` takes nothing else."""
-    if mx.default_device().type != mx.DeviceType.gpu:
+    if not _on_gpu():
         return mx.float32
     return base.scales.dtype if isinstance(base, nn.QuantizedLinear) else base.weight.dtype
 
@@ -151,8 +160,9 @@ class RowLoRA(nn.Module):
     def has_bias(self) -> bool:
         return "bias" in self.base
 
-    def put(self, slot: int, weights: LayerWeights | None) -> None:
-        """Mount (or with None drop) one adapter's weights at `slot`; restacks. The weights
+    def put(self, slot: int, weights: LayerWeights | None) -> int:
+        """Mount (or with None drop) one adapter's weights at `slot`, restacking; the bytes the
+        slot now holds on this layer. The weights
         take the base's compute dtype on a GPU: mlx-lm's tuner saves float32, and float32 terms
         on a bf16 base add a cast of every input and every output to each projection (an H200
         decoded a 7B-shaped bf16 base at a third of its speed that way)."""
@@ -163,6 +173,11 @@ class RowLoRA(nn.Module):
             w = weights.folded()
             self._slots.by_slot[slot] = replace(w, a=w.a.astype(dtype), b=w.b.astype(dtype))
         self._restack()
+        held = self._slots.by_slot.get(slot)
+        if held is None:
+            return 0
+        ratio = self._slots.stacks.ratio if self._slots.stacks is not None else None
+        return held.a.nbytes + held.b.nbytes + (ratio[slot].nbytes if ratio is not None else 0)
 
     def _restack(self) -> None:
         held = self._slots.by_slot
@@ -170,7 +185,7 @@ class RowLoRA(nn.Module):
             self._slots.stacks = None
             return
         size = max(held) + 1
-        rank = max(w.a.shape[1] for w in held.values())
+        rank = -(-max(w.a.shape[1] for w in held.values()) // RANK_ALIGN) * RANK_ALIGN
         first = next(iter(held.values()))
         d_in, d_out = first.a.shape[0], first.b.shape[1]
         a = mx.zeros((size, d_in, rank), dtype=first.a.dtype)
@@ -187,8 +202,8 @@ class RowLoRA(nn.Module):
         mx.eval(stacks.a, stacks.b, *([ratio] if ratio is not None else []))
         self._slots.stacks = stacks
         for slot, w in held.items():  # each adapter's weights become views of the stacks:
-            r = w.a.shape[1]  # held once, not once more beside them
-            held[slot] = replace(w, a=stacks.a[slot, :, :r], b=stacks.b[slot, :r, :])
+            # held once, not once more beside them (zero-padded to the stacks' rank)
+            held[slot] = replace(w, a=stacks.a[slot], b=stacks.b[slot])
         mx.eval([(w.a, w.b) for w in held.values()])  # slices share the stacks' memory
 
     def __call__(self, x: mx.array) -> mx.array:
@@ -201,7 +216,7 @@ class RowLoRA(nn.Module):
         if stacks.ratio is not None:
             return self._dora(x, stacks, plan)
         same = x.dtype == stacks.a.dtype
-        if plan.single is not None:  # every row on one adapter (a lone row): its matrices
+        if plan.single is not None and not _on_gpu():  # every row on one adapter: its matrices
             w = self._slots.by_slot[plan.single]
             if same:
                 return mx.addmm(self.base(x), x @ w.a, w.b)

@@ -81,6 +81,31 @@ def test_on_a_gpu_a_bf16_base_holds_its_adapters_in_bf16(monkeypatch: pytest.Mon
     assert close(run(layer, selection, [1], x), reference(layer.base, one, x))
 
 
+def test_on_a_gpu_a_lone_row_takes_the_gathered_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU every row's term is two `gather_mm`s (one-row kernels there; `addmm` and a
+    plain matmul by an (in, r) matrix miss them), with the same result; ranks are padded to
+    a multiple of 8 with zeros, which changes nothing."""
+    one, two = adapter(1, 4, 10.0), adapter(2, 2, 2.5)
+    layer, selection = layer_with(mx.float32, (1, one), (2, two))
+    stacks = layer._slots.stacks
+    assert stacks is not None and stacks.a.shape[-1] == stacks.b.shape[-2] == 8
+    gathered = mx.gather_mm
+    calls = []
+
+    def counted(*args: object, **kwargs: object) -> mx.array:
+        calls.append(1)
+        return gathered(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mx, "gather_mm", counted)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.DeviceType.gpu))
+    x = mx.random.normal((1, 3, D_IN), key=mx.random.key(7))
+    got = run(layer, selection, [1], x)
+    monkeypatch.undo()
+    assert len(calls) == 2
+    assert close(got, reference(layer.base, one, x))
+    assert close(run(layer, selection, [1], x), got)  # the CPU's own path agrees
+
+
 def test_rows_of_several_adapters_and_none_each_get_their_own(dtype: mx.Dtype) -> None:
     one, two = adapter(1, 4, 10.0), adapter(2, 2, 2.5)
     layer, selection = layer_with(dtype, (1, one), (2, two))
