@@ -33,7 +33,8 @@ B x W tokens, estimated as the target's measured cost of a B*W-token forward (`C
 linear past the widest measured width: conservative), plus the draft steps: W forwards of the
 draft batch (`Costs.draft_rows`, measured per row count) and each other row's own. The batch
 picks the W with the most expected committed tokens per second, W = 1 (plain) included, so
-speculation backs off as rows are added exactly where it stops paying. Each drafting row's
+speculation backs off as rows are added exactly where it stops paying; a round it plans plain
+runs as a plain round (no verify machinery, the next one queued where it can be). Each drafting row's
 controller then judges the round's wall time, as a lone row's does (`_judge`): a row whose
 drafts lose in the batch pauses or stops, whatever the planner expected.
 """
@@ -180,6 +181,8 @@ class RowBatch:
         for g, want, k in zip(gens, wants, ks, strict=True):
             if want and not k and g.controller is not None:
                 g.controller.benched()
+        if not any(ks) and all(g.plain_only for g in gens):
+            return self._plain_round()  # every draft declined: the same tokens, no verify
         drafts = self._propose(ks)
         width = 1 + max(d.count for d in drafts)
         rows = []

@@ -296,6 +296,7 @@ class DraftLengthController:
         self.doubt = doubt  # how much slower than plain a few rounds must look to stop
         self.judged = False  # this trial already cleared the backoff
         self.benches = 0  # batch rounds in a row that verified none of this row's drafts
+        self.bench_pauses = 0  # pauses since the batch last verified this row's drafts
         self.clock = RoundClock()  # this trial's timed rounds
         self.arms: dict[str, RoundClock] = {}  # the same, per arm that drafts with a model
         self.pending_seconds = 0.0  # draft prefill time, charged to the next timed round
@@ -341,13 +342,16 @@ class DraftLengthController:
         """The batch this row decodes in verified none of its drafts this round: its measured
         costs say they would not pay there. After `patience` such rounds in a row, the row
         stops paying for a source it does not use (a draft model catching up, rounds that
-        cannot be pipelined): it pauses for the base pause. The pairing's pause clock is
-        left alone: the batch, not the source, is what does not pay."""
+        cannot be pipelined): it pauses, for the base pause and then twice as long each time
+        the batch declines it again (up to the longest pause; a round that verifies its
+        drafts starts over). The pairing's pause clock is left alone: the batch, not the
+        source, is what does not pay."""
         self.benches += 1
         if self.benches >= self.patience and floor_on():
             self.benches = 0
             self.off = True
-            self.pause_tokens = self.base_pause
+            self.pause_tokens = min(self.base_pause << self.bench_pauses, self.max_pause)
+            self.bench_pauses = min(self.bench_pauses + 1, 16)
 
     def _stop_paying(self) -> None:
         """A trial lost: the next pause is twice the last (the pairing's clock when shared)."""
@@ -473,6 +477,8 @@ class DraftLengthController:
         self.seen.plain_seconds += plain * committed
         self.clock.add(seconds, modelled, committed, self.decay)
         self.benches = 0
+        if drafted:
+            self.bench_pauses = 0
         losing = self._losing(self.clock)
         if drafted and arm == MODEL_ARM and not self.key.startswith(MODEL_ARM):
             own = self.arms.setdefault(arm, RoundClock())

@@ -266,9 +266,39 @@ def test_rows_a_batch_never_lets_draft_pause_and_decode_pipelined(loaded: Loaded
     source stops running and the batch's rounds become pipelined plain rounds."""
     linear = Costs(verify={w: float(w) for w in range(1, 17)}, plain_step=1.0)
     gens, plains = _rejected_rows(loaded, linear, 40, pause_tokens=64)
-    out, queued = _batched(loaded, linear, gens)
+    verifies = []
+    propose = RowBatch._propose
+
+    def counted(self: RowBatch, ks: list[int]) -> list[Draft]:
+        verifies.append(ks)
+        return propose(self, ks)
+
+    RowBatch._propose = counted  # type: ignore[method-assign]
+    try:
+        out, queued = _batched(loaded, linear, gens)
+    finally:
+        RowBatch._propose = propose  # type: ignore[method-assign]
     assert out == plains
     for g in gens:
         assert g.stats.rounds == 0 and g.stats.paused == 1 and g.source.rounds == 0
         g.close()
     assert queued >= 40 - PATIENCE - 2  # every round after the benched ones ran ahead
+    assert verifies == []  # declined rounds are plain rounds: no verify forward
+
+
+def test_a_row_the_batch_keeps_declining_pauses_longer_each_time() -> None:
+    """Each pause after `patience` declined rounds is twice the last, up to the longest; a
+    round that verifies the row's drafts starts the backoff over."""
+    ctl = DraftLengthController(SLOPED, 4, 0.0, patience=PATIENCE, pause_tokens=8)
+    pauses = []
+    for _ in range(4):
+        for _ in range(PATIENCE):
+            ctl.benched()
+        assert ctl.off
+        pauses.append(ctl.pause_tokens)
+        ctl.resume()
+    assert pauses == [8, 16, 32, 64]
+    ctl.observe_time(1.0, 2, drafted=2)  # its drafts were verified
+    for _ in range(PATIENCE):
+        ctl.benched()
+    assert ctl.pause_tokens == 8
