@@ -29,14 +29,14 @@ since (as a lone row's does). A row joining or leaving first takes the round ahe
 the cache (one position for every row).
 
 How many drafts a round verifies is one choice for the batch: a width W costs one forward of
-B x W tokens, estimated as the target's measured cost of a B*W-token forward (`Costs.v`,
-linear past the widest measured width: conservative), plus the draft steps: W forwards of the
-draft batch (`Costs.draft_rows`, measured per row count) and each other row's own. The batch
-picks the W with the most expected committed tokens per second, W = 1 (plain) included, so
-speculation backs off as rows are added exactly where it stops paying; a round it plans plain
-runs as a plain round (no verify machinery, the next one queued where it can be). Each drafting row's
-controller then judges the round's wall time, as a lone row's does (`_judge`): a row whose
-drafts lose in the batch pauses or stops, whatever the planner expected.
+B x W tokens, estimated as the target's measured cost of a B*W-token forward (`Costs.v`, linear past
+the widest measured width: conservative), plus the draft steps: W forwards of the draft batch
+(`Costs.draft_rows`, measured per row count) and each other row's own. The batch picks the W
+with the most expected committed tokens per second, W = 1 (plain) included, so speculation backs
+off as rows are added exactly where it stops paying; a round it plans plain runs as a plain
+round (no verify machinery, the next one queued where it can be). Each drafting row's controller
+then judges the round's wall time, as a lone row's does (`_judge`): a row whose drafts lose in
+the batch pauses or stops, whatever the planner expected.
 """
 
 from __future__ import annotations

@@ -11,14 +11,15 @@ slot 0 being "no adapter" (zeros). Before a forward the caller names each row's 
 Each array operation costs about as much as the small matmuls of a low-rank term, so the layer
 spends as few as it can: the scale s is folded into B once, at mount; the per-row slot indices
 are built once per forward for all layers (`Selection.plan`), not per layer; rows of several
-adapters take two `gather_mm`s, which pick each row's matrices without copying them; and a
-layer none of the rows' adapters touches is the base layer. On a CPU, rows that all use one
-adapter on a layer (a lone row, a uniform batch) multiply by its matrices directly, the sum in
-the second matmul (`addmm`). On a GPU every row takes the `gather_mm`s: on an H200 (7B shapes,
-bf16) they added 13 us per projection where `addmm` added 40 and a plain matmul by an (in, r)
-matrix, which misses the one-row kernel, 58. Ranks are padded with zeros to a multiple of 8
-(exact): MLX's CUDA kernels fault on bf16 matrices of rank 4. DoRA's ratio m / ||W + s B^T A^T|| is a constant of the adapter and
-the base, computed once at mount (mlx-lm recomputes it, dequantizing W, on every call).
+adapters take two `gather_mm`s, which pick each row's matrices without copying them; and a layer
+none of the rows' adapters touches is the base layer. On a CPU, rows that all use one adapter on
+a layer (a lone row, a uniform batch) multiply by its matrices directly, the sum in the second
+matmul (`addmm`). On a GPU every row takes the `gather_mm`s: on an H200 (7B shapes, bf16) they
+added 13 us per projection where `addmm` added 40 and a plain matmul by an (in, r) matrix, which
+misses the one-row kernel, 58. Ranks are padded with zeros to a multiple of 8 (exact): MLX's
+CUDA kernels fault on bf16 matrices of rank 4. DoRA's ratio m / ||W + s B^T A^T|| is a constant
+of the adapter and the base, computed once at mount (mlx-lm recomputes it, dequantizing W, on
+every call).
 
 Stacks are rebuilt when an adapter is mounted or dropped (between forwards, on the pairing's
 thread); slots stay where they are, so rows keep theirs.
@@ -162,10 +163,10 @@ class RowLoRA(nn.Module):
 
     def put(self, slot: int, weights: LayerWeights | None) -> int:
         """Mount (or with None drop) one adapter's weights at `slot`, restacking; the bytes the
-        slot now holds on this layer. The weights
-        take the base's compute dtype on a GPU: mlx-lm's tuner saves float32, and float32 terms
-        on a bf16 base add a cast of every input and every output to each projection (an H200
-        decoded a 7B-shaped bf16 base at a third of its speed that way)."""
+        slot now holds on this layer. The weights take the base's compute dtype on a GPU:
+        mlx-lm's tuner saves float32, and float32 terms on a bf16 base add a cast of every
+        input and every output to each projection (an H200 decoded a 7B-shaped bf16 base at a
+        third of its speed that way)."""
         if weights is None:
             self._slots.by_slot.pop(slot, None)
         else:
