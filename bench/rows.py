@@ -7,7 +7,10 @@ read (not timed), then every row decodes `--tokens` tokens with EOS ignored: mlx
 (`Generation.step`, B = 1) or its batch (`RowBatch.round`), against mlx-lm's `generate_step`
 (B = 1) and `BatchGenerator` (every B), greedy and at temperature 0.7. Prints aggregate tokens/s,
 milliseconds per round and mlxd / mlx-lm. `--shape` builds a random-weight Llama in memory
-(bf16), as `bench/batch_step.py` does.
+(bf16), as `bench/batch_step.py` does. The last columns run mlxd's rows again on a thread of
+their own, as `mlxd serve` decodes (one runner thread per pairing, with that thread's streams):
+a served stream that decodes slower than the in-process one shows here first if the thread is
+the cause.
 """
 
 # ruff: noqa: E402  (the backend is configured before MLX is imported)
@@ -16,8 +19,9 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +47,7 @@ from mlxd.engine.options import parse_options
 from mlxd.engine.pairing import measure_costs
 from mlxd.engine.sampling import Rng
 from mlxd.engine.speculation import Costs
+from mlxd.engine.threads import start_mlx_thread
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -124,6 +129,15 @@ def mlxlm_rate(model: Any, prompts: list[list[int]], tokens: int, temp: float) -
         gen.close()
 
 
+def threaded(fn: Callable[[], float]) -> float:
+    """`fn` run on a thread of its own, as a pairing's runner decodes."""
+    box: list[float] = []
+    start_mlx_thread(lambda: box.append(fn()), "bench-rows").join()
+    if not box:
+        raise RuntimeError("the decoding thread failed (its traceback is above)")
+    return box[0]
+
+
 @contextmanager
 def unpadded(model: Any, padded: dict[int, int]) -> Iterator[None]:
     """mlx-lm runs the model as it loads it."""
@@ -154,16 +168,19 @@ def main() -> None:
         mlxlm_rate(model, prompts_for(2, vocab), 8, 0.0)
     print(f"device {mx.default_device()}  tokens per row {args.tokens}  padded {padded}")
     print(f"{'temp':>5} {'rows':>5} | {'mlxd tok/s':>10} {'ms/round':>9} | "
-          f"{'mlx-lm tok/s':>12} {'ms/round':>9} | {'mlxd/mlx-lm':>11}")  # fmt: skip
+          f"{'mlx-lm tok/s':>12} {'ms/round':>9} | {'mlxd/mlx-lm':>11} | "
+          f"{'on a thread':>11} {'thread/main':>11}")  # fmt: skip
     for temp in temps:
         for b in counts:
             prompts = prompts_for(b, vocab)
             ours = mlxd_rate(model, prompts, args.tokens, temp)
             with unpadded(model, padded):
                 theirs = mlxlm_rate(model, prompts, args.tokens, temp)
+            served = threaded(partial(mlxd_rate, model, prompts, args.tokens, temp))
             print(
                 f"{temp:>5} {b:>5} | {ours:>10.1f} {1e3 * b / ours:>9.2f} | "
-                f"{theirs:>12.1f} {1e3 * b / theirs:>9.2f} | {ours / theirs:>10.2f}x",
+                f"{theirs:>12.1f} {1e3 * b / theirs:>9.2f} | {ours / theirs:>10.2f}x | "
+                f"{served:>11.1f} {served / ours:>10.2f}x",
                 flush=True,
             )
 
