@@ -109,6 +109,7 @@ class _Stacks:
     b: mx.array  # (slots, r, out), each slot's scale folded in
     ratio: mx.array | None  # (slots, out)
     held: frozenset[int]  # the slots holding an adapter
+    direct: bool  # rows all on one adapter multiply by its matrices (CPU), not gathered (GPU)
 
 
 @dataclass
@@ -199,7 +200,7 @@ class RowLoRA(nn.Module):
             b[slot, :r, :] = w.b.astype(b.dtype)
             if ratio is not None and w.ratio is not None:
                 ratio[slot] = w.ratio.astype(a.dtype)
-        stacks = _Stacks(a, b, ratio, frozenset(held))
+        stacks = _Stacks(a, b, ratio, frozenset(held), direct=not _on_gpu())
         mx.eval(stacks.a, stacks.b, *([ratio] if ratio is not None else []))
         self._slots.stacks = stacks
         for slot, w in held.items():  # each adapter's weights become views of the stacks:
@@ -217,7 +218,7 @@ class RowLoRA(nn.Module):
         if stacks.ratio is not None:
             return self._dora(x, stacks, plan)
         same = x.dtype == stacks.a.dtype
-        if plan.single is not None and not _on_gpu():  # every row on one adapter: its matrices
+        if plan.single is not None and stacks.direct:  # every row on one adapter: its matrices
             w = self._slots.by_slot[plan.single]
             if same:
                 return mx.addmm(self.base(x), x @ w.a, w.b)
