@@ -311,7 +311,7 @@ def main() -> None:
         help="speculation vs plain decoding on a pairing folder with target/ and draft/ "
         "(default: the code pair; e.g. a fattened pair from shared/models/fatten.py)",
     )
-    ap.add_argument("--rounds", type=int, default=2, help="bursts per cell (--pairing)")
+    ap.add_argument("--rounds", type=int, default=3, help="bursts per cell, averaged (--pairing)")
     args = ap.parse_args()
     if args.pairing is not None:
         counts = [int(c) for c in args.clients.split(",")]
