@@ -260,7 +260,9 @@ def test_a_batch_judges_drafts_by_what_the_whole_batch_commits(loaded: Loaded) -
     assert controller.clock.slower(costs.plain, 1.0) > 1.0  # alone it would look 1.33x faster
 
 
-def test_rows_a_batch_never_lets_draft_pause_and_decode_pipelined(loaded: Loaded) -> None:
+def test_rows_a_batch_never_lets_draft_pause_and_decode_pipelined(
+    loaded: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Where the measured costs say no draft pays in the batch (every verify token costs a
     step, as on a CPU), rows that keep wanting drafts pause within the patience: their
     source stops running and the batch's rounds become pipelined plain rounds."""
@@ -273,11 +275,8 @@ def test_rows_a_batch_never_lets_draft_pause_and_decode_pipelined(loaded: Loaded
         verifies.append(ks)
         return propose(self, ks)
 
-    RowBatch._propose = counted  # type: ignore[method-assign]
-    try:
-        out, queued = _batched(loaded, linear, gens)
-    finally:
-        RowBatch._propose = propose  # type: ignore[method-assign]
+    monkeypatch.setattr(RowBatch, "_propose", counted)
+    out, queued = _batched(loaded, linear, gens)
     assert out == plains
     for g in gens:
         assert g.stats.rounds == 0 and g.stats.paused == 1 and g.source.rounds == 0
