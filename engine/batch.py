@@ -173,16 +173,14 @@ class RowBatch:
         if self.ahead is not None and _same(self.ahead.gens, gens):
             return self._plain_round()  # computed already: a draft found since waits a round
         wants = [g.draft_length() for g in gens]
-        if not any(wants) and all(g.plain_only for g in gens):
-            return self._plain_round()
-        self.drop_ahead()
         t0 = time.perf_counter()
         ks = plan_widths(gens, wants, self.costs) if any(wants) else wants
         for g, want, k in zip(gens, wants, ks, strict=True):
             if want and not k and g.controller is not None:
                 g.controller.benched()
         if not any(ks) and all(g.plain_only for g in gens):
-            return self._plain_round()  # every draft declined: the same tokens, no verify
+            return self._plain_round()  # no draft wanted, or every one declined: no verify
+        self.drop_ahead()
         drafts = self._propose(ks)
         width = 1 + max(d.count for d in drafts)
         rows = []
