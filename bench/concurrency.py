@@ -1,6 +1,7 @@
 """Concurrent streaming clients: mlxd vs `mlx_lm.server`, same model, same run.
 
     python bench/concurrency.py [--model DIR | --shape 8b] [--clients 1,2,4,8,16] [--tokens 128]
+                                [--servers mlxd,mlx_lm.server] [--draft-method off]
     python bench/concurrency.py --pairing [DIR] [--clients 1,2,4,8] [--tokens 64]
 
 `--pairing` (default: the code pair; DIR: any folder with `target/` and `draft/`, such as a
@@ -14,7 +15,9 @@ Both servers are started by the bench on loopback ports and driven through the s
 client count it prints aggregate tokens/s (all tokens / burst wall time), the median per-stream
 decode rate and the median time to first token, then mlxd's ratios: aggregate at N clients vs
 its own single stream, and vs mlx_lm.server at the same N. `--shape 8b` writes a random-weight
-Llama with 8B-class shapes (bf16) beside the code-pair tokenizer first.
+Llama with 8B-class shapes (bf16) beside the code-pair tokenizer first. mlxd serves the model
+with its defaults (prompt lookup speculates on repetitive output); `--draft-method off` serves
+it plainly, as mlx_lm.server and the in-process rows of `bench/rows.py` decode.
 """
 
 from __future__ import annotations
@@ -312,6 +315,16 @@ def main() -> None:
         "(default: the code pair; e.g. a fattened pair from shared/models/fatten.py)",
     )
     ap.add_argument("--rounds", type=int, default=3, help="bursts per cell, averaged (--pairing)")
+    ap.add_argument(
+        "--servers", default="mlxd,mlx_lm.server", help="which servers to run (comma-separated)"
+    )
+    ap.add_argument(
+        "--draft-method",
+        choices=("auto", "model", "lookup", "off"),
+        default=None,
+        help="the mlxd entry's draft_method (default: the entry's own, auto); off decodes as "
+        "mlx_lm.server does, without speculation",
+    )
     args = ap.parse_args()
     if args.pairing is not None:
         counts = [int(c) for c in args.clients.split(",")]
@@ -328,10 +341,14 @@ def main() -> None:
     counts = [int(c) for c in args.clients.split(",")]
     home = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
     registry = home / "models.yaml"
-    registry.write_text(f"models:\n  bench:\n    target: {model.resolve()}\n", encoding="utf-8")
+    entry = f"models:\n  bench:\n    target: {model.resolve()}\n"
+    if args.draft_method:
+        entry += f"    options: {{draft_method: \"{args.draft_method}\"}}\n"
+    registry.write_text(entry, encoding="utf-8")
+    servers = [s for s in ("mlxd", "mlx_lm.server") if s in args.servers.split(",")]
 
     table: dict[str, dict[int, dict[str, float]]] = {}
-    for name in ("mlxd", "mlx_lm.server"):
+    for name in servers:
         port = free_port()
         base = f"http://127.0.0.1:{port}"
         env = {**os.environ, "HF_HUB_OFFLINE": "1"}
@@ -371,13 +388,16 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 proc.kill()
 
-    print(f"model {model}  tokens per stream {args.tokens}")
+    print(f"model {model}  tokens per stream {args.tokens}  mlxd draft_method "
+          f"{args.draft_method or 'auto'}")  # fmt: skip
     print(
         f"{'clients':>8} | {'mlxd agg':>9} {'stream':>8} {'ttft ms':>8} | {'mlx_lm agg':>10} {'stream':>8} {'ttft ms':>8} | {'vs own 1':>8} {'vs mlx_lm':>9}"
     )
-    single = table["mlxd"][counts[0]]["aggregate"]
+    none = {"aggregate": 0.0, "per_stream": 0.0, "ttft": 0.0}
+    mine = table.get("mlxd", {})
+    single = mine.get(counts[0], none)["aggregate"]
     for n in counts:
-        a, b = table["mlxd"][n], table["mlx_lm.server"][n]
+        a, b = mine.get(n, none), table.get("mlx_lm.server", {}).get(n, none)
         print(
             f"{n:>8} | {a['aggregate']:>9.1f} {a['per_stream']:>8.1f} {a['ttft'] * 1e3:>8.0f} | "
             f"{b['aggregate']:>10.1f} {b['per_stream']:>8.1f} {b['ttft'] * 1e3:>8.0f} | "
