@@ -37,13 +37,23 @@ off as rows are added exactly where it stops paying; a round it plans plain runs
 round (no verify machinery, the next one queued where it can be). Each drafting row's controller
 then judges the round's wall time, as a lone row's does (`_judge`): a row whose drafts lose in
 the batch pauses or stops, whatever the planner expected.
+
+The probe's costs are single forwards, timed alone; a served batch's rounds are not. Its plain
+rounds are pipelined (the host's work hides under the device's), and its verify rounds are not
+and carry every row's per-round host work. On an H200 serving an 8B model to 8 clients, rounds
+planned from the probe's costs alone ran at 0.78x of plain decoding. So the batch times its own
+rounds, return to return (`RoundTimes`): plain rounds in their pipelined steady state by row
+count, verify rounds by row count and width. The planner and the judge price a round by what
+this batch measured, the probe's curve filling in what it has not run yet (scaled to the plain
+rounds it measured), so the first verify round at a shape is a trial and later ones are judged
+by their record.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -99,14 +109,62 @@ def draft_seconds(gens: Sequence[Generation], ks: Sequence[int], costs: Costs) -
     return alone + max(shared, default=0) * costs.draft_rows(len(shared))
 
 
-def plan_widths(gens: Sequence[Generation], wants: Sequence[int], costs: Costs) -> list[int]:
-    """Drafts per row for this round: the batch-wide width with the best expected rate."""
+ROUND_DECAY = 0.7  # weight of the estimate so far when a round's time is added
+ROUND_CAP = 4.0  # a round timed past this many times its modelled cost counts as this many
+
+
+@dataclass
+class RoundTimes:
+    """Wall seconds of a batch's rounds, return to return, as moving averages: plain rounds in
+    their pipelined steady state by row count, verify rounds by (rows, width), drafting
+    included. One round that compiled a new shape counts at most `ROUND_CAP` times its
+    modelled cost."""
+
+    costs: Costs
+    plain: dict[int, float] = field(default_factory=dict)
+    verify: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def plain_round(self, rows: int) -> float:
+        """A plain round of `rows` rows: as measured, else the probe's `rows`-token forward."""
+        return self.plain.get(rows) or self.costs.v(rows)
+
+    def verify_round(self, rows: int, width: int, drafting: float) -> float:
+        """A verify round of `rows` x `width` tokens whose drafts cost `drafting`: as measured,
+        else the probe's forward scaled as this batch's plain rounds measured against it."""
+        seen = self.verify.get((rows, width))
+        if seen is not None:
+            return seen
+        scale = self.plain_round(rows) / max(self.costs.v(rows), 1e-12)
+        return (self.costs.v(rows * width) + drafting) * scale
+
+    def add_plain(self, rows: int, seconds: float) -> None:
+        _average(self.plain, rows, min(seconds, ROUND_CAP * self.costs.v(rows)))
+
+    def add_verify(self, rows: int, width: int, seconds: float, drafting: float) -> None:
+        modelled = self.costs.v(rows * width) + drafting
+        _average(self.verify, (rows, width), min(seconds, ROUND_CAP * modelled))
+
+
+def _average(table: dict[Any, float], key: Any, seconds: float) -> None:
+    old = table.get(key)
+    table[key] = seconds if old is None else ROUND_DECAY * old + (1 - ROUND_DECAY) * seconds
+
+
+def plan_widths(
+    gens: Sequence[Generation],
+    wants: Sequence[int],
+    costs: Costs,
+    times: RoundTimes | None = None,
+) -> list[int]:
+    """Drafts per row for this round: the batch-wide width with the best expected rate, each
+    round priced as the batch measured it (`times`) or else by the probe's costs."""
     rows = len(gens)
-    best, best_rate = 0, rows / costs.v(rows)
+    times = times if times is not None else RoundTimes(costs)
+    best, best_rate = 0, rows / times.plain_round(rows)
     for k in sorted({w for w in wants if w > 0}):
         ks = [min(w, k) for w in wants]
         expected = sum(expected_tokens(g, n) for g, n in zip(gens, ks, strict=True))
-        rate = expected / (costs.v(rows * (k + 1)) + draft_seconds(gens, ks, costs))
+        rate = expected / times.verify_round(rows, k + 1, draft_seconds(gens, ks, costs))
         if rate > best_rate:
             best, best_rate = k, rate
     return [min(w, best) for w in wants]
@@ -122,6 +180,8 @@ class RowBatch:
         self.cache: list[Any] = []
         self.ahead: Ahead | None = None  # the next plain round, queued (its position written)
         self.drafts: DraftBatch | None = None  # the rows' draft-model K/V, drafting together
+        self.times = RoundTimes(costs)
+        self._returned: tuple[float, list[Generation]] | None = None  # last round's end, rows
 
     def __len__(self) -> int:
         return len(self.gens)
@@ -170,16 +230,17 @@ class RowBatch:
     def round(self) -> list[Committed]:
         """One round for every row: drafts, one verify forward, per-row acceptance and trim."""
         gens = self.gens
+        since = self._since()
         if self.ahead is not None and _same(self.ahead.gens, gens):
-            return self._plain_round()  # computed already: a draft found since waits a round
+            return self._plain_round(since)  # computed already: a draft found since waits a round
         wants = [g.draft_length() for g in gens]
         t0 = time.perf_counter()
-        ks = plan_widths(gens, wants, self.costs) if any(wants) else wants
+        ks = plan_widths(gens, wants, self.costs, self.times) if any(wants) else wants
         for g, want, k in zip(gens, wants, ks, strict=True):
             if want and not k and g.controller is not None:
                 g.controller.benched()
         if not any(ks) and all(g.plain_only for g in gens):
-            return self._plain_round()  # no draft wanted, or every one declined: no verify
+            return self._plain_round(since)  # no draft wanted, or every one declined: no verify
         self.drop_ahead()
         drafts = self._propose(ks)
         width = 1 + max(d.count for d in drafts)
@@ -208,8 +269,30 @@ class RowBatch:
             Committed(g, g.absorb(d, v, w, logits[i]))
             for i, (g, d, v, w) in enumerate(zip(gens, drafts, verdicts, walks, strict=True))
         ]
-        self._judge(drafts, committed, time.perf_counter() - t0, width)
+        end = self._ended(gens)
+        seconds = end - (since if since is not None else t0)
+        if width > 1:
+            paid = [0 if d.source in FREE_SOURCES else d.count for d in drafts]
+            drafting = draft_seconds(gens, paid, self.costs)
+            self.times.add_verify(len(gens), width, seconds, drafting)
+        self._judge(drafts, committed, seconds, width)
         return committed
+
+    def untimed(self) -> None:
+        """Work other than rounds runs before the next round: that round is not timed."""
+        self._returned = None
+
+    def _since(self) -> float | None:
+        """When the previous round returned, if it was these same rows' (else None)."""
+        returned = self._returned
+        if returned is None or not _same(returned[1], self.gens):
+            return None
+        return returned[0]
+
+    def _ended(self, gens: list[Generation]) -> float:
+        now = time.perf_counter()
+        self._returned = (now, list(gens))
+        return now
 
     def _judge(
         self, drafts: list[Draft], committed: list[Committed], seconds: float, width: int
@@ -224,19 +307,22 @@ class RowBatch:
             return
         paid = [0 if d.source in FREE_SOURCES else d.count for d in drafts]
         modelled = self.costs.v(rows * width) + draft_seconds(self.gens, paid, self.costs)
-        per_token = rows * self.costs.plain / max(self.costs.v(rows), 1e-9) / total
+        per_token = rows * self.costs.plain / max(self.times.plain_round(rows), 1e-12) / total
         for d, c in zip(drafts, committed, strict=True):
             ctl, n = c.gen.controller, len(c.tokens)
             if d.count and ctl is not None and c.gen.spec.on:
                 share = per_token * n
                 ctl.observe_time(seconds * share, n, d.count, d.source, modelled * share)
 
-    def _plain_round(self) -> list[Committed]:
+    def _plain_round(self, since: float | None = None) -> list[Committed]:
         """A round where no row drafts, pipelined: the next one is queued before this one's
-        tokens are read, when every row will decode it plainly too."""
+        tokens are read, when every row will decode it plainly too. One that was queued is
+        timed (from `since`, the previous round's return) as the batch's plain round."""
         gens = self.gens
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and _same(ahead.gens, gens):
+        pipelined = ahead is not None and _same(ahead.gens, gens)
+        if pipelined:
+            assert ahead is not None
             tokens = ahead.tokens
         else:
             if ahead is not None:
@@ -249,10 +335,14 @@ class RowBatch:
             mx.async_eval(queued)
             self.ahead = Ahead(list(gens), queued)
         chosen = to_ints(tokens)
-        return [
+        committed = [
             Committed(g, g.absorb(Draft.empty(), Verdict(0, [t])))
             for g, t in zip(gens, chosen, strict=True)
         ]
+        end = self._ended(gens)
+        if pipelined and since is not None:
+            self.times.add_plain(len(gens), end - since)
+        return committed
 
     def _forward(self, inputs: mx.array) -> mx.array:
         """The last position's logits (B, V) of a forward of `inputs` (B, 1) over the batch."""

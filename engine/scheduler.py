@@ -176,6 +176,7 @@ class Scheduler:
                 break
             self._admit()
             if self.prefilling:
+                self.batch.untimed()  # a prompt's chunk is not the next round's time
                 self._prefill_step()
             if self.rows:
                 with mx.stream(self.stream):

@@ -148,9 +148,9 @@ def test_pipelined_plain_rounds_choose_what_plain_decoding_does(
     seen = Counter[str]()
     plain_round, drop = RowBatch._plain_round, RowBatch.drop_ahead
 
-    def counted_round(self: RowBatch) -> list[Committed]:
+    def counted_round(self: RowBatch, since: float | None = None) -> list[Committed]:
         seen["from ahead" if self.ahead is not None else "fresh"] += 1
-        return plain_round(self)
+        return plain_round(self, since)
 
     def counted_drop(self: RowBatch) -> None:
         seen["dropped"] += self.ahead is not None

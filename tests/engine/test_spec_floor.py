@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import pytest
 
-from mlxd.engine.batch import Committed, RowBatch
+from mlxd.engine.batch import Committed, RoundTimes, RowBatch, plan_widths
 from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
@@ -301,3 +301,54 @@ def test_a_row_the_batch_keeps_declining_pauses_longer_each_time() -> None:
     for _ in range(PATIENCE):
         ctl.benched()
     assert ctl.pause_tokens == 8
+
+
+def _model_drafting_rows(costs: Costs) -> list[Generation]:
+    """Six rows of a small-vocabulary model, each drafting with a draft model, batched."""
+    from tests.engine.test_speculative import tiny_vocab_model
+
+    target = tiny_vocab_model(3, 8)
+    return [
+        Generation(target, [1, 2, 3], GREEDY, set(), 20, Rng(i),
+                   ModelDraftSource(target, GREEDY, Rng(i)), DraftLengthController(costs, 4, 0.3))
+        for i in range(6)
+    ]  # fmt: skip
+
+
+def test_a_batch_prices_its_rounds_as_it_measured_them() -> None:
+    """The probe's single forwards say four drafts a row pay; this batch's own record says a
+    verify round of that width costs ten of its plain rounds, and the planner declines. Until
+    a width is on record the probe's curve prices it, scaled to the plain rounds measured."""
+    costs = Costs(
+        verify=dict.fromkeys(range(1, 40), 1.0), draft_step=0.3, draft_batch={1: 0.3, 8: 0.3}
+    )
+    gens = _model_drafting_rows(costs)
+    times = RoundTimes(costs)
+    assert plan_widths(gens, [4] * 6, costs, times) == [4] * 6
+    times.add_plain(6, 0.01)  # plain rounds measured at a hundredth of the probe's forward
+    assert times.verify_round(6, 5, 1.2) == pytest.approx((1.0 + 1.2) * 0.01)
+    assert plan_widths(gens, [4] * 6, costs, times) == [4] * 6
+    times.add_verify(6, 5, 0.1, 1.2)
+    assert plan_widths(gens, [4] * 6, costs, times) == [0] * 6
+    times.add_verify(6, 5, 99.0, 1.2)  # a round that compiled a shape counts as ROUND_CAP
+    assert times.verify[(6, 5)] == pytest.approx(0.7 * 0.1 + 0.3 * 4 * (1.0 + 1.2))
+
+
+def test_a_batch_times_its_own_rounds(loaded: Loaded) -> None:
+    """Verify rounds are timed by rows and width, pipelined plain rounds by rows; a round
+    after other work on the runner (a prompt's chunk) is not timed."""
+    gens, plains = _rejected_rows(loaded, SLOPED, 32, pause_tokens=64)
+    batch = RowBatch(loaded.target, SLOPED)
+    batch.join(gens)
+    out: list[list[int]] = [[] for _ in gens]
+    for _ in range(12):
+        for c in batch.round():
+            out[gens.index(c.gen)] += c.tokens
+    assert batch.times.verify and {rows for rows, _ in batch.times.verify} == {3}
+    assert set(batch.times.plain) == {3} and batch.times.plain[3] > 0
+    assert all(o == p[: len(o)] for o, p in zip(out, plains, strict=True))
+    batch.untimed()
+    assert batch._since() is None
+    batch.drop_ahead()
+    for g in gens:
+        g.close()
