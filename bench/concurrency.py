@@ -343,7 +343,7 @@ def main() -> None:
     registry = home / "models.yaml"
     entry = f"models:\n  bench:\n    target: {model.resolve()}\n"
     if args.draft_method:
-        entry += f"    options: {{draft_method: \"{args.draft_method}\"}}\n"
+        entry += f'    options: {{draft_method: "{args.draft_method}"}}\n'
     registry.write_text(entry, encoding="utf-8")
     servers = [s for s in ("mlxd", "mlx_lm.server") if s in args.servers.split(",")]
 
