@@ -366,9 +366,9 @@ def _check_option(name: str, value: Any) -> Any:
         return value
     if kind == "choice":
         choices = OPTION_CHOICES[name]
-        if value not in choices:
-            raise ValueError(f"expected one of {', '.join(choices)}, got {_describe(value)}")
-        return value
+        if value is False and "off" in choices:
+            return "off"  # YAML 1.1 reads an unquoted `off` as false
+        return _check_choice(value, choices)
     # "strings": one string or a list of strings, kept as an immutable tuple.
     if isinstance(value, str):
         return (value,)

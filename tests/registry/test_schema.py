@@ -44,6 +44,13 @@ def write(tmp_path: Path, text: str, name: str = "models.yaml") -> Path:
     return path
 
 
+def test_an_unquoted_off_turns_speculation_off(tmp_path: Path) -> None:
+    """YAML reads `draft_method: off` as false; the entry means "off", as written."""
+    text = "models:\n  coder:\n    target: x/y\n    options:\n      draft_method: off\n"
+    entry = load_registry_file(write(tmp_path, text))["coder:latest"]
+    assert entry.options["draft_method"] == "off"
+
+
 def test_good_file(tmp_path: Path) -> None:
     path = write(tmp_path, GOOD)
     entries = load_registry_file(path)
