@@ -46,7 +46,7 @@ rounds, return to return (`RoundTimes`): plain rounds in their pipelined steady 
 count, verify rounds by row count and width. The planner and the judge price a round by what
 this batch measured, the probe's curve filling in what it has not run yet (scaled to the plain
 rounds it measured), so the first verify round at a shape is a trial and later ones are judged
-by their record.
+by their record (dropped now and then, so that a width once timed as losing is tried again).
 """
 
 from __future__ import annotations
@@ -111,18 +111,23 @@ def draft_seconds(gens: Sequence[Generation], ks: Sequence[int], costs: Costs) -
 
 ROUND_DECAY = 0.7  # weight of the estimate so far when a round's time is added
 ROUND_CAP = 4.0  # a round timed past this many times its modelled cost counts as this many
+RETRY_ROUNDS = 2048  # plain rounds after which verify rounds' records are dropped (re-tried)
 
 
 @dataclass
 class RoundTimes:
     """Wall seconds of a batch's rounds, return to return, as moving averages: plain rounds in
     their pipelined steady state by row count, verify rounds by (rows, width), drafting
-    included. One round that compiled a new shape counts at most `ROUND_CAP` times its
-    modelled cost."""
+    included. The first verify round of a shape is not recorded (on a GPU it compiles the
+    shape), and any round counts at most `ROUND_CAP` times its modelled cost. A width whose
+    record says it loses is not run again, so its record could never improve: every
+    `RETRY_ROUNDS` plain rounds the verify records are dropped and the widths tried anew."""
 
     costs: Costs
     plain: dict[int, float] = field(default_factory=dict)
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
+    _tried: set[tuple[int, int]] = field(default_factory=set, repr=False)
+    _plain_rounds: int = field(default=0, repr=False)
 
     def plain_round(self, rows: int) -> float:
         """A plain round of `rows` rows: as measured, else the probe's `rows`-token forward."""
@@ -139,8 +144,16 @@ class RoundTimes:
 
     def add_plain(self, rows: int, seconds: float) -> None:
         _average(self.plain, rows, min(seconds, ROUND_CAP * self.costs.v(rows)))
+        self._plain_rounds += 1
+        if self._plain_rounds >= RETRY_ROUNDS:
+            self._plain_rounds = 0
+            self.verify.clear()
+            self._tried.clear()
 
     def add_verify(self, rows: int, width: int, seconds: float, drafting: float) -> None:
+        if (rows, width) not in self._tried:
+            self._tried.add((rows, width))
+            return
         modelled = self.costs.v(rows * width) + drafting
         _average(self.verify, (rows, width), min(seconds, ROUND_CAP * modelled))
 

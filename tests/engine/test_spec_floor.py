@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import mlx.core as mx
 import pytest
 
-from mlxd.engine.batch import Committed, RoundTimes, RowBatch, plan_widths
+from mlxd.engine.batch import RETRY_ROUNDS, Committed, RoundTimes, RowBatch, plan_widths
 from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
@@ -328,10 +328,15 @@ def test_a_batch_prices_its_rounds_as_it_measured_them() -> None:
     times.add_plain(6, 0.01)  # plain rounds measured at a hundredth of the probe's forward
     assert times.verify_round(6, 5, 1.2) == pytest.approx((1.0 + 1.2) * 0.01)
     assert plan_widths(gens, [4] * 6, costs, times) == [4] * 6
+    times.add_verify(6, 5, 0.1, 1.2)  # the first round of a shape (a compile) is not kept
+    assert plan_widths(gens, [4] * 6, costs, times) == [4] * 6
     times.add_verify(6, 5, 0.1, 1.2)
     assert plan_widths(gens, [4] * 6, costs, times) == [0] * 6
     times.add_verify(6, 5, 99.0, 1.2)  # a round that compiled a shape counts as ROUND_CAP
     assert times.verify[(6, 5)] == pytest.approx(0.7 * 0.1 + 0.3 * 4 * (1.0 + 1.2))
+    for _ in range(RETRY_ROUNDS):  # long after, the losing width is tried again
+        times.add_plain(6, 0.01)
+    assert not times.verify and plan_widths(gens, [4] * 6, costs, times) == [4] * 6
 
 
 def test_a_batch_times_its_own_rounds(loaded: Loaded) -> None:
