@@ -284,11 +284,11 @@ class RowBatch:
         ]
         end = self._ended(gens)
         seconds = end - (since if since is not None else t0)
+        paid = [0 if d.source in FREE_SOURCES else d.count for d in drafts]
+        drafting = draft_seconds(gens, paid, self.costs)
         if width > 1:
-            paid = [0 if d.source in FREE_SOURCES else d.count for d in drafts]
-            drafting = draft_seconds(gens, paid, self.costs)
             self.times.add_verify(len(gens), width, seconds, drafting)
-        self._judge(drafts, committed, seconds, width)
+        self._judge(drafts, committed, seconds, width, drafting)
         return committed
 
     def untimed(self) -> None:
@@ -308,18 +308,23 @@ class RowBatch:
         return now
 
     def _judge(
-        self, drafts: list[Draft], committed: list[Committed], seconds: float, width: int
+        self,
+        drafts: list[Draft],
+        committed: list[Committed],
+        seconds: float,
+        width: int,
+        drafting: float,
     ) -> None:
         """Each drafting row's controller judges the round as a lone row's judges its own, by
         what the whole batch committed: the round's time (by the wall clock and by the cost
         model) is shared out per committed token and scaled so that a plain round of these
         rows costs one plain step a token. A row whose drafts pay for itself but not for the
-        rows padded to its width pauses, as a lone row whose drafts lose does."""
+        rows padded to its width pauses, as a lone row whose drafts lose does. `drafting` is
+        what the cost model says the round's drafts cost."""
         rows, total = len(self.gens), sum(len(c.tokens) for c in committed)
         if not total:
             return
-        paid = [0 if d.source in FREE_SOURCES else d.count for d in drafts]
-        modelled = self.costs.v(rows * width) + draft_seconds(self.gens, paid, self.costs)
+        modelled = self.costs.v(rows * width) + drafting
         per_token = rows * self.costs.plain / max(self.times.plain_round(rows), 1e-12) / total
         for d, c in zip(drafts, committed, strict=True):
             ctl, n = c.gen.controller, len(c.tokens)
@@ -333,10 +338,9 @@ class RowBatch:
         timed (from `since`, the previous round's return) as the batch's plain round."""
         gens = self.gens
         ahead, self.ahead = self.ahead, None
-        pipelined = ahead is not None and _same(ahead.gens, gens)
-        if pipelined:
-            assert ahead is not None
-            tokens = ahead.tokens
+        pipelined = False
+        if ahead is not None and _same(ahead.gens, gens):
+            tokens, pipelined = ahead.tokens, True
         else:
             if ahead is not None:
                 self._take_back()

@@ -8,7 +8,14 @@ from collections.abc import Sequence
 import mlx.core as mx
 import pytest
 
-from mlxd.engine.batch import RETRY_ROUNDS, Committed, RoundTimes, RowBatch, plan_widths
+from mlxd.engine.batch import (
+    RETRY_ROUNDS,
+    Committed,
+    RoundTimes,
+    RowBatch,
+    draft_seconds,
+    plan_widths,
+)
 from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
@@ -251,7 +258,8 @@ def test_a_batch_judges_drafts_by_what_the_whole_batch_commits(loaded: Loaded) -
     batch.gens = gens
     drafts = [Draft(mx.array([1], dtype=mx.uint32), 1, "rejected")] + [Draft.empty()] * 3
     committed = [Committed(gens[0], [5, 6])] + [Committed(g, [7]) for g in gens[1:]]
-    batch._judge(drafts, committed, seconds=3.0, width=2)
+    drafting = draft_seconds(gens, [1, 0, 0, 0], costs)  # a draft_cost of 0: nothing
+    batch._judge(drafts, committed, seconds=3.0, width=2, drafting=drafting)
     # a plain round of 4 rows: 4 tokens in v(4) = 2.0, so a token's plain share is 0.5 s;
     # this round committed 5 tokens in 3.0 s: 0.6 s each, 1.2 s for the row's 2 tokens
     share = 4 * 1.0 / 2.0 / 5 * 2
