@@ -47,6 +47,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # 8k prompts > model_max_length: fine
 
+from mlxd.engine.backend import configure_backend  # noqa: E402
+
+BACKEND = configure_backend()  # first, as `mlxd serve` does: the CPU BLAS goes under MLX
+
 DEFAULT_MODEL = ROOT.parent / "shared" / "models" / "code-pair" / "target"
 LONG_SHAPE = {
     "hidden_size": 512,
@@ -73,7 +77,6 @@ class Daemon:
         from mlxd.api.app import build_app
         from mlxd.daemon.config import Settings
         from mlxd.daemon.server import build_state
-        from mlxd.engine.backend import configure_backend
 
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
@@ -82,7 +85,7 @@ class Daemon:
             "127.0.0.1", self.port, registry, 3600.0, 4,
             cache_ram_bytes=ram_bytes, cache_ssd_bytes=ssd_bytes, cache_dir=cache_dir,
         )  # fmt: skip
-        self.state = build_state(settings, configure_backend())
+        self.state = build_state(settings, BACKEND)
         config = uvicorn.Config(
             build_app(self.state), host="127.0.0.1", port=self.port, log_level="warning",
             timeout_graceful_shutdown=30,

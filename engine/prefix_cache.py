@@ -39,7 +39,7 @@ from crc32c import crc32c
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 from mlxd.engine.kvcache import new_kv_cache
-from mlxd.engine.ssd_store import BadEntry, Reclaimed, StoreUnavailable, open_store
+from mlxd.engine.ssd_store import BadEntry, Parts, Reclaimed, StoreUnavailable, open_store
 from mlxd.engine.threads import start_mlx_thread
 
 log = logging.getLogger(__name__)
@@ -253,23 +253,33 @@ _DTYPES = {
 
 
 def encode(key: str, block: Block) -> bytes:
+    return encoded(key, block).join()
+
+
+def encoded(key: str, block: Block) -> Parts:
+    """The entry as its parts: magic and lengths, header, then every array's raw bytes.
+
+    The arrays are first copied into one fresh buffer (one kernel), and only that copy is
+    read from the host: on MLX's CUDA build a host read moves an array's buffer into
+    unified memory for good, and the block's own arrays, still in the RAM tier, would then
+    be paged back into the GPU by every restore. The host then sees the copy as it is: no
+    conversion, no join (`Parts` are written one after another)."""
     metas: list[list[list[Any]]] = []
-    payload: list[bytes] = []
+    flat: list[mx.array] = []
     for layer in block.arrays:
         metas.append([])
         for a in layer:
-            dtype = str(a.dtype).removeprefix("mlx.core.")
-            raw = np.array(a.view(mx.uint16) if dtype == "bfloat16" else a)
-            metas[-1].append([dtype, list(a.shape)])
-            payload.append(raw.tobytes())
+            metas[-1].append([str(a.dtype).removeprefix("mlx.core."), list(a.shape)])
+            flat.append(a.reshape(-1).view(mx.uint8))
+    body = mx.concatenate(flat) if len(flat) > 1 else mx.array(flat[0])
+    mx.eval(body)
+    payload = memoryview(body)  # the buffer protocol: the host's view of the copy, no copy
     header = json.dumps(
         {"v": FORMAT_VERSION, "key": key, "kinds": block.kinds, "arrays": metas}
     ).encode()
-    crc = crc32c(header)
-    for part in payload:
-        crc = crc32c(part, crc)
-    blen = sum(len(part) for part in payload)
-    return b"".join([MAGIC, struct.pack("<IQI", len(header), blen, crc), header, *payload])
+    crc = crc32c(payload, crc32c(header))
+    lengths = struct.pack("<IQI", len(header), payload.nbytes, crc)
+    return Parts((memoryview(MAGIC + lengths + header), payload))
 
 
 Parsed = tuple[list[str], list[list[tuple[str, np.ndarray]]]]  # kinds; per layer (dtype, array)
@@ -462,7 +472,7 @@ class SsdTier:
             key, block = item
             try:
                 if key not in self.cache:
-                    self.cache.set(key, encode(key, block))
+                    self.cache.set(key, encoded(key, block))
             except Exception:
                 log.exception("prefix cache: SSD write failed")
             finally:

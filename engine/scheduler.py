@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import queue
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,6 +126,7 @@ class Scheduler:
         self.waiting: deque[Job] = deque()
         self.prefilling: deque[Prefilling] = deque()
         self.rows: list[Row] = []  # decoding, oldest first
+        self.finished: list[Row] = []  # answered; their cache work waits (see `_offer_finished`)
         self.batch = RowBatch(pairing.target, pairing.costs)
         self.stream = mx.new_stream(mx.default_device())
         self.stopping = False  # the stop marker arrived: finish the work in hand, then return
@@ -170,14 +171,16 @@ class Scheduler:
     def run(self) -> None:
         while True:
             self.flush()  # after every step: the runner's heartbeat, then the step's events
-            busy = bool(self.rows or self.waiting or self.prefilling)
+            busy = bool(self.rows or self.waiting or self.prefilling or self.finished)
             stopping = self._collect(block=not busy and not self.stopping)
-            if stopping and not (self.rows or self.waiting or self.prefilling):
+            self._offer_finished(hits_only=True)
+            if stopping and not (self.rows or self.waiting or self.prefilling or self.finished):
                 break
             self._admit()
             if self.prefilling:
                 self.batch.untimed()  # a prompt's chunk is not the next round's time
                 self._prefill_step()
+            self._offer_finished()
             if self.rows:
                 with mx.stream(self.stream):
                     self._step()
@@ -445,8 +448,8 @@ class Scheduler:
     # -- the end of a row ----------------------------------------------------------------------
 
     def _retire(self, row: Row, reason: str | None = None) -> None:
-        """Finish a row: final event, then (after the response is out) its committed state
-        offered to the prefix cache."""
+        """Finish a row: final event; its committed state is offered to the prefix cache
+        after the response is out (`_offer_finished`)."""
         if row in self.rows:
             self.rows.remove(row)
         try:
@@ -455,15 +458,41 @@ class Scheduler:
             if self.prefix is not None and row.stream.reason == "cancel":
                 self._offer_prompt(row)
             elif self.prefix is not None:
-                self.flush()  # the response goes out before the cache work (a draft may catch up)
-                prompt_len = len(row.request.prompt_tokens)
-                draft = row.draft_revision
-                idle = not (self.rows or self.waiting or self.prefilling) and self.jobs.empty()
-                offer_final(self.prefix, row.ns, row.gen, prompt_len, draft, catch_up=idle)
+                self.finished.append(row)
+                return
         except Exception:
             log.exception("finishing a row failed")
-        finally:
-            self._close(row)
+        self._close(row)
+
+    def _offer_finished(self, hits_only: bool = False) -> None:
+        """Offer finished rows' state to the prefix cache, then close them. A request that
+        arrived meanwhile is read first (the loop calls this again once its prompt is
+        queued: the copies then wait behind that prefill on the device, not in front of
+        it), unless it would hit what a finished row holds: that row offers first
+        (`hits_only`), so a prompt sent again is restored, not recomputed."""
+        if not self.finished:
+            return
+        self.flush()  # the responses go out before the cache work (a draft may catch up)
+        assert self.prefix is not None
+        if hits_only:
+            prompts = [job.request.prompt_tokens for job in self.waiting]
+            block = self.prefix.block
+            rows = [r for r in self.finished if any(_shares(r, p, block) for p in prompts)]
+        else:
+            rows = list(self.finished)
+        for row in rows:
+            self.finished.remove(row)
+            try:
+                prompt_len = len(row.request.prompt_tokens)
+                idle = not (self.rows or self.waiting or self.prefilling or self.finished)
+                idle = idle and self.jobs.empty()
+                offer_final(
+                    self.prefix, row.ns, row.gen, prompt_len, row.draft_revision, catch_up=idle
+                )
+            except Exception:
+                log.exception("finishing a row failed")
+            finally:
+                self._close(row)
 
     def _fail(self, row: Row, exc: Exception) -> None:
         """A failure ends that row's stream with an error line, nothing else."""
@@ -485,6 +514,13 @@ class Scheduler:
                 undo()
             row.release.clear()
             row.job.done()
+
+
+def _shares(row: Row, prompt: Sequence[int], block: int) -> bool:
+    """Whether `prompt` begins as what `row` holds does, over its first prefix-cache block
+    (or all of it, when shorter): whether it could hit the row's blocks."""
+    first = row.gen.tokens[:block]
+    return bool(first) and list(prompt[: len(first)]) == list(first)
 
 
 def _revision(target: Any) -> str:

@@ -55,6 +55,22 @@ class BadEntry(Exception):
     """A row that does not describe a value this store wrote."""
 
 
+@dataclass(frozen=True)
+class Parts:
+    """One value handed over as the buffers it is made of, written to its file one after
+    another: a K/V block is megabytes, and joining it into one `bytes` first would copy it
+    (holding the GIL) only to write it out."""
+
+    chunks: tuple[memoryview, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    def join(self) -> bytes:
+        return b"".join(self.chunks)
+
+
 class BytesDisk(diskcache.Disk):
     """diskcache's serializer narrowed to str keys and bytes values, and to value files inside
     the cache directory; everything else is a :class:`BadEntry` (reads) or a TypeError."""
@@ -75,6 +91,12 @@ class BytesDisk(diskcache.Disk):
         raise BadEntry("a key this store did not write")
 
     def store(self, value: Any, read: bool, key: Any = UNKNOWN) -> tuple[Any, ...]:
+        if type(value) is Parts and not read:
+            if value.nbytes < self.min_file_size:
+                return super().store(value.join(), read, key)
+            filename, full_path = self.filename(key, value)
+            size = self._write(full_path, iter(value.chunks), "xb")  # writes run GIL-free
+            return size, MODE_BINARY, filename, None
         if type(value) is not bytes or read:
             raise TypeError("the SSD tier stores bytes")
         return super().store(value, read, key)

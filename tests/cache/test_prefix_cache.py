@@ -1023,3 +1023,16 @@ def test_the_disk_read_rate_is_measured_and_leaves_nothing_behind(tmp_path: Path
     with ThreadPoolExecutor(2) as readers:
         assert probe_read_rate(tmp_path, readers) > 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_entry_is_written_from_a_copy_of_its_arrays() -> None:
+    """On MLX's CUDA build a host read moves an array into unified memory for good: the SSD
+    writer must read a copy, never the arrays the RAM tier restores from."""
+    block = make_block(8)
+    parts = pc.encoded(KEY, block)
+    body = np.asarray(parts.chunks[-1])
+    for layer in block.arrays:
+        for a in layer:
+            assert not np.shares_memory(body, np.asarray(a))
+    assert parts.join() == encode(KEY, block)
+    assert_same_block(decode(KEY, parts.join()), block)
