@@ -117,8 +117,9 @@ def offer_final(
             gen.ready_source()  # a paused draft reads the tokens now (may drop a failing one)
         draft = _draft_state(gen, draft_revision)
         prompt = gen.tokens[: prompt_len - 1]
-        offered = offer_caches(cache, ns, gen.cache, prompt, draft, draft_revision)
-        return offered + offer_caches(cache, ns, gen.cache, gen.tokens, draft, draft_revision)
+        args = (draft, draft_revision, True)  # its caches are written no more: runs view them
+        offered = offer_caches(cache, ns, gen.cache, prompt, *args)
+        return offered + offer_caches(cache, ns, gen.cache, gen.tokens, *args)
     except Exception:
         log.exception("prefix cache: offering a finished request failed")
         return 0
@@ -140,10 +141,11 @@ def offer_caches(
     tokens: Sequence[int],
     draft: tuple[list[Any], list[int]] | None = None,
     draft_revision: str = "",
+    finished: bool = False,
 ) -> int:
     """Insert the blocks covered by `target` (and attach the draft's state where it covers
     them); keys derive from what the caches hold (their offset), never from what was
-    streamed."""
+    streamed. The caches of a `finished` row are viewed, not copied (`slice_run`)."""
     if not target:
         return 0
     remote = getattr(target[0], "offer_remote", None)
@@ -158,7 +160,7 @@ def offer_caches(
     held = list(tokens[:covered])
     inserted = 0
     for span in _spans(cache.missing(ns, held)):
-        blocks = _slice_span(target, span, cache.block)
+        blocks = _slice_span(target, span, cache.block, finished)
         if blocks is None:
             return inserted  # a cache kind the prefix cache cannot slice
         for (_, key), block in zip(span, blocks, strict=True):
@@ -176,7 +178,7 @@ def offer_caches(
     keys = cache.block_keys(ns, held[:draft_covered])
     bare = [(i, k) for i, k in enumerate(keys) if not cache.has_attachment(k, draft_revision)]
     for span in _spans(bare):
-        extras = _slice_span(draft_cache, span, cache.block)
+        extras = _slice_span(draft_cache, span, cache.block, finished)
         if extras is None:
             return inserted
         for (_, key), extra in zip(span, extras, strict=True):
@@ -201,9 +203,11 @@ def _spans(indexed: list[tuple[int, str]]) -> list[list[tuple[int, str]]]:
     return spans
 
 
-def _slice_span(caches: list[Any], span: list[tuple[int, str]], block: int) -> list[Block] | None:
-    """The span's blocks, copied out of `caches` in one run (see `prefix_cache.Run`)."""
-    return slice_run(caches, span[0][0] * block, (span[-1][0] + 1) * block, block)
+def _slice_span(
+    caches: list[Any], span: list[tuple[int, str]], block: int, finished: bool
+) -> list[Block] | None:
+    """The span's blocks, in one run (see `prefix_cache.Run`)."""
+    return slice_run(caches, span[0][0] * block, (span[-1][0] + 1) * block, block, finished)
 
 
 def _offset(caches: list[Any]) -> int:

@@ -98,24 +98,24 @@ def block_keys(tokens: Sequence[int], ns: Namespace, block: int) -> list[str]:
 
 
 class Run:
-    """One copy of the K/V of consecutive blocks, offered together: its blocks are views of
-    it. Offering a prompt copies each layer's K and V once (not once per block), and a
-    restore of the run's blocks in order reads one slice per layer, not one per block: at 7k
-    tokens, 64 kernels against 7,000. Each array is laid out block-major, (blocks, ...,
-    block tokens, dim), so every block is a contiguous view (the SSD writer reads it as it
-    is). `keys` are the run's blocks still in RAM; once half of them are gone the survivors
-    take their own copies (`RamTier._left_run`), so a few hot blocks never hold a large run
-    alive."""
+    """The K/V of consecutive blocks, offered together: its blocks are views of it. Each
+    array is laid out as the caches' own, (..., tokens, dim), so a restore of the run's
+    blocks in order reads one slice per layer (at 7k tokens, 64 kernels against 7,000) and
+    copies it once, into the new cache. A live row's run is one copy of each layer's range
+    (its cache keeps growing: a view would stop MLX updating it in place); a finished row's
+    run is a view of its cache itself, copied by nothing. `keys` are the run's blocks still
+    in RAM; once half of them are gone the survivors take their own copies
+    (`RamTier._left_run`), so a few hot blocks never hold a large run alive."""
 
-    def __init__(self, arrays: list[list[mx.array]], blocks: int) -> None:
+    def __init__(self, arrays: list[list[mx.array]], blocks: int, block: int) -> None:
         self.arrays = arrays
         self.blocks = blocks
+        self.block = block  # tokens per block
         self.keys: set[str] = set()
 
     def span(self, layer: int, i: int, first: int, last: int) -> mx.array:
-        """Blocks first..last of array i of a layer, in the caches' (..., tokens, dim)."""
-        part = mx.moveaxis(self.arrays[layer][i][first : last + 1], 0, -3)
-        return part.reshape(*part.shape[:-3], -1, part.shape[-1])
+        """Blocks first..last of array i of a layer."""
+        return self.arrays[layer][i][..., first * self.block : (last + 1) * self.block, :]
 
 
 @dataclass
@@ -162,14 +162,17 @@ def _layer_parts(c: Any) -> tuple[str, list[mx.array]] | None:
 
 
 def slice_layers(caches: Sequence[Any], start: int, end: int) -> Block | None:
-    """The block [start, end) of each layer, or None for caches it cannot slice."""
+    """The block [start, end) of each layer (a copy), or None for caches it cannot slice."""
     runs = slice_run(caches, start, end, end - start)
     return runs[0] if runs else None
 
 
-def slice_run(caches: Sequence[Any], start: int, end: int, block: int) -> list[Block] | None:
-    """The blocks of `block` tokens covering [start, end), as views of one evaluated copy of
-    each layer's range (a `Run`; one block alone is a copy of its own); None for caches it
+def slice_run(
+    caches: Sequence[Any], start: int, end: int, block: int, finished: bool = False
+) -> list[Block] | None:
+    """The blocks of `block` tokens covering [start, end), as views of one `Run` of each
+    layer's range: a copy of it, or, for the caches of a `finished` row (never written
+    again), the range itself. One block alone is a copy of its own. None for caches it
     cannot slice."""
     count = max(1, (end - start) // block)
     if count > 1 and count * block != end - start:
@@ -181,18 +184,16 @@ def slice_run(caches: Sequence[Any], start: int, end: int, block: int) -> list[B
         if found is None:
             return None
         kinds.append(found[0])
-        arrays.append([_blocked(p[..., start:end, :], count) for p in found[1]])
-    mx.eval(arrays)
+        ranges = [p[..., start:end, :] for p in found[1]]
+        arrays.append(ranges if finished and count > 1 else [_copy(r) for r in ranges])
     if count == 1:
-        return [Block(kinds, [[a[0] for a in layer] for layer in arrays])]
-    run = Run(arrays, count)
-    return [Block(kinds, [[a[i] for a in layer] for layer in arrays], run, i) for i in range(count)]
-
-
-def _blocked(x: mx.array, count: int) -> mx.array:
-    """A copy of `x` (..., tokens, dim) laid out as (count, ..., tokens / count, dim)."""
-    parts = x.reshape(*x.shape[:-2], count, -1, x.shape[-1])
-    return mx.contiguous(mx.moveaxis(parts, -3, 0))
+        mx.eval(arrays)
+        return [Block(kinds, arrays)]
+    run = Run(arrays, count, block)
+    views = [[[run.span(n, i, b, b) for i in range(len(layer))] for n, layer in enumerate(arrays)]
+             for b in range(count)]  # fmt: skip
+    mx.eval(arrays, views)  # once: an evaluation per block syncs per block (GPU: ~1 ms each)
+    return [Block(kinds, views[b], run, b) for b in range(count)]
 
 
 def build_caches(

@@ -96,3 +96,22 @@ def test_a_run_half_evicted_leaves_its_survivors_their_own_copies() -> None:
             assert same(layer[1], want.values[..., i * BLOCK : (i + 1) * BLOCK, :])
     assert not run.keys
     assert ram.nbytes == sum(b.nbytes for b in ram.entries.values())
+
+
+def test_a_finished_rows_run_views_its_cache_and_a_live_rows_copies_it() -> None:
+    """A live row's cache keeps being written (a view would stop MLX updating it in place);
+    a finished row's is written no more, so its blocks are views of it: offering copies
+    nothing, and they restore as exactly."""
+    n = 4 * BLOCK
+    tokens = chain(4)
+    for finished in (False, True):
+        caches = filled(n, seed=5)
+        cache = PrefixCache(1 << 30)
+        assert offer_caches(cache, NS, caches, tokens, finished=finished) == 4
+        found = cache.lookup(NS, tokens)
+        assert len(found) == 4
+        for block in found:
+            for layer, c in zip(block.arrays, caches, strict=True):
+                shared = np.shares_memory(np.asarray(layer[0]), np.asarray(c.keys))
+                assert shared == finished
+        assert restored_equals(build_caches(found, 0, LAYERS, None), caches, n)
