@@ -114,3 +114,56 @@ def test_rows_joining_a_batch_offer_their_prompts_before_they_decode(pairing: Pa
     assert log[:first].count("insert") >= 2 * (len(short) - 1) // 16
     again = _run(pairing, cache, [], [GenerationRequest(p, opts) for p in prompts])
     assert _cached(again) == [len(short) - 1] * 2
+
+
+class _LoggedScheduler(Scheduler):
+    """Notes in the log each step that reads a prompt."""
+
+    def __init__(self, log: list[str], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.log = log
+
+    def _prefill_step(self) -> None:
+        self.log.append("prefill")
+        super()._prefill_step()
+
+
+def _run_one_at_a_time(
+    pairing: Any, cache: PrefixCache, log: list[str], requests: list[GenerationRequest]
+) -> list[Event]:
+    events: list[Event] = []
+    jobs: queue.Queue[Job | None] = queue.Queue()
+    for request in requests:
+        jobs.put(Job(request, events.append, lambda: None))
+    jobs.put(None)
+    _LoggedScheduler(log, pairing, jobs, cache, num_parallel=1).run()
+    return events
+
+
+def test_a_finished_row_offers_after_a_waiting_prompt_is_read_unless_it_would_hit(
+    pairing: Pairing,
+) -> None:
+    """The cache work of a row that just answered waits behind the prompt of a request that
+    was waiting meanwhile (its copies never delay that prompt), unless that prompt begins as
+    the row's did: then the row offers first, and the prompt is restored, not recomputed."""
+    one = parse_options({"temperature": 0, "num_predict": 1, "draft_method": "off"})
+    other = [7 + i % 80 for i in range(120)]
+    log: list[str] = []
+    _run_one_at_a_time(
+        pairing,
+        _LoggedCache(log),
+        log,
+        [GenerationRequest(PROMPT, one), GenerationRequest(other, one)],
+    )
+    assert log.count("prefill") == 2 and "insert" in log
+    assert log.index("insert") > [i for i, e in enumerate(log) if e == "prefill"][1]
+
+    log = []
+    events = _run_one_at_a_time(
+        pairing,
+        _LoggedCache(log),
+        log,
+        [GenerationRequest(PROMPT, one), GenerationRequest(PROMPT, one)],
+    )
+    assert log.index("insert") < [i for i, e in enumerate(log) if e == "prefill"][1]
+    assert _cached(events) == [0, len(PROMPT) - 1]
