@@ -24,7 +24,7 @@ What one run does:
 
 Every model is loaded by a short warm-up request before anything is timed. Requests decode
 greedily with speculation off (`--draft-method`), so TTFT is prefill + one decode step.
-Restore bandwidth is bytes restored / time in `PrefixCache.lookup` (for SSD hits that is the
+Restore bandwidth is bytes restored / time in `PrefixCache.lookup_keyed` (for SSD hits that is the
 read, checksum and decode of every block; assembling the caches is lazy and lands in prefill).
 """
 
@@ -97,15 +97,15 @@ class Daemon:
         prefix = self.state.manager.prefix
         assert prefix is not None
         self.prefix = prefix
-        inner = prefix.lookup
+        inner = prefix.lookup_keyed
 
-        def timed_lookup(ns: Any, tokens: Any) -> Any:
+        def timed_lookup(*args: Any) -> Any:
             t0 = time.perf_counter()
-            blocks = inner(ns, tokens)
-            self.lookups.append((sum(b.nbytes for b in blocks), time.perf_counter() - t0))
-            return blocks
+            found = inner(*args)
+            self.lookups.append((sum(b.nbytes for _, b in found), time.perf_counter() - t0))
+            return found
 
-        prefix.lookup = timed_lookup  # type: ignore[method-assign]
+        prefix.lookup_keyed = timed_lookup  # type: ignore[method-assign]
 
     def __enter__(self) -> Daemon:
         self.thread.start()
@@ -326,7 +326,10 @@ def main() -> int:
     model = args.model.resolve()
     context = context_of(model)
     registry = work / "models.yaml"
+    fits = [s for s in sizes if s < context]
     entries = f"models:\n  bench:\n    target: {model}\n"
+    if fits:  # the default row context is 4k
+        entries += f"    options:\n      num_ctx: {min(context, max(fits) + 64)}\n"
     long_dir: Path | None = None
     if any(s >= context for s in sizes):
         if args.long_model is not None:
@@ -335,7 +338,7 @@ def main() -> int:
             t0 = time.perf_counter()
             long_dir = build_long_model(work / "long", model, args.long_layers)
             print(f"built the random long-context model in {time.perf_counter() - t0:.1f}s")
-        num_ctx = min(context_of(long_dir), max(sizes) + 64)  # the default row context is 4k
+        num_ctx = min(context_of(long_dir), max(sizes) + 64)
         entries += f"  long:\n    target: {long_dir}\n    options:\n      num_ctx: {num_ctx}\n"
     registry.write_text(entries, encoding="utf-8")
     cache_dir = args.cache_dir or work / "kvcache"
