@@ -83,7 +83,9 @@ def mlxd_side(
         with Daemon(registry, Path(tmp) / "kvcache", 8 * 2**30, 16 * 2**30) as daemon:
             generate(daemon, "bench", prompts.exact(64, "warm-up"), GREEDY)
             for result in results:
-                first = generate(daemon, "bench", prompts.exact(result.size, f"first-{result.size}"), GREEDY)
+                first = generate(
+                    daemon, "bench", prompts.exact(result.size, f"first-{result.size}"), GREEDY
+                )
                 result.first, result.server_first = first.ttft, first.prefill
                 text = ""
                 for i in range(repeats):
@@ -106,7 +108,9 @@ def mlx_lm_side(model_dir: Path, results: list[SizeResult], repeats: int, prompt
     model, _, _ = load_model(model_dir, BACKEND)
     for result in results:
         for i in range(repeats + 1):  # the first run of each size is untimed, as a warm-up
-            tokens = mx.array(prompts.encode(prompts.exact(result.size, f"mlx-lm-{i}-{result.size}")))
+            tokens = mx.array(
+                prompts.encode(prompts.exact(result.size, f"mlx-lm-{i}-{result.size}"))
+            )
             start = time.perf_counter()
             token, _ = next(generate_step(tokens, model, max_tokens=1))
             _ = int(token)

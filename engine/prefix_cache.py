@@ -274,7 +274,7 @@ def encoded(key: str, block: Block) -> Parts:
             flat.append(a.reshape(-1).view(mx.uint8))
     body = mx.concatenate(flat) if len(flat) > 1 else mx.array(flat[0])
     mx.eval(body)
-    payload = memoryview(body)  # the buffer protocol: the host's view of the copy, no copy
+    payload = memoryview(body)  # type: ignore[arg-type]  # MLX exports a buffer: no copy
     header = json.dumps(
         {"v": FORMAT_VERSION, "key": key, "kinds": block.kinds, "arrays": metas}
     ).encode()

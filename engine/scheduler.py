@@ -484,9 +484,9 @@ class Scheduler:
     def _offer_finished(self, hits_only: bool = False) -> None:
         """Offer finished rows' state to the prefix cache, then close them. A request that
         arrived meanwhile is read first (the loop calls this again once its prompt is
-        queued: the copies then wait behind that prefill on the device, not in front of
-        it), unless it would hit what a finished row holds: that row offers first
-        (`hits_only`), so a prompt sent again is restored, not recomputed."""
+        queued: the offer's syncs then wait on work that prompt needs done anyway), unless
+        it would hit what a finished row holds: that row offers first (`hits_only`), so a
+        prompt sent again is restored, not recomputed."""
         if not self.finished:
             return
         self.flush()  # the responses go out before the cache work (a draft may catch up)
