@@ -272,7 +272,7 @@ def encoded(key: str, block: Block) -> Parts:
         for a in layer:
             metas[-1].append([str(a.dtype).removeprefix("mlx.core."), list(a.shape)])
             flat.append(a.reshape(-1).view(mx.uint8))
-    body = mx.concatenate(flat) if len(flat) > 1 else mx.array(flat[0])
+    body = mx.concatenate(flat) if len(flat) > 1 else flat[0] + 0  # a copy either way
     mx.eval(body)
     payload = memoryview(body)  # type: ignore[arg-type]  # MLX exports a buffer: no copy
     header = json.dumps(
