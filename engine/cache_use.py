@@ -82,7 +82,12 @@ def restore(
 
 
 def offer_prompt(
-    cache: PrefixCache, ns: Namespace, gen: Generation, prompt_len: int, draft_revision: str = ""
+    cache: PrefixCache,
+    ns: Namespace,
+    gen: Generation,
+    prompt_len: int,
+    draft_revision: str = "",
+    recompute_rate: float = 0.0,
 ) -> int:
     """Insert the blocks of a row's prompt (all but its last token: positions that no later
     step rolls back), with its draft model's state (when it has one and `draft_revision`
@@ -90,7 +95,8 @@ def offer_prompt(
     try:
         draft = _draft_state(gen, draft_revision)
         prompt = gen.tokens[: prompt_len - 1]
-        return offer_caches(cache, ns, gen.cache, prompt, draft, draft_revision)
+        args = (draft, draft_revision, False, recompute_rate)
+        return offer_caches(cache, ns, gen.cache, prompt, *args)
     except Exception:
         log.exception("prefix cache: offering a prompt failed")
         return 0
@@ -103,6 +109,7 @@ def offer_final(
     prompt_len: int,
     draft_revision: str = "",
     catch_up: bool = True,
+    recompute_rate: float = 0.0,
 ) -> int:
     """Offer a finished row, after its response: its prompt (all but the last token, so the
     same prompt again restores its partial last block) and everything it holds. Speculation
@@ -117,7 +124,7 @@ def offer_final(
             gen.ready_source()  # a paused draft reads the tokens now (may drop a failing one)
         draft = _draft_state(gen, draft_revision)
         prompt = gen.tokens[: prompt_len - 1]
-        args = (draft, draft_revision, True)  # its caches are written no more: runs view them
+        args = (draft, draft_revision, True, recompute_rate)  # finished: runs view its caches
         offered = offer_caches(cache, ns, gen.cache, prompt, *args)
         return offered + offer_caches(cache, ns, gen.cache, gen.tokens, *args)
     except Exception:
@@ -142,10 +149,14 @@ def offer_caches(
     draft: tuple[list[Any], list[int]] | None = None,
     draft_revision: str = "",
     finished: bool = False,
+    recompute_rate: float = 0.0,
 ) -> int:
     """Insert the blocks covered by `target` (and attach the draft's state where it covers
     them); keys derive from what the caches hold (their offset), never from what was
-    streamed. The caches of a `finished` row are viewed, not copied (`slice_run`)."""
+    streamed. The caches of a `finished` row are viewed, not copied (`slice_run`). Blocks
+    are written through to the SSD only where reading them back would beat recomputing
+    them at `recompute_rate` (`PrefixCache.ssd_pays`): elsewhere a write only costs the
+    rows decoding beside it."""
     if not target:
         return 0
     remote = getattr(target[0], "offer_remote", None)
@@ -158,13 +169,14 @@ def offer_caches(
         draft_cache, draft_tokens = draft
         draft_covered = min(covered, len(draft_tokens), _offset(draft_cache))
     held = list(tokens[:covered])
+    through = cache.ssd_pays(recompute_rate)
     inserted = 0
     for span in _spans(cache.missing(ns, held)):
         blocks = _slice_span(target, span, cache.block, finished)
         if blocks is None:
             return inserted  # a cache kind the prefix cache cannot slice
         for (_, key), block in zip(span, blocks, strict=True):
-            cache.insert(key, block)
+            cache.insert(key, block, through)
         inserted += len(span)
     tail = cache.tail_of(ns, held)
     start = covered // cache.block * cache.block
@@ -182,7 +194,7 @@ def offer_caches(
         if extras is None:
             return inserted
         for (_, key), extra in zip(span, extras, strict=True):
-            cache.attach(key, draft_revision, extra)
+            cache.attach(key, draft_revision, extra, through)
         inserted += len(span)
     if tail is not None and draft_covered == covered and covered > start:
         last_extra = slice_layers(draft_cache, start, covered)

@@ -758,11 +758,11 @@ class PrefixCache:
             if not tails:
                 del self._tails[parent]
 
-    def attach(self, key: str, draft: str, block: Block) -> None:
+    def attach(self, key: str, draft: str, block: Block, through: bool = True) -> None:
         """Store the draft's state beside the block `key` (a partial block's: in RAM only)."""
         akey = attachment_key(key, draft)
         if not akey.startswith("t"):
-            self.insert(akey, block)
+            self.insert(akey, block, through)
             return
         mx.eval([a for layer in block.arrays for a in layer])
         with self._lock:
@@ -775,13 +775,15 @@ class PrefixCache:
         with self._lock:
             return [(i, k) for i, k in enumerate(keys) if k not in self.ram.entries]
 
-    def insert(self, key: str, block: Block) -> None:
+    def insert(self, key: str, block: Block, through: bool = True) -> None:
+        """Keep a block in RAM and, with `through`, write it to SSD too (behind the decode
+        path); without, it reaches the SSD only when RAM evicts it or at shutdown."""
         mx.eval([a for layer in block.arrays for a in layer])
         with self._lock:
             self.stats.inserted_blocks += 1
             self._spill(self.ram.put(key, block))
-        if self.ssd is not None:
-            self.ssd.put_async(key, block)  # write-through, behind the decode path
+        if self.ssd is not None and through:
+            self.ssd.put_async(key, block)
 
     def _spill(self, evicted: list[tuple[str, Block]]) -> None:
         for key, block in evicted:

@@ -318,7 +318,8 @@ class Scheduler:
         if row.batched:
             return  # its K/V sit in the batch cache: it offers everything at its end
         prompt_len = len(row.request.prompt_tokens)
-        offer_prompt(self.prefix, row.ns, row.gen, prompt_len, row.draft_revision)
+        rate = self.pairing.costs.recompute_rate
+        offer_prompt(self.prefix, row.ns, row.gen, prompt_len, row.draft_revision, rate)
 
     def _insert(self, joining: list[Joining]) -> None:
         """Rows start decoding; those joining in one step enter the batch together."""
@@ -504,8 +505,9 @@ class Scheduler:
                 idle = not (self.rows or self.waiting or self.prefilling or self.finished)
                 idle = idle and self.jobs.empty()
                 offer_final(
-                    self.prefix, row.ns, row.gen, prompt_len, row.draft_revision, catch_up=idle
-                )
+                    self.prefix, row.ns, row.gen, prompt_len, row.draft_revision,
+                    catch_up=idle, recompute_rate=self.pairing.costs.recompute_rate,
+                )  # fmt: skip
             except Exception:
                 log.exception("finishing a row failed")
             finally:

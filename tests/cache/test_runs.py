@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -115,3 +116,28 @@ def test_a_finished_rows_run_views_its_cache_and_a_live_rows_copies_it() -> None
                 shared = np.shares_memory(np.asarray(layer[0]), np.asarray(c.keys))
                 assert shared == finished
         assert restored_equals(build_caches(found, 0, LAYERS, None), caches, n)
+
+
+def test_blocks_are_written_through_only_where_the_ssd_beats_recomputing(
+    tmp_path: Path,
+) -> None:
+    """A device whose prefill outruns the disk never reads the SSD back (`ssd_pays`), so
+    writing every block through to it would only cost the rows decoding meanwhile; such
+    blocks stay in RAM and reach the disk when evicted or at shutdown."""
+    tokens = chain(4)
+    cache = PrefixCache(1 << 30, tmp_path / "ssd", 1 << 30)
+    ssd = cache.ssd
+    assert ssd is not None and ssd.read_rate > 0
+    try:
+        fast = ssd.read_rate * 10  # bytes of K/V per second the prefill makes
+        assert offer_caches(cache, NS, filled(4 * BLOCK, seed=6), tokens, recompute_rate=fast) == 4
+        ssd.flush()
+        assert len(ssd.cache) == 0 and len(cache.lookup(NS, tokens)) == 4
+        other = Namespace(model="runs-slow")
+        assert offer_caches(cache, other, filled(4 * BLOCK, seed=7), tokens) == 4
+        ssd.flush()
+        assert len(ssd.cache) == 4
+        cache.persist()
+        assert len(ssd.cache) == 8
+    finally:
+        cache.close()

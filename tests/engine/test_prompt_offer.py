@@ -29,9 +29,9 @@ class _LoggedCache(PrefixCache):
         super().__init__(64 << 20, block=16)
         self.log = log
 
-    def insert(self, key: str, block: Any) -> None:
+    def insert(self, key: str, block: Any, through: bool = True) -> None:
         self.log.append("insert")
-        super().insert(key, block)
+        super().insert(key, block, through)
 
 
 @pytest.fixture
