@@ -245,11 +245,11 @@ def _concat(parts: list[mx.array]) -> mx.array:
 # -- SSD encoding: header, raw bytes, checksum ------------------------------------------------
 
 
-_DTYPES = {
-    "float32": (mx.float32, np.float32),
-    "float16": (mx.float16, np.float16),
-    "bfloat16": (mx.bfloat16, np.uint16),  # stored as its raw 16-bit pattern
-    "uint32": (mx.uint32, np.uint32),
+_DTYPES = {  # what an entry's arrays are read back as
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,  # stored as its raw 16-bit pattern
+    "uint32": np.uint32,
 }
 
 
@@ -306,7 +306,7 @@ def parse(key: str, data: bytes) -> Parsed | None:
         for layer in meta["arrays"]:
             layers.append([])
             for dtype, shape in layer:
-                np_dtype = _DTYPES[dtype][1]
+                np_dtype = _DTYPES[dtype]
                 count = int(np.prod(shape))
                 raw = np.frombuffer(body, dtype=np_dtype, count=count, offset=pos).reshape(shape)
                 pos += raw.nbytes
@@ -316,25 +316,33 @@ def parse(key: str, data: bytes) -> Parsed | None:
         return None
 
 
-def to_block(parsed: Parsed) -> Block:
-    """MLX arrays of a parsed entry (on the calling thread: MLX work stays on the caller's)."""
+Loaded = tuple[list[str], list[list[tuple[str, mx.array]]]]  # as Parsed, in MLX memory
+
+
+def load(parsed: Parsed) -> Loaded:
+    """The parsed arrays copied into MLX memory, as stored (bfloat16 as its 16-bit pattern).
+    No operation runs, so a reader thread may do it beside its file reads: MLX operations
+    stay on the caller's streams."""
     kinds, layers = parsed
-    arrays: list[list[mx.array]] = []
-    for layer in layers:
-        arrays.append([])
-        for dtype, raw in layer:
-            arr = mx.array(raw)
-            mx_dtype = _DTYPES[dtype][0]
-            arrays[-1].append(
-                arr.view(mx.bfloat16) if dtype == "bfloat16" else arr.astype(mx_dtype)
-            )
-    return Block(kinds, arrays)
+    return kinds, [[(dtype, mx.array(raw)) for dtype, raw in layer] for layer in layers]
+
+
+def to_block(loaded: Loaded) -> Block:
+    """The block of loaded arrays (on the calling thread: a bfloat16 view is an operation)."""
+    kinds, layers = loaded
+    return Block(
+        kinds,
+        [
+            [a.view(mx.bfloat16) if dtype == "bfloat16" else a for dtype, a in layer]
+            for layer in layers
+        ],
+    )
 
 
 def decode(key: str, data: bytes) -> Block | None:
     """The block, or None for anything truncated, corrupted, foreign or of another version."""
     parsed = parse(key, data)
-    return None if parsed is None else to_block(parsed)
+    return None if parsed is None else to_block(load(parsed))
 
 
 # -- tiers -------------------------------------------------------------------------------------
@@ -501,8 +509,9 @@ class SsdTier:
                     self._pending_bytes -= block.nbytes
                 self._queue.task_done()
 
-    def _read(self, key: str) -> Parsed | None:
-        """One entry, read and checked (on a reader thread); a bad one is deleted."""
+    def _read(self, key: str) -> Loaded | None:
+        """One entry, read, checked and copied into MLX memory (on a reader thread); a bad
+        one is deleted."""
         try:
             data = self.cache.get(key)
         except BadEntry as exc:
@@ -517,25 +526,26 @@ class SsdTier:
         if parsed is None:
             with contextlib.suppress(Exception):
                 self.cache.delete(key)
-        return parsed
+            return None
+        return load(parsed)
 
     def get(self, key: str) -> Block | None:
         found = self.get_run([key])
         return found[0] if found else None
 
     def get_run(self, keys: Sequence[str]) -> list[Block]:
-        """The leading entries of `keys` that are stored, read in parallel (files, checksums)
-        and measured: their rate feeds `read_rate`."""
+        """The leading entries of `keys` that are stored, read in parallel (files, checksums,
+        copies into MLX memory) and measured: their rate feeds `read_rate`."""
         if not keys:
             return []
         t0 = time.perf_counter()
         futures = [self._readers.submit(self._read, key) for key in keys]
         found: list[Block] = []
         for future in futures:
-            parsed = future.result()
-            if parsed is None:
+            loaded = future.result()
+            if loaded is None:
                 break
-            found.append(to_block(parsed))
+            found.append(to_block(loaded))
         for future in futures[len(found) :]:
             future.cancel()  # past the first miss: not needed (a running read just ends)
         nbytes = sum(b.nbytes for b in found)
