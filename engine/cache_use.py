@@ -95,8 +95,9 @@ def offer_prompt(
     try:
         draft = _draft_state(gen, draft_revision)
         prompt = gen.tokens[: prompt_len - 1]
-        args = (draft, draft_revision, False, recompute_rate)
-        return offer_caches(cache, ns, gen.cache, prompt, *args)
+        return offer_caches(
+            cache, ns, gen.cache, prompt, draft, draft_revision, recompute_rate=recompute_rate
+        )
     except Exception:
         log.exception("prefix cache: offering a prompt failed")
         return 0
@@ -124,9 +125,13 @@ def offer_final(
             gen.ready_source()  # a paused draft reads the tokens now (may drop a failing one)
         draft = _draft_state(gen, draft_revision)
         prompt = gen.tokens[: prompt_len - 1]
-        args = (draft, draft_revision, True, recompute_rate)  # finished: runs view its caches
-        offered = offer_caches(cache, ns, gen.cache, prompt, *args)
-        return offered + offer_caches(cache, ns, gen.cache, gen.tokens, *args)
+        offered = 0
+        for tokens in (prompt, gen.tokens):  # its caches are written no more: runs view them
+            offered += offer_caches(
+                cache, ns, gen.cache, tokens, draft, draft_revision,
+                finished=True, recompute_rate=recompute_rate,
+            )  # fmt: skip
+        return offered
     except Exception:
         log.exception("prefix cache: offering a finished request failed")
         return 0

@@ -401,7 +401,6 @@ class RamTier:
             run.keys.clear()
 
 
-HOLD_LIMIT_S = 2.0  # the longest one write waits behind prompts being read
 READERS = min(8, os.cpu_count() or 1)  # parallel block reads: files and checksums run GIL-free
 PROBE_BYTES = 32 << 20
 
@@ -463,9 +462,6 @@ class SsdTier:
         self._lock = threading.Lock()
         self._thread = start_mlx_thread(self._write_loop, "kvcache-writer")
         self.dropped = 0
-        self._holders: set[int] = set()  # who is reading a prompt now: writes wait
-        self._open = threading.Event()
-        self._open.set()
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvcache-reader")
         self.read_rate = probe_read_rate(Path(self.cache.directory), self._readers)
 
@@ -480,24 +476,9 @@ class SsdTier:
             self._pending_bytes += block.nbytes
         self._queue.put_nowait((key, block))
 
-    def hold(self, holder: object, reading: bool) -> None:
-        """`holder` is (or no longer is) reading a prompt: while any is, writes wait (up to
-        `HOLD_LIMIT_S` each). Encoding a block moves it to the host, and on a GPU that costs
-        a prompt read beside it up to a fifth of its time to first token."""
-        with self._lock:
-            if reading:
-                self._holders.add(id(holder))
-            else:
-                self._holders.discard(id(holder))
-            if self._holders:
-                self._open.clear()
-            else:
-                self._open.set()
-
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             key, block = item
-            self._open.wait(HOLD_LIMIT_S)
             try:
                 if key not in self.cache:
                     self.cache.set(key, encoded(key, block))
@@ -801,12 +782,6 @@ class PrefixCache:
                 self._forget_tail(key)
             elif self.ssd is not None:
                 self.ssd.put_async(key, block)
-
-    def reading(self, holder: object, reading: bool) -> None:
-        """`holder` starts or stops reading a prompt; SSD writes wait meanwhile
-        (`SsdTier.hold`)."""
-        if self.ssd is not None:
-            self.ssd.hold(holder, reading)
 
     def persist(self) -> None:
         """Write everything still only in RAM to SSD (shutdown), then wait for the writer."""

@@ -127,7 +127,6 @@ class Scheduler:
         self.prefilling: deque[Prefilling] = deque()
         self.rows: list[Row] = []  # decoding, oldest first
         self.finished: list[Row] = []  # answered; their cache work waits (see `_offer_finished`)
-        self.reading = False  # a prompt is being read: the prefix cache's SSD writes wait
         self.batch = RowBatch(pairing.target, pairing.costs)
         self.stream = mx.new_stream(mx.default_device())
         self.stopping = False  # the stop marker arrived: finish the work in hand, then return
@@ -170,30 +169,14 @@ class Scheduler:
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> None:
-        try:
-            self._loop()
-        finally:
-            self._reading(False)
-
-    def _reading(self, reading: bool) -> None:
-        """Tell the prefix cache whether a prompt is being read (from its first chunk to its
-        first token): its SSD writes wait meanwhile."""
-        if self.prefix is not None and reading != self.reading:
-            self.reading = reading
-            self.prefix.reading(self, reading)
-
-    def _loop(self) -> None:
         while True:
             self.flush()  # after every step: the runner's heartbeat, then the step's events
             busy = bool(self.rows or self.waiting or self.prefilling or self.finished)
-            if not busy:
-                self._reading(False)
             stopping = self._collect(block=not busy and not self.stopping)
             self._offer_finished(hits_only=True)
             if stopping and not (self.rows or self.waiting or self.prefilling or self.finished):
                 break
             self._admit()
-            self._reading(bool(self.prefilling))  # held through the first tokens' step
             if self.prefilling:
                 self.batch.untimed()  # a prompt's chunk is not the next round's time
                 self._prefill_step()

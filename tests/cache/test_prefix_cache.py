@@ -17,7 +17,6 @@ import sqlite3
 import subprocess
 import sys
 import textwrap
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -1037,24 +1036,3 @@ def test_an_entry_is_written_from_a_copy_of_its_arrays() -> None:
             assert not np.shares_memory(body, np.asarray(a))
     assert parts.join() == encode(KEY, block)
     assert_same_block(decode(KEY, parts.join()), block)
-
-
-def test_ssd_writes_wait_while_a_prompt_is_read(tmp_path: Path) -> None:
-    """Encoding a block for the disk moves it to the host; while any reader holds the tier
-    (a scheduler reading a prompt) writes wait, and go through once the last one lets go."""
-    cache = PrefixCache(64 * MiB, tmp_path / "ssd", 64 * MiB)
-    assert cache.ssd is not None
-    first, second = object(), object()
-    try:
-        cache.reading(first, True)
-        cache.reading(second, True)
-        cache.insert(KEY, make_block(11))
-        cache.reading(first, False)
-        time.sleep(0.3)
-        assert cache.ssd.backlog()[0] == 1  # still held by the second reader
-        cache.reading(second, False)
-        cache.ssd.flush()
-        assert cache.ssd.backlog() == (0, 0)
-        assert_same_block(cache.ssd.get(KEY), make_block(11))
-    finally:
-        cache.close()

@@ -167,21 +167,3 @@ def test_a_finished_row_offers_after_a_waiting_prompt_is_read_unless_it_would_hi
     )
     assert log.index("insert") < [i for i, e in enumerate(log) if e == "prefill"][1]
     assert _cached(events) == [0, len(PROMPT) - 1]
-
-
-def test_the_prefix_cache_is_held_while_a_prompt_is_read(pairing: Pairing) -> None:
-    """From a prompt's first chunk to its first token the scheduler holds the prefix cache
-    (its SSD writes wait), and lets go before it decodes on or waits idle."""
-    log: list[str] = []
-
-    class _Held(_LoggedCache):
-        def reading(self, holder: object, reading: bool) -> None:
-            self.log.append(f"reading={reading}")
-            super().reading(holder, reading)
-
-    opts = parse_options({"temperature": 0, "num_predict": 6, "draft_method": "off"})
-    _run(pairing, _Held(log), log, [GenerationRequest(PROMPT, opts)])
-    held = [e for e in log if e.startswith("reading")]
-    assert held == ["reading=True", "reading=False"]
-    assert log.index("reading=True") < log.index("token") < log.index("reading=False")
-    assert log.index("reading=False") < len(log) - log[::-1].index("token") - 1  # before the rest
