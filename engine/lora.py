@@ -14,10 +14,11 @@ are built once per forward for all layers (`Selection.plan`), not per layer; row
 adapters take two `gather_mm`s, which pick each row's matrices without copying them; and a layer
 none of the rows' adapters touches is the base layer. On a CPU, rows that all use one adapter on
 a layer (a lone row, a uniform batch) multiply by its matrices directly, the sum in the second
-matmul (`addmm`). On a GPU every row takes the `gather_mm`s: on an H200 (7B shapes, bf16) they
-added 13 us per projection where `addmm` added 40 and a plain matmul by an (in, r) matrix, which
-misses the one-row kernel, 58. Ranks are padded with zeros to a multiple of 8 (exact): MLX's
-CUDA kernels fault on bf16 matrices of rank 4. DoRA's ratio m / ||W + s B^T A^T|| is a constant
+matmul (`addmm`). On MLX's CUDA build a float base decodes through `lora_cuda`'s kernels (the
+base matmul and every row's term in one of them; the x A terms of projections sharing an input,
+grouped by `_Group`, in one more) and its stacks are held as A^T and B^T, whose rows those
+kernels read; other GPU rows take the `gather_mm`s. Ranks are padded with zeros to a multiple
+of 8 (exact): MLX's CUDA kernels fault on bf16 matrices of rank 4. DoRA's ratio m / ||W + s B^T A^T|| is a constant
 of the adapter and the base, computed once at mount (mlx-lm recomputes it, dequantizing W, on
 every call).
 
@@ -33,6 +34,9 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxd.engine import lora_cuda
+from mlxd.engine.attention import cuda_available
+
 __all__ = ["LayerWeights", "Plan", "RowLoRA", "Selection", "dora_ratio", "wrap"]
 
 RANK_ALIGN = 8  # stacks' rank is a multiple of this (zero-padded)
@@ -45,6 +49,15 @@ class Plan:
     single: int | None  # the slot every row uses on these layers, if they all use one
     idx: mx.array  # (rows,) each row's stack index, 0 where its adapter is not on the layer
     rows: mx.array  # arange(rows): the batch index of each row, for gather_mm
+    _per_token: dict[int, mx.array] = field(default_factory=dict, compare=False, repr=False)
+
+    def token_slots(self, length: int) -> mx.array:
+        """Each token's stack index in a forward of `length` tokens per row."""
+        if length == 1:
+            return self.idx
+        if length not in self._per_token:
+            self._per_token[length] = mx.repeat(self.idx, length)
+        return self._per_token[length]
 
 
 @dataclass
@@ -53,16 +66,22 @@ class Selection:
 
     slots: tuple[int, ...] | None = None
     _plans: dict[tuple[frozenset[int], int], Plan | None] = field(default_factory=dict, repr=False)
+    groups: dict[str, _Group] = field(default_factory=dict, repr=False)
 
     def set(self, slots: list[int]) -> None:
         """Rows past `slots` (padding) are on the base, unless one slot is named: then every
         row of the forward is on it."""
         self.slots = tuple(slots) if any(slots) else None
-        self._plans.clear()
+        self._forget()
 
     def clear(self) -> None:
         self.slots = None
+        self._forget()
+
+    def _forget(self) -> None:
         self._plans.clear()
+        for group in self.groups.values():
+            group.forget()
 
     def plan(self, held: frozenset[int], rows: int) -> Plan | None:
         """The plan for layers holding `held` slots in a forward of `rows` rows (None: no row
@@ -85,6 +104,35 @@ class Selection:
             plan = Plan(single, idx, mx.array(list(range(rows)), dtype=mx.uint32))
         self._plans[key] = plan
         return plan
+
+
+@dataclass(eq=False)
+class _Group:
+    """Projections of one input (a block's q, k and v; its gate and up): on the CUDA path one
+    kernel computes the x A terms of all of them on the same slots, for the first one called."""
+
+    members: list[RowLoRA] = field(default_factory=list)
+    x: mx.array | None = None  # the input whose terms `h` holds
+    h: dict[int, mx.array] = field(default_factory=dict)  # id(member) -> its x A term
+
+    def forget(self) -> None:
+        self.x, self.h = None, {}
+
+    def term(self, member: RowLoRA, x: mx.array, idx: mx.array) -> mx.array:
+        """`member`'s x A[idx], computed with those of the members holding the same slots."""
+        if self.x is not x:
+            self.x, self.h = x, {}
+        if id(member) not in self.h:
+            held = member.held
+            fused = [(m, m.fused_at) for m in self.members if m.held == held]
+            ready = [(m, at) for m, at in fused if at is not None]
+            terms = lora_cuda.down(x, idx, *(at for _, at in ready))
+            self.h.update({id(m): h for (m, _), h in zip(ready, terms, strict=True)})
+        return self.h[id(member)]
+
+
+# Projections sharing an input in mlx-lm's models, by name: grouped within their parent module.
+GROUPED = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "mlp", "up_proj": "mlp"}
 
 
 @dataclass(frozen=True)
@@ -110,6 +158,8 @@ class _Stacks:
     ratio: mx.array | None  # (slots, out)
     held: frozenset[int]  # the slots holding an adapter
     direct: bool  # rows all on one adapter multiply by its matrices (CPU), not gathered (GPU)
+    at: mx.array | None = None  # fused (decoding takes `lora_cuda`'s kernels): (slots, r, in),
+    bt: mx.array | None = None  # (slots, out, r); a and b are their transposed views
 
 
 @dataclass
@@ -142,6 +192,17 @@ def _stack_dtype(base: nn.Module) -> mx.Dtype:
     return base.scales.dtype if isinstance(base, nn.QuantizedLinear) else base.weight.dtype
 
 
+def _decodes_fused(base: nn.Module) -> bool:
+    """Whether rows decoding on adapters of `base` take the CUDA kernels (a float projection on
+    MLX's CUDA build); a quantized one keeps the MLX ops."""
+    return (
+        _on_gpu()
+        and cuda_available()
+        and type(base) is nn.Linear
+        and lora_cuda.fused_dtype(base.weight) is not None
+    )
+
+
 def dora_ratio(base: nn.Module, a: mx.array, b: mx.array, scale: float, m: mx.array) -> mx.array:
     """DoRA's per-output factor m / ||W + s B^T A^T||, as `DoRALinear` computes it each call."""
     w = _base_weight(base)
@@ -152,15 +213,29 @@ def dora_ratio(base: nn.Module, a: mx.array, b: mx.array, scale: float, m: mx.ar
 class RowLoRA(nn.Module):
     """A base projection plus the mounted adapters' low-rank terms, selected per row."""
 
-    def __init__(self, base: nn.Module, selection: Selection) -> None:
+    def __init__(self, base: nn.Module, selection: Selection, group: _Group | None = None) -> None:
         super().__init__()
         self.base = base
         self._selection = selection
         self._slots = _Slots()
+        self.group = group
+        if group is not None:
+            group.members.append(self)
 
     @property
     def has_bias(self) -> bool:
         return "bias" in self.base
+
+    @property
+    def held(self) -> frozenset[int]:
+        stacks = self._slots.stacks
+        return stacks.held if stacks is not None else frozenset()
+
+    @property
+    def fused_at(self) -> mx.array | None:
+        """A^T of every slot where decoding takes the CUDA kernels, else None."""
+        stacks = self._slots.stacks
+        return stacks.at if stacks is not None else None
 
     def put(self, slot: int, weights: LayerWeights | None) -> int:
         """Mount (or with None drop) one adapter's weights at `slot`, restacking; the bytes the
@@ -190,17 +265,25 @@ class RowLoRA(nn.Module):
         rank = -(-max(w.a.shape[1] for w in held.values()) // RANK_ALIGN) * RANK_ALIGN
         first = next(iter(held.values()))
         d_in, d_out = first.a.shape[0], first.b.shape[1]
-        a = mx.zeros((size, d_in, rank), dtype=first.a.dtype)
-        b = mx.zeros((size, rank, d_out), dtype=first.b.dtype)
         dora = any(w.ratio is not None for w in held.values())
-        ratio = mx.ones((size, d_out), dtype=a.dtype) if dora else None
+        fused = not dora and _decodes_fused(self.base)
+        # fused: held as A^T (slots, r, in) and B^T (slots, out, r), whose rows the kernels read
+        at = mx.zeros((size, rank, d_in), dtype=first.a.dtype)
+        bt = mx.zeros((size, d_out, rank), dtype=first.b.dtype)
+        ratio = mx.ones((size, d_out), dtype=at.dtype) if dora else None
         for slot, w in held.items():
             r = w.a.shape[1]
-            a[slot, :, :r] = w.a.astype(a.dtype)
-            b[slot, :r, :] = w.b.astype(b.dtype)
+            at[slot, :r, :] = w.a.T.astype(at.dtype)
+            bt[slot, :, :r] = w.b.T.astype(bt.dtype)
             if ratio is not None and w.ratio is not None:
-                ratio[slot] = w.ratio.astype(a.dtype)
+                ratio[slot] = w.ratio.astype(at.dtype)
+        a, b = at.swapaxes(1, 2), bt.swapaxes(1, 2)
+        if not fused:
+            a, b = mx.contiguous(a), mx.contiguous(b)
         stacks = _Stacks(a, b, ratio, frozenset(held), direct=not _on_gpu())
+        if fused:
+            stacks.at, stacks.bt = at, bt
+            lora_cuda.warm(at.dtype)
         mx.eval(stacks.a, stacks.b, *([ratio] if ratio is not None else []))
         self._slots.stacks = stacks
         for slot, w in held.items():  # each adapter's weights become views of the stacks:
@@ -217,6 +300,11 @@ class RowLoRA(nn.Module):
             return self.base(x)  # no row's adapter touches this projection
         if stacks.ratio is not None:
             return self._dora(x, stacks, plan)
+        if stacks.at is not None and stacks.bt is not None and lora_cuda.fits(x, stacks.bt.dtype):
+            idx = plan.token_slots(x.shape[1])
+            group = self.group
+            h = group.term(self, x, idx) if group else lora_cuda.down(x, idx, stacks.at)[0]
+            return lora_cuda.gemv(x, self.base.weight, h, stacks.bt, idx, self.base.get("bias"))
         same = x.dtype == stacks.a.dtype
         if plan.single is not None and stacks.direct:  # every row on one adapter: its matrices
             w = self._slots.by_slot[plan.single]
@@ -265,6 +353,10 @@ def wrap(model: nn.Module, path: str, selection: Selection) -> RowLoRA:
         return current
     if not isinstance(current, nn.Linear | nn.QuantizedLinear):
         raise TypeError(f"{path} is a {type(current).__name__}, not a linear projection")
-    layer = RowLoRA(current, selection)
+    family = GROUPED.get(name)
+    group = None
+    if family is not None:
+        group = selection.groups.setdefault(f"{parent_path}:{family}", _Group())
+    layer = RowLoRA(current, selection, group)
     setattr(parent, name, layer)
     return layer
