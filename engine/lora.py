@@ -18,9 +18,9 @@ matmul (`addmm`). On MLX's CUDA build a float base decodes through `lora_cuda`'s
 base matmul and every row's term in one of them; the x A terms of projections sharing an input,
 grouped by `_Group`, in one more) and its stacks are held as A^T and B^T, whose rows those
 kernels read; other GPU rows take the `gather_mm`s. Ranks are padded with zeros to a multiple
-of 8 (exact): MLX's CUDA kernels fault on bf16 matrices of rank 4. DoRA's ratio m / ||W + s B^T A^T|| is a constant
-of the adapter and the base, computed once at mount (mlx-lm recomputes it, dequantizing W, on
-every call).
+of 8 (exact): MLX's CUDA kernels fault on bf16 matrices of rank 4. DoRA's ratio
+m / ||W + s B^T A^T|| is a constant of the adapter and the base, computed once at mount (mlx-lm
+recomputes it, dequantizing W, on every call).
 
 Stacks are rebuilt when an adapter is mounted or dropped (between forwards, on the pairing's
 thread); slots stay where they are, so rows keep theirs.
@@ -303,7 +303,7 @@ class RowLoRA(nn.Module):
         if stacks.at is not None and stacks.bt is not None and lora_cuda.fits(x, stacks.bt.dtype):
             idx = plan.token_slots(x.shape[1])
             group = self.group
-            h = group.term(self, x, idx) if group else lora_cuda.down(x, idx, stacks.at)[0]
+            h = lora_cuda.down(x, idx, stacks.at)[0] if group is None else group.term(self, x, idx)
             return lora_cuda.gemv(x, self.base.weight, h, stacks.bt, idx, self.base.get("bias"))
         same = x.dtype == stacks.a.dtype
         if plan.single is not None and stacks.direct:  # every row on one adapter: its matrices

@@ -224,7 +224,7 @@ def warm(dtype: mx.Dtype) -> None:
     outs = []
     for count in range(1, MAX_GROUP + 1):
         hs = down(x, idx, *([at] * count))
-        outs += [gemv(x, w, hs[0], bt, idx, None), gemv(x, w, hs[0], bt, idx, w[0])]
+        outs += [gemv(x, w, hs[0], bt, idx, None), gemv(x, w, hs[0], bt, idx, w[:, 0])]
     mx.eval(outs)
     _warmed.add(dtype)
 
