@@ -196,10 +196,7 @@ def _decodes_fused(base: nn.Module) -> bool:
     """Whether rows decoding on adapters of `base` take the CUDA kernels (a float projection on
     MLX's CUDA build); a quantized one keeps the MLX ops."""
     return (
-        _on_gpu()
-        and cuda_available()
-        and type(base) is nn.Linear
-        and lora_cuda.fused_dtype(base.weight) is not None
+        _on_gpu() and cuda_available() and type(base) is nn.Linear and lora_cuda.serves(base.weight)
     )
 
 

@@ -16,7 +16,7 @@ So a block of seven adapted projections launches four kernels more than the base
 Both are traced by `mx.compile`, so a step replays them without building their calls in Python.
 Forwards of more than `MAX_ROWS` rows x tokens (prefill, wide verifies) are compute-bound and
 take the MLX ops. The kernels read K in 16-byte pieces: K a multiple of 8 and a 2-byte dtype
-(bf16, fp16), which `fused_dtype` checks.
+(bf16, fp16), which `serves` checks.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["MAX_GROUP", "MAX_ROWS", "down", "fits", "fused_dtype", "gemv", "warm"]
+__all__ = ["MAX_GROUP", "MAX_ROWS", "down", "fits", "gemv", "serves", "warm"]
 
 MAX_ROWS = 8  # rows of x (batch rows x tokens) the kernels take; more take the MLX ops
 THREADS = 256
@@ -160,11 +160,9 @@ def fits(x: mx.array, dtype: mx.Dtype) -> bool:
     return x.ndim == 3 and x.dtype == dtype and x.shape[0] * x.shape[1] <= MAX_ROWS
 
 
-def fused_dtype(weight: mx.array) -> mx.Dtype | None:
-    """The dtype the kernels take for this weight (N, K), None where they cannot: 2-byte floats
-    with K in 16-byte pieces."""
-    ok = weight.dtype in (mx.bfloat16, mx.float16) and weight.shape[1] % 8 == 0
-    return weight.dtype if ok else None
+def serves(weight: mx.array) -> bool:
+    """Whether the kernels take this weight (N, K): a 2-byte float, K in 16-byte pieces."""
+    return weight.dtype in (mx.bfloat16, mx.float16) and weight.shape[1] % 8 == 0
 
 
 def _down(x: mx.array, idx: mx.array, *ats: mx.array) -> list[mx.array]:
