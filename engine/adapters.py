@@ -22,7 +22,14 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxd.engine.lora import LayerWeights, RowLoRA, Selection, dora_ratio, wrap
+from mlxd.engine.lora import (
+    LayerWeights,
+    RowLoRA,
+    Selection,
+    dora_ratio,
+    wrap,
+    wrap_for_decoding,
+)
 from mlxd.registry.adapterfiles import (
     ADAPTER_WEIGHTS,
     AdapterFileError,
@@ -207,6 +214,7 @@ class AdapterSet:
         self.model = model
         self.max_bytes = max_bytes
         self.selection = Selection()
+        wrap_for_decoding(model, self.selection)
         self._mounts: OrderedDict[str, Mount] = OrderedDict()  # least recently used first
         self.loads = 0  # adapters read from files (a reload of the base is never one)
         self.count = 0  # resident adapters and their bytes, readable from any thread

@@ -15,9 +15,9 @@ adapters take two `gather_mm`s, which pick each row's matrices without copying t
 none of the rows' adapters touches is the base layer. On a CPU, rows that all use one adapter on
 a layer (a lone row, a uniform batch) multiply by its matrices directly, the sum in the second
 matmul (`addmm`). On MLX's CUDA build a float base decodes through `lora_cuda`'s kernels (the
-base matmul and every row's term in one of them; the x A terms of projections sharing an input,
-grouped by `_Group`, in one more) and its stacks are held as A^T and B^T, whose rows those
-kernels read; other GPU rows take the `gather_mm`s. Ranks are padded with zeros to a multiple
+base matmuls and every row's terms of the projections sharing an input, grouped by `_Group`, in
+one call of two kernels) and its stacks are held as A^T and B^T, whose rows those kernels read;
+other GPU rows take the `gather_mm`s. Ranks are padded with zeros to a multiple
 of 8 (exact): MLX's CUDA kernels fault on bf16 matrices of rank 4. DoRA's ratio
 m / ||W + s B^T A^T|| is a constant of the adapter and the base, computed once at mount (mlx-lm
 recomputes it, dequantizing W, on every call).
@@ -37,7 +37,15 @@ import mlx.nn as nn
 from mlxd.engine import lora_cuda
 from mlxd.engine.attention import cuda_available
 
-__all__ = ["LayerWeights", "Plan", "RowLoRA", "Selection", "dora_ratio", "wrap"]
+__all__ = [
+    "LayerWeights",
+    "Plan",
+    "RowLoRA",
+    "Selection",
+    "dora_ratio",
+    "wrap",
+    "wrap_for_decoding",
+]
 
 RANK_ALIGN = 8  # stacks' rank is a multiple of this (zero-padded)
 
@@ -109,26 +117,34 @@ class Selection:
 @dataclass(eq=False)
 class _Group:
     """Projections of one input (a block's q, k and v; its gate and up): on the CUDA path one
-    kernel computes the x A terms of all of them on the same slots, for the first one called."""
+    call computes the outputs of all of them on the same slots, for the first one called."""
 
     members: list[RowLoRA] = field(default_factory=list)
-    x: mx.array | None = None  # the input whose terms `h` holds
-    h: dict[int, mx.array] = field(default_factory=dict)  # id(member) -> its x A term
+    nbytes: int = 0  # the members' base weights
+    x: mx.array | None = None  # the input whose outputs `y` holds
+    y: dict[int, mx.array] = field(default_factory=dict)  # id(member) -> its output, until taken
 
     def forget(self) -> None:
-        self.x, self.h = None, {}
+        self.x, self.y = None, {}
 
-    def term(self, member: RowLoRA, x: mx.array, idx: mx.array) -> mx.array:
-        """`member`'s x A[idx], computed with those of the members holding the same slots."""
+    def output(
+        self, member: RowLoRA, x: mx.array, part: lora_cuda.Part, idx: mx.array | None
+    ) -> mx.array:
+        """`member`'s output for x, computed in one call with those of the members routed
+        alike: the same slots (or all on the base), a bias alike."""
         if self.x is not x:
-            self.x, self.h = x, {}
-        if id(member) not in self.h:
-            held = member.held
-            fused = [(m, m.fused_at) for m in self.members if m.held == held]
-            ready = [(m, at) for m, at in fused if at is not None]
-            terms = lora_cuda.down(x, idx, *(at for _, at in ready))
-            self.h.update({id(m): h for (m, _), h in zip(ready, terms, strict=True)})
-        return self.h[id(member)]
+            self.x, self.y = x, {}
+        key = id(member)
+        if key not in self.y:
+            biased = part.bias is not None
+            together = [(key, part)]
+            for other in self.members:
+                route = None if other is member else other.route(x)
+                if route is not None and route[1] is idx and (route[0].bias is not None) == biased:
+                    together.append((id(other), route[0]))
+            ys = lora_cuda.project(x, idx, [p for _, p in together])
+            self.y.update(zip((k for k, _ in together), ys, strict=True))
+        return self.y.pop(key)
 
 
 # Projections sharing an input in mlx-lm's models, by name: grouped within their parent module.
@@ -158,8 +174,8 @@ class _Stacks:
     ratio: mx.array | None  # (slots, out)
     held: frozenset[int]  # the slots holding an adapter
     direct: bool  # rows all on one adapter multiply by its matrices (CPU), not gathered (GPU)
-    at: mx.array | None = None  # fused (decoding takes `lora_cuda`'s kernels): (slots, r, in),
-    bt: mx.array | None = None  # (slots, out, r); a and b are their transposed views
+    fused: lora_cuda.Part | None = None  # decoding takes `lora_cuda`'s kernels: the stacks
+    # held as A^T (slots, r, in) and B^T (slots, out, r), a and b being their transposed views
 
 
 @dataclass
@@ -218,6 +234,13 @@ class RowLoRA(nn.Module):
         self.group = group
         if group is not None:
             group.members.append(self)
+            group.nbytes += base.weight.nbytes
+        # decoding batches' rows on the base take the kernels too where they pay
+        self.base_part = (
+            lora_cuda.Part(None, base.weight, None, base.get("bias"))
+            if _decodes_fused(base) and lora_cuda.batches_take_kernels()
+            else None
+        )
 
     @property
     def has_bias(self) -> bool:
@@ -229,10 +252,10 @@ class RowLoRA(nn.Module):
         return stacks.held if stacks is not None else frozenset()
 
     @property
-    def fused_at(self) -> mx.array | None:
-        """A^T of every slot where decoding takes the CUDA kernels, else None."""
+    def fused(self) -> lora_cuda.Part | None:
+        """What the CUDA kernels read where decoding takes them, else None."""
         stacks = self._slots.stacks
-        return stacks.at if stacks is not None else None
+        return stacks.fused if stacks is not None else None
 
     def put(self, slot: int, weights: LayerWeights | None) -> int:
         """Mount (or with None drop) one adapter's weights at `slot`, restacking; the bytes the
@@ -279,8 +302,10 @@ class RowLoRA(nn.Module):
             a, b = mx.contiguous(a), mx.contiguous(b)
         stacks = _Stacks(a, b, ratio, frozenset(held), direct=not _on_gpu())
         if fused:
-            stacks.at, stacks.bt = at, bt
-            lora_cuda.warm(at.dtype)
+            stacks.fused = lora_cuda.Part(at, self.base.weight, bt, self.base.get("bias"))
+            together = len(self.group.members) if self.group is not None else 1
+            for count in {1, together}:
+                lora_cuda.warm(at.dtype, count, self.has_bias, term=True)
         mx.eval(stacks.a, stacks.b, *([ratio] if ratio is not None else []))
         self._slots.stacks = stacks
         for slot, w in held.items():  # each adapter's weights become views of the stacks:
@@ -288,20 +313,37 @@ class RowLoRA(nn.Module):
             held[slot] = replace(w, a=stacks.a[slot], b=stacks.b[slot])
         mx.eval([(w.a, w.b) for w in held.values()])  # slices share the stacks' memory
 
-    def __call__(self, x: mx.array) -> mx.array:
+    def route(self, x: mx.array) -> tuple[lora_cuda.Part, mx.array | None] | None:
+        """What `lora_cuda.project` takes for this projection's input x: its part and each
+        token's slot (None: every row on the base); None where MLX ops compute it."""
         stacks = self._slots.stacks
-        if stacks is None:
-            return self.base(x)
-        plan = self._selection.plan(stacks.held, x.shape[0])
+        plan = None if stacks is None else self._selection.plan(stacks.held, x.shape[0])
+        if plan is None:
+            part = self.base_part
+            if part is None or not lora_cuda.fits(x, part.weight.dtype):
+                return None
+            nbytes = part.weight.nbytes if self.group is None else self.group.nbytes
+            return (part, None) if lora_cuda.pays(x.shape[0] * x.shape[1], nbytes) else None
+        assert stacks is not None
+        part = stacks.fused
+        if part is None or not lora_cuda.fits(x, part.weight.dtype):
+            return None
+        return part, plan.token_slots(x.shape[1])
+
+    def __call__(self, x: mx.array) -> mx.array:
+        route = self.route(x)
+        if route is not None:
+            part, idx = route
+            if self.group is None:
+                return lora_cuda.project(x, idx, [part])[0]
+            return self.group.output(self, x, part, idx)
+        stacks = self._slots.stacks
+        plan = None if stacks is None else self._selection.plan(stacks.held, x.shape[0])
         if plan is None:
             return self.base(x)  # no row's adapter touches this projection
+        assert stacks is not None
         if stacks.ratio is not None:
             return self._dora(x, stacks, plan)
-        if stacks.at is not None and stacks.bt is not None and lora_cuda.fits(x, stacks.bt.dtype):
-            idx = plan.token_slots(x.shape[1])
-            group = self.group
-            h = lora_cuda.down(x, idx, stacks.at)[0] if group is None else group.term(self, x, idx)
-            return lora_cuda.gemv(x, self.base.weight, h, stacks.bt, idx, self.base.get("bias"))
         same = x.dtype == stacks.a.dtype
         if plan.single is not None and stacks.direct:  # every row on one adapter: its matrices
             w = self._slots.by_slot[plan.single]
@@ -357,3 +399,24 @@ def wrap(model: nn.Module, path: str, selection: Selection) -> RowLoRA:
     layer = RowLoRA(current, selection, group)
     setattr(parent, name, layer)
     return layer
+
+
+def wrap_for_decoding(model: nn.Module, selection: Selection) -> int:
+    """Wrap, on MLX's CUDA build where `lora_cuda.batches_take_kernels`, the projections whose
+    decoding batches' rows on the base take its kernels (those sharing an input in one call;
+    o_proj alone): the projections wrapped."""
+    if not (_on_gpu() and cuda_available() and lora_cuda.batches_take_kernels()):
+        return 0
+    names = {*GROUPED, "o_proj"}
+    paths = [
+        path
+        for path, module in model.named_modules()
+        if path.rpartition(".")[2] in names and type(module) is nn.Linear
+    ]
+    layers = [wrap(model, path, selection) for path in paths]
+    for layer in layers:
+        part = layer.base_part
+        if part is not None:
+            count = len(layer.group.members) if layer.group is not None else 1
+            lora_cuda.warm(part.weight.dtype, count, part.bias is not None, term=False)
+    return len(layers)

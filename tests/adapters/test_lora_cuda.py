@@ -1,8 +1,10 @@
 """The CUDA decode path of `RowLoRA`: its kernels against MLX ops (on MLX's CUDA build), and
-everywhere the dispatch around them: which projections share one `down` kernel per forward and
-which term each reads, with the kernels' arithmetic done by MLX ops."""
+everywhere the dispatch around them: which projections share one call per forward and which
+output each takes, with the kernels' arithmetic done by MLX ops."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -19,22 +21,34 @@ PROJECTIONS = [
 ]  # fmt: skip
 
 
-def down_by_ops(x: mx.array, idx: mx.array, *ats: mx.array) -> list[mx.array]:
-    """The kernel's arithmetic: slot 0 (no adapter) has no term."""
+def project_by_ops(
+    x: mx.array, idx: mx.array | None, parts: list[lora_cuda.Part]
+) -> list[mx.array]:
+    """The kernels' arithmetic: slot 0 (no adapter) has no term."""
     flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
-    on = (idx != 0)[:, None]
-    return [on * (flat[:, None, :] * at[idx].astype(mx.float32)).sum(-1) for at in ats]
+    ys = []
+    for at, weight, bt, bias in parts:
+        y = flat @ weight.astype(mx.float32).T
+        if idx is not None and at is not None and bt is not None:
+            on = (idx != 0)[:, None]
+            h = on * (flat[:, None, :] * at[idx].astype(mx.float32)).sum(-1)
+            y = y + on * (h[:, None, :] * bt[idx]).sum(-1)
+        if bias is not None:
+            y = y + bias.astype(mx.float32)
+        ys.append(y.astype(x.dtype).reshape(*x.shape[:-1], weight.shape[0]))
+    return ys
 
 
-def gemv_by_ops(
-    x: mx.array, weight: mx.array, h: mx.array, bt: mx.array, idx: mx.array, bias: mx.array | None
-) -> mx.array:
-    flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
-    y = flat @ weight.astype(mx.float32).T
-    y = y + (idx != 0)[:, None] * (h[:, None, :] * bt[idx].astype(mx.float32)).sum(-1)
-    if bias is not None:
-        y = y + bias.astype(mx.float32)
-    return y.astype(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+@pytest.fixture
+def on_the_cpu() -> Iterator[None]:
+    """The dispatch tests compute the kernels' arithmetic by MLX ops in float32: on the CPU,
+    whatever the machine, so the references are exact."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    try:
+        yield
+    finally:
+        mx.set_default_device(device)
 
 
 def tiny_model(seed: int) -> llama.Model:
@@ -64,27 +78,21 @@ def mount(model: nn.Module, selection: Selection) -> None:
                 row.put(slot, LayerWeights(a, b, 2.0))
 
 
-def test_projections_of_one_input_share_one_down_per_forward(
+@pytest.mark.usefixtures("on_the_cpu")
+def test_projections_of_one_input_share_one_call_per_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """q, k, v (and gate, up) take their x A terms from one kernel call; a projection whose
-    adapters differ (k without slot 3) gets its own; every row's logits are the MLX-ops path's."""
+    """q, k, v (and gate, up) take their outputs from one call; a projection whose adapters
+    differ (k without slot 3) gets its own; every row's logits are the MLX-ops path's."""
     plain_sel, fused_sel = Selection(), Selection()
     plain, fused = tiny_model(0), tiny_model(0)
     mount(plain, plain_sel)
     monkeypatch.setattr(lora, "_decodes_fused", lambda base: True)
-    monkeypatch.setattr(lora_cuda, "warm", lambda dtype: None)
+    monkeypatch.setattr(lora_cuda, "warm", lambda dtype, count, bias, term: None)
     mount(fused, fused_sel)
-    calls: list[int] = []
-
-    def counted(x: mx.array, idx: mx.array, *ats: mx.array) -> list[mx.array]:
-        calls.append(len(ats))
-        return down_by_ops(x, idx, *ats)
-
-    monkeypatch.setattr(lora_cuda, "down", counted)
-    monkeypatch.setattr(lora_cuda, "gemv", gemv_by_ops)
+    calls = counted_calls(monkeypatch)
     # block 0: q, k, v in one call; block 1: k holds other slots than q and v, so its own call
-    expected = [3, 1, 2, 1, 2, 1, 1, 2, 1]
+    expected = [(n, True) for n in (3, 1, 2, 1, 2, 1, 1, 2, 1)]
     for slots, length in (([1], 1), ([2, 0, 1], 2)):
         tokens = mx.array([[(5 * r + t) % 50 for t in range(length)] for r in range(len(slots))])
         calls.clear()
@@ -96,47 +104,88 @@ def test_projections_of_one_input_share_one_down_per_forward(
         assert calls == expected
         assert mx.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4).item()
     calls.clear()
-    fused_sel.set([3])  # block 1's k_proj is the base's for these rows: no term at all
+    fused_sel.set([3])  # block 1's k_proj is the base's for these rows: MLX's matmul
     fused(mx.array([[1, 2]]))
     fused_sel.clear()
-    assert calls == [3, 1, 2, 1, 2, 1, 2, 1]
+    assert calls == [*expected[:5], *expected[6:]]
 
 
+def counted_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
+    """`lora_cuda.project` by MLX ops, each call noted as (projections, with terms)."""
+    calls: list[tuple[int, bool]] = []
+
+    def counted(x: mx.array, idx: mx.array | None, parts: list[lora_cuda.Part]) -> list[mx.array]:
+        calls.append((len(parts), idx is not None))
+        return project_by_ops(x, idx, parts)
+
+    monkeypatch.setattr(lora_cuda, "project", counted)
+    return calls
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_batches_base_rows_take_the_kernels_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `MLXD_BATCH_KERNELS=1` and no adapters: a batch's q, k, v (and gate, up) in one
+    call each, o_proj alone, down_proj by MLX's matmul; a lone row and a prompt by MLX ops;
+    logits unchanged. Without it nothing is wrapped."""
+    plain, fused = tiny_model(2), tiny_model(2)
+    monkeypatch.setenv("MLXD_BATCH_KERNELS", "1")
+    monkeypatch.setattr(lora, "_decodes_fused", lambda base: True)
+    monkeypatch.setattr(lora, "_on_gpu", lambda: True)
+    monkeypatch.setattr(lora, "cuda_available", lambda: True)
+    monkeypatch.setattr(lora_cuda, "warm", lambda dtype, count, bias, term: None)
+    assert lora.wrap_for_decoding(fused, Selection()) == 2 * 6
+    calls = counted_calls(monkeypatch)
+    for rows, length, expected in ((1, 1, []), (2, 1, [3, 1, 2]), (1, 9, [])):
+        tokens = mx.array([[(3 * r + t) % 50 for t in range(length)] for r in range(rows)])
+        calls.clear()
+        got, want = fused(tokens), plain(tokens)
+        assert calls == [(n, False) for n in expected * 2]
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
+    monkeypatch.setenv("MLXD_BATCH_KERNELS", "0")
+    assert lora.wrap_for_decoding(tiny_model(2), Selection()) == 0
+
+
+@pytest.mark.usefixtures("on_the_cpu")
 def test_rows_past_the_kernels_limit_take_the_mlx_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lora, "_decodes_fused", lambda base: True)
-    monkeypatch.setattr(lora_cuda, "warm", lambda dtype: None)
+    monkeypatch.setattr(lora_cuda, "warm", lambda dtype, count, bias, term: None)
     model, selection = tiny_model(1), Selection()
     mount(model, selection)
 
     def refused(*args: object) -> None:
         raise AssertionError("the kernels took more rows than they serve")
 
-    monkeypatch.setattr(lora_cuda, "down", refused)
+    monkeypatch.setattr(lora_cuda, "project", refused)
     selection.set([1])
     logits = model(mx.zeros((1, lora_cuda.MAX_ROWS + 1), dtype=mx.int32))  # a prompt's forward
     selection.clear()
     assert logits.shape == (1, lora_cuda.MAX_ROWS + 1, 50)
 
 
+def rand(*shape: int) -> mx.array:
+    return (0.05 * mx.random.normal(shape)).astype(mx.bfloat16)
+
+
 @pytest.mark.skipif(not cuda_available(), reason="the kernels run on MLX's CUDA build")
 def test_kernels_match_mlx_ops() -> None:
     dtype = mx.bfloat16
-    for k, n in ((64, 48), (512, 1024), (2048, 256)):
+    for k, (n0, n1) in ((64, (48, 40)), (512, (1024, 8)), (2048, (256, 512))):
         for slots, length in (([1], 1), ([2, 0, 1, 1], 1), ([1, 2], 3), ([1] * 8, 1)):
-            keys = mx.random.split(mx.random.key(k + n + len(slots)), 6)
-            x = mx.random.normal((len(slots), length, k), key=keys[0]).astype(dtype)
-            w = (0.05 * mx.random.normal((n, k), key=keys[1])).astype(dtype)
-            ats = [
-                (0.05 * mx.random.normal((3, r, k), key=keys[2 + i])).astype(dtype)
-                for i, r in enumerate((8, 16))
-            ]
-            bt = (0.05 * mx.random.normal((3, n, 16), key=keys[4])).astype(dtype)
+            mx.random.seed(k + n0 + len(slots))
+            x = mx.random.normal((len(slots), length, k)).astype(dtype)
             idx = mx.repeat(mx.array(slots, dtype=mx.uint32), length)
-            hs = lora_cuda.down(x, idx, *ats)
-            for h, want in zip(hs, down_by_ops(x, idx, *ats), strict=True):
-                assert mx.allclose(h, want, rtol=1e-3, atol=1e-3).item()
-            for b in (None, (0.05 * mx.random.normal((n,), key=keys[5])).astype(dtype)):
-                y = lora_cuda.gemv(x, w, hs[1], bt, idx, b).astype(mx.float32)
-                want = gemv_by_ops(x, w, hs[1], bt, idx, b).astype(mx.float32)
-                tol = 2e-2 * mx.abs(want).max().item()
-                assert mx.allclose(y, want, rtol=0.0, atol=tol).item(), (k, n, slots, length)
+            parts = [
+                lora_cuda.Part(rand(3, r, k), rand(n, k), rand(3, n, r), None)
+                for n, r in ((n0, 8), (n1, 16))
+            ]
+            for biased, term in ((False, True), (False, False), (True, True), (True, False)):
+                if biased:
+                    parts = [p._replace(bias=rand(p.weight.shape[0])) for p in parts]
+                if not term:
+                    plain = [p._replace(at=None, bt=None) for p in parts]
+                got = lora_cuda.project(x, idx if term else None, parts if term else plain)
+                want_all = project_by_ops(x, idx, parts if term else plain)
+                for y, want in zip(got, want_all, strict=True):
+                    y, want = y.astype(mx.float32), want.astype(mx.float32)
+                    tol = 2e-2 * mx.abs(want).max().item()
+                    assert mx.allclose(y, want, rtol=0.0, atol=tol).item(), (k, slots, length)
