@@ -2,7 +2,7 @@
 
 Decoding multiplies a few rows by each weight, so a projection is one memory-bound pass over W
 and a low-rank term is nothing but its kernel launches. On an H200 MLX's CUDA backend spends
-6-8 us of host time encoding each op (a cuBLAS matmul of 2-8 rows: 20-28 us), more than the GPU
+6-8 us of host time encoding each op (a cuBLAS matmul of 2-8 rows: 20-39 us), more than the GPU
 spends on any of a 7B block's small ones, so a decode step costs what its op count costs the
 host. The term as MLX ops (two gathered matmuls and an add per projection) cost a lone row
 30-45 % of its step. Here a call for up to three projections of one input (q, k, v; gate, up)
@@ -14,7 +14,8 @@ launches two kernels:
   neighbouring output columns of one projection (every row of x it loads multiplies all C),
   each lane U 16-byte pieces of W per step; the term is added in the epilogue.
 
-So a block of seven adapted projections launches 8 kernels where the base launches 7. A call is
+So a block of seven adapted projections launches 8 kernels where the base launches 7. Rows on
+the base can take `project` alone, one launch for q, k and v (`pays`). A call is
 traced by `mx.compile`, so a step replays it without building its kernels' calls in Python.
 Forwards of more than `MAX_ROWS` rows x tokens (prefill, wide verifies) are compute-bound and
 take the MLX ops. The kernels read K in 16-byte pieces: K a multiple of 8 and a 2-byte dtype
@@ -297,7 +298,7 @@ def batches_take_kernels() -> bool:
 def pays(rows: int, nbytes: int) -> bool:
     """Whether `rows` rows (x tokens) on the base take the kernels for projections of one input
     holding `nbytes` of weights, rather than MLX's matmuls: a batch's, where W is small enough
-    that the host time cuBLAS calls cost (20-28 us each, 107 us for q, k and v of 8 rows,
+    that the host time cuBLAS calls cost (20-39 us each, 107 us for q, k and v of 8 rows,
     against 15 for one call here) outweighs the kernels' slower reading of W (an H200: 2x
     cuBLAS's GPU time at 8 rows). A lone row keeps MLX's gemv: one call for q, k and v saved
     the host less than its Python cost (a 7B-shaped step 0.95x as fast)."""
