@@ -313,17 +313,25 @@ class RowLoRA(nn.Module):
             held[slot] = replace(w, a=stacks.a[slot], b=stacks.b[slot])
         mx.eval([(w.a, w.b) for w in held.values()])  # slices share the stacks' memory
 
+    def _plan(self, x: mx.array) -> Plan | None:
+        stacks = self._slots.stacks
+        return None if stacks is None else self._selection.plan(stacks.held, x.shape[0])
+
     def route(self, x: mx.array) -> tuple[lora_cuda.Part, mx.array | None] | None:
         """What `lora_cuda.project` takes for this projection's input x: its part and each
         token's slot (None: every row on the base); None where MLX ops compute it."""
-        stacks = self._slots.stacks
-        plan = None if stacks is None else self._selection.plan(stacks.held, x.shape[0])
+        return self._route(x, self._plan(x))
+
+    def _route(
+        self, x: mx.array, plan: Plan | None
+    ) -> tuple[lora_cuda.Part, mx.array | None] | None:
         if plan is None:
             part = self.base_part
             if part is None or not lora_cuda.fits(x, part.weight.dtype):
                 return None
             nbytes = part.weight.nbytes if self.group is None else self.group.nbytes
             return (part, None) if lora_cuda.pays(x.shape[0] * x.shape[1], nbytes) else None
+        stacks = self._slots.stacks
         assert stacks is not None
         part = stacks.fused
         if part is None or not lora_cuda.fits(x, part.weight.dtype):
@@ -331,16 +339,16 @@ class RowLoRA(nn.Module):
         return part, plan.token_slots(x.shape[1])
 
     def __call__(self, x: mx.array) -> mx.array:
-        route = self.route(x)
+        plan = self._plan(x)
+        route = self._route(x, plan)
         if route is not None:
             part, idx = route
             if self.group is None:
                 return lora_cuda.project(x, idx, [part])[0]
             return self.group.output(self, x, part, idx)
-        stacks = self._slots.stacks
-        plan = None if stacks is None else self._selection.plan(stacks.held, x.shape[0])
         if plan is None:
             return self.base(x)  # no row's adapter touches this projection
+        stacks = self._slots.stacks
         assert stacks is not None
         if stacks.ratio is not None:
             return self._dora(x, stacks, plan)
