@@ -1,10 +1,10 @@
 """What the daemon decides about the machine, decided once, at startup.
 
 `configure_backend` is the only place that changes the process for MLX: it puts an optimized
-BLAS under MLX's CPU backend (which must happen before `mlx.core` is imported), sizes MLX's
-CUDA graph cache (read when the first GPU stream is built) and routes batched decoding's
-attention to mlxd's kernel on CUDA. It returns a frozen `Backend` that the daemon hands down to
-whatever needs its choices; importing any mlxd module changes nothing.
+BLAS under MLX's CPU backend (which must happen before `mlx.core` is imported), turns off MLX's
+CUDA graphs and sizes their cache (both read at the first GPU work) and routes batched
+decoding's attention to mlxd's kernel on CUDA. It returns a frozen `Backend` that the daemon
+hands down to whatever needs its choices; importing any mlxd module changes nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +25,13 @@ GRAPH_CACHE_ENV = "MLX_CUDA_GRAPH_CACHE_SIZE"
 # (bucketed key lengths x prefill widths x row counts x verify widths, for two models) outgrow
 # it, and an evicted graph costs a ~40 ms capture on its next use, or a "cache thrashing" abort.
 GRAPH_CACHE_SIZE = 2048
+GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
+# MLX's CUDA backend records each evaluation's kernels into CUDA graphs and replays them. On an
+# H200 serving a 7-8B bf16 model (`bench/concurrency.py`, `bench/adapters.py`), launching the
+# kernels directly instead served 8 clients at 624 tok/s against 305-408 with graphs, and a
+# lone row on LoRA adapters at 0.89x the base's speed against 0.48x: a decode step's host time
+# is its launches', and a batch's steps (rows joining and leaving, verify widths) keep
+# changing the graph's shape.
 
 
 @dataclass(frozen=True)
@@ -38,12 +45,17 @@ class Backend:
     kv_bucket: int | None  # keys per bucket of the KV caches; None: mlx-lm's exact caches
     batched_attention: bool  # batched decoding reads each row's own keys (CUDA kernel)
     graph_cache_size: int | None  # MLX's CUDA graph cache; None: not CUDA
+    cuda_graphs: bool | None = None  # whether MLX records CUDA graphs; None: not CUDA
 
     def describe(self) -> str:
         """One line for the startup log."""
         blas = self.cpu_blas or f"MLX's own ({self.cpu_blas_reason})"
         kv = f"bucketed by {self.kv_bucket}" if self.kv_bucket else "exact"
-        graphs = "" if self.graph_cache_size is None else f", graph cache {self.graph_cache_size}"
+        graphs = ""
+        if self.cuda_graphs is not None:
+            graphs = f", CUDA graphs {'on' if self.cuda_graphs else 'off'}"
+        if self.cuda_graphs and self.graph_cache_size is not None:
+            graphs += f" (cache {self.graph_cache_size})"
         return (
             f"backend: {self.device}, CPU BLAS {blas},"
             f" compute {'float32' if self.float32_compute else 'native dtype'},"
@@ -63,17 +75,20 @@ def _cpu_dtype(env: Mapping[str, str]) -> tuple[str, bool]:
     return "float32", False
 
 
-def _graph_cache(env: MutableMapping[str, str]) -> tuple[int | None, bool]:
-    """Size MLX's graph cache unless the user did: (the size in effect, None if unreadable;
-    whether the user set it)."""
-    user = env.get(GRAPH_CACHE_ENV)
-    if user is None:
-        env[GRAPH_CACHE_ENV] = str(GRAPH_CACHE_SIZE)
+def _graph_cache(env: MutableMapping[str, str]) -> int | None:
+    """Size MLX's graph cache unless the user did: the size in effect (None if unreadable)."""
+    env.setdefault(GRAPH_CACHE_ENV, str(GRAPH_CACHE_SIZE))
     try:
-        return int(env[GRAPH_CACHE_ENV]), user is not None
+        return int(env[GRAPH_CACHE_ENV])
     except ValueError:
         log.warning("%s=%r is not a number; MLX ignores it", GRAPH_CACHE_ENV, env[GRAPH_CACHE_ENV])
-        return None, True
+        return None
+
+
+def _cuda_graphs(env: MutableMapping[str, str]) -> bool:
+    """Turn MLX's CUDA graphs off unless the user chose: whether they stay on."""
+    env.setdefault(GRAPHS_ENV, "0")
+    return env[GRAPHS_ENV].strip().lower() not in ("0", "false", "off", "no")
 
 
 _configured: Backend | None = None  # the choices are the process's: made once
@@ -91,7 +106,8 @@ def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
     blas = cpu_blas.load_cpu_blas(env, env)
     if blas.refused:
         log.warning("%s: %s", cpu_blas.ENV, blas.reason)
-    graph_cache, graph_cache_set = _graph_cache(env)  # before MLX builds a GPU stream
+    graph_cache = _graph_cache(env)  # before MLX builds a GPU stream
+    graphs = _cuda_graphs(env)  # read at MLX's first GPU work
 
     import mlx.core as mx  # after the BLAS: MLX binds what is in the global scope now
 
@@ -100,12 +116,14 @@ def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
 
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
     cuda = on_gpu and cuda_available()
-    if cuda and mlx_first and not graph_cache_set:
+    if cuda and mlx_first:
         log.warning(
-            "%s: MLX was imported before the backend was configured; its graph cache takes"
-            " size %s only if no GPU stream was built yet",
+            "MLX was imported before the backend was configured: %s=%s and %s=%s take effect"
+            " only if it did no GPU work yet",
             GRAPH_CACHE_ENV,
             graph_cache,
+            GRAPHS_ENV,
+            env[GRAPHS_ENV],
         )
     # MLX's CPU backend has no fast 16-bit matmul (3-7 GFLOP/s against 15-165 for float32 on
     # the optimized BLAS), so there 16-bit models compute in float32, at twice the weights'
@@ -126,6 +144,7 @@ def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
         kv_bucket=GPU_BUCKET if on_gpu else None,
         batched_attention=cuda,
         graph_cache_size=graph_cache if cuda else None,
+        cuda_graphs=graphs if cuda else None,
     )
     if cuda:
         install_batched_decode()  # batch rows attend to their own keys, no mask
