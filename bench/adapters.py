@@ -22,14 +22,17 @@ counts only the server's own work, and their ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -88,21 +91,41 @@ def metric(base: str, name: str) -> float:
     return sum(values)
 
 
-def one(pool: httpx.Client, base: str, model: str, prompt: str, tokens: int) -> int:
+@dataclass(frozen=True)
+class Reply:
+    """One response's token count and the server's own split of its time (seconds)."""
+
+    tokens: int
+    prompt: float  # prompt_eval_duration
+    decode: float  # eval_duration
+    total: float  # total_duration
+
+
+def one(pool: httpx.Client, base: str, model: str, prompt: str, tokens: int) -> Reply:
     body = {
         "model": model, "prompt": prompt, "raw": True, "stream": False,
         "options": {"temperature": 0, "num_predict": tokens, "draft_method": "off"},
     }  # fmt: skip
     r = pool.post(f"{base}/api/generate", json=body)
     r.raise_for_status()
-    return int(r.json()["eval_count"])
+    out = r.json()
+    return Reply(
+        int(out["eval_count"]),
+        out.get("prompt_eval_duration", 0) / 1e9,
+        out.get("eval_duration", 0) / 1e9,
+        out.get("total_duration", 0) / 1e9,
+    )
 
 
 @dataclass(frozen=True)
 class Burst:
-    tokens: int
+    replies: list[Reply]
     wall: float  # seconds
     cpu: float  # the server's CPU seconds
+
+    @property
+    def tokens(self) -> int:
+        return sum(r.tokens for r in self.replies)
 
     @property
     def rate(self) -> float:
@@ -112,21 +135,48 @@ class Burst:
     def per_cpu(self) -> float:
         return self.tokens / self.cpu
 
+    def split_ms(self) -> tuple[float, float, float]:
+        """Medians over the replies: decode ms per token, prompt ms, and ms of a request's
+        total spent neither reading its prompt nor decoding (queueing, admission, mounting)."""
+        decode = statistics.median(r.decode / max(r.tokens, 1) for r in self.replies)
+        prompt = statistics.median(r.prompt for r in self.replies)
+        rest = statistics.median(r.total - r.prompt - r.decode for r in self.replies)
+        return decode * 1e3, prompt * 1e3, rest * 1e3
+
+
+@contextlib.contextmanager
+def profiled(folder: Path | None, pid: int, name: str) -> Iterator[None]:
+    """Within: py-spy samples the server (every thread, idle frames too) into
+    `folder/name.txt`, collapsed stacks; nothing when `folder` is None."""
+    if folder is None:
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    cmd = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--rate", "200",
+           "--idle", "--threads", "--output", str(folder / f"{name}.txt")]  # fmt: skip
+    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.5)  # attached before the burst starts
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)
+        spy.wait(60)
+
 
 def burst(
     base: str, pid: int, models: list[str], clients: int, requests: int, tokens: int
 ) -> Burst:
     """Each client sends `requests` in a row, rotating over `models`: tokens, wall, CPU."""
 
-    def client(pool: httpx.Client, i: int) -> int:
-        return sum(
+    def client(pool: httpx.Client, i: int) -> list[Reply]:
+        return [
             one(pool, base, models[(i + j) % len(models)], PROMPTS[(i + j) % len(PROMPTS)], tokens)
             for j in range(requests)
-        )
+        ]
 
     cpu = cpu_seconds(pid)
     results, wall = released_at_once(clients, client)
-    return Burst(sum(results), wall, cpu_seconds(pid) - cpu)
+    return Burst([r for replies in results for r in replies], wall, cpu_seconds(pid) - cpu)
 
 
 def main() -> None:
@@ -142,6 +192,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=4, help="requests per client per burst")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--layers", type=int, default=16, help="adapted blocks, from the last")
+    ap.add_argument(
+        "--profile",
+        type=Path,
+        default=None,
+        help="record the server with py-spy during every burst, one raw profile per burst here",
+    )
     args = ap.parse_args()
 
     work = args.workdir
@@ -179,11 +235,15 @@ def main() -> None:
             f"{'clients':>7} {'base tok/s':>11} {'4 adapters':>11} {'ratio':>6}"
             f" {'base tok/cpu-s':>15} {'4 adapters':>11} {'ratio':>6}"
         )
+        splits = []
         for clients in [int(c) for c in args.clients.split(",")]:
             plain, mixed = [], []
-            for _ in range(args.rounds):
-                plain.append(burst(base, proc.pid, ["base"], clients, args.requests, args.tokens))
-                mixed.append(burst(base, proc.pid, names, clients, args.requests, args.tokens))
+            for r in range(args.rounds):
+                for arm, models, into in (("base", ["base"], plain), ("adapters", names, mixed)):
+                    with profiled(args.profile, proc.pid, f"{arm}-{clients}-{r}"):
+                        into.append(
+                            burst(base, proc.pid, models, clients, args.requests, args.tokens)
+                        )
             p = statistics.median(b.rate for b in plain)
             m = statistics.median(b.rate for b in mixed)
             pc = statistics.median(b.per_cpu for b in plain)
@@ -193,6 +253,12 @@ def main() -> None:
                 f" {pc:>15.1f} {mc:>11.1f} {mc / pc:>6.2f}",
                 flush=True,
             )
+            splits += [(clients, "base", plain[-1]), (clients, "4 adapters", mixed[-1])]
+        print("\nthe server's split of a request (medians, last round; ms)")
+        print(f"{'clients':>7} {'arm':>10} {'decode/token':>13} {'prompt':>8} {'rest':>8}")
+        for clients, arm, b in splits:
+            decode, prompt, rest = b.split_ms()
+            print(f"{clients:>7} {arm:>10} {decode:>13.2f} {prompt:>8.1f} {rest:>8.1f}")
         loads = metric(base, "model_loads_total")
         print(f"\nbase loads: {loads:.0f} (reloads: {loads - 1:.0f})")
         print(
