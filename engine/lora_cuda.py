@@ -2,7 +2,8 @@
 
 Decoding multiplies a few rows by each weight, so a projection is one memory-bound pass over W
 and a low-rank term is nothing but its kernel launches. On an H200 MLX's CUDA backend spends
-6-8 us of host time encoding each op (a cuBLAS matmul of 2-8 rows: 20-39 us), more than the GPU
+6-8 us of host time encoding each op into a CUDA graph (a cuBLAS matmul of 2-8 rows: 20-39 us;
+`engine.backend` turns the graphs off, which served adapted rows faster), more than the GPU
 spends on any of a 7B block's small ones, so a decode step costs what its op count costs the
 host. The term as MLX ops (two gathered matmuls and an add per projection) cost a lone row
 30-45 % of its step. Here a call for up to three projections of one input (q, k, v; gate, up)
@@ -290,8 +291,8 @@ _compiled = {
 
 def batches_take_kernels() -> bool:
     """Whether base rows of a decoding batch take the kernels (`MLXD_BATCH_KERNELS=1`; off by
-    default until served throughput is measured with them: in-process they made an H200's
-    8-row decode step of a 7B-shaped bf16 model 1.33x faster)."""
+    default: in-process they made an H200's 8-row decode step of a 7B-shaped bf16 model 1.33x
+    faster, but served 8 clients ran at 0.92x without them)."""
     return os.environ.get("MLXD_BATCH_KERNELS", "0") not in ("", "0", "false")
 
 
