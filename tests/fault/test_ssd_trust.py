@@ -186,21 +186,27 @@ def test_rows_of_every_wrong_shape_are_misses(tmp_path: Path) -> None:
 
 
 def test_a_symlinked_subdirectory_is_never_written_read_or_emptied_through(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     directory = tmp_path / "ssd"
     written_tier(directory)
     outside_dir = tmp_path / "outside"
     outside_dir.mkdir()
-    # Every subdirectory the store could pick is a symlink out of the cache.
-    for first in (f"{i:02x}" for i in range(256)):
-        sub = directory / first
+    # Every subdirectory the entries above left free is a symlink out of the cache.
+    linked = []
+    for i in range(256):
+        sub = directory / f"{i:02x}"
         if not sub.exists():
             sub.symlink_to(outside_dir)
+            linked.append(i)
+    # the store names a value file at random: this one's first level is a symlinked one
+    urandom = os.urandom
+    monkeypatch.setattr(os, "urandom", lambda n: bytes([linked[0]]) + urandom(n - 1))
     tier = SsdTier(directory, 64 * MiB)
     try:
         tier.put_async("f" * 64, make_block(60))  # a file: it would land in a symlinked dir
         tier.flush()
+        monkeypatch.undo()
         assert tier.get("f" * 64) is None
         for key in KEYS[:4]:  # the rows written before still read through real directories
             assert tier.get(key) is not None
