@@ -1,7 +1,7 @@
 """Four LoRA adapters on one base vs the base alone, same server, same run.
 
     python bench/adapters.py [--model DIR] [--clients 1,8] [--tokens 64] [--requests 4]
-                             [--layers 16]
+                             [--layers 16] [--profile DIR]
 
 Trains four real adapters (mlx-lm's tuner, a few steps each) on `--model` (default: the code
 pair's target) as `mlx_lm.lora` trains them by default: rank 8, scale 20, every projection of
@@ -12,7 +12,10 @@ rotating over the four adapters (so rows of different adapters share every batch
 aggregate tokens/s of each, their ratio (goal >= 0.9), the base loads counted by `/metrics`
 (goal: 1, i.e. zero reloads), and resident memory: the server's RSS with only the base loaded,
 after the adapters are mounted, and the adapters' own bytes (`mlxd_adapter_bytes`).
-Speculation is off for both, so the ratio is what the per-row LoRA terms cost.
+Speculation is off for both, so the ratio is what the per-row LoRA terms cost. It then prints
+the server's own split of a request (from each response's durations): decode time per token,
+prompt time, and the rest (queueing, admission, mounting). `--profile DIR` records the server
+with py-spy (on PATH) during every burst, one file of collapsed stacks per burst.
 
 On a machine whose cores other work shares, wall-clock throughput swings with that work; the
 bench also prints tokens per CPU-second of the server process (Linux: from /proc), which
