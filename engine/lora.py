@@ -131,20 +131,19 @@ class _Group:
         self, member: RowLoRA, x: mx.array, part: lora_cuda.Part, idx: mx.array | None
     ) -> mx.array:
         """`member`'s output for x, computed in one call with those of the members routed
-        alike: the same slots (or all on the base), a bias alike."""
+        alike (the same slots, or all on the base; a bias alike), whose outputs wait in `y`
+        until they are called (`RowLoRA.__call__` takes them first)."""
         if self.x is not x:
             self.x, self.y = x, {}
-        key = id(member)
-        if key not in self.y:
-            biased = part.bias is not None
-            together = [(key, part)]
-            for other in self.members:
-                route = None if other is member else other.route(x)
-                if route is not None and route[1] is idx and (route[0].bias is not None) == biased:
-                    together.append((id(other), route[0]))
-            ys = lora_cuda.project(x, idx, [p for _, p in together])
-            self.y.update(zip((k for k, _ in together), ys, strict=True))
-        return self.y.pop(key)
+        biased = part.bias is not None
+        together = [(id(member), part)]
+        for other in self.members:
+            route = None if other is member else other.route(x)
+            if route is not None and route[1] is idx and (route[0].bias is not None) == biased:
+                together.append((id(other), route[0]))
+        ys = lora_cuda.project(x, idx, [p for _, p in together])
+        self.y.update(zip((k for k, _ in together[1:]), ys[1:], strict=True))
+        return ys[0]
 
 
 # Projections sharing an input in mlx-lm's models, by name: grouped within their parent module.
@@ -346,9 +345,9 @@ class RowLoRA(nn.Module):
         route = self._route(x, plan)
         if route is not None:
             part, idx = route
-            if self.group is None:
+            if group is None:
                 return lora_cuda.project(x, idx, [part])[0]
-            return self.group.output(self, x, part, idx)
+            return group.output(self, x, part, idx)
         if plan is None:
             return self.base(x)  # no row's adapter touches this projection
         stacks = self._slots.stacks
