@@ -189,3 +189,64 @@ def test_kernels_match_mlx_ops() -> None:
                     y, want = y.astype(mx.float32), want.astype(mx.float32)
                     tol = 2e-2 * mx.abs(want).max().item()
                     assert mx.allclose(y, want, rtol=0.0, atol=tol).item(), (k, slots, length)
+
+
+def down_by_ops(count: int) -> object:
+    """`_down_kernel`'s arithmetic as a kernel call: h_i = x A_i[idx], float32."""
+
+    def call(inputs: list[mx.array], **_: object) -> list[mx.array]:
+        x, *ats, idx = inputs
+        flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+        on = (idx != 0)[:, None]
+        return [on * (flat[:, None, :] * at[idx].astype(mx.float32)).sum(-1) for at in ats]
+
+    return call
+
+
+def up_by_ops(count: int) -> object:
+    """`_up_kernel`'s arithmetic as a kernel call: out_i = y_i + h_i sB_i[idx]^T."""
+
+    def call(inputs: list[mx.array], **_: object) -> list[mx.array]:
+        idx, rest = inputs[0], inputs[1:]
+        on = (idx != 0)[:, None]
+        outs = []
+        for y, h, bt in zip(rest[0::3], rest[1::3], rest[2::3], strict=True):
+            flat = y.reshape(-1, y.shape[-1]).astype(mx.float32)
+            term = on * (h[:, None, :] * bt[idx].astype(mx.float32)).sum(-1)
+            outs.append((flat + term).astype(y.dtype).reshape(y.shape))
+        return outs
+
+    return call
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+@pytest.mark.parametrize("biased", [False, True])
+def test_several_adapted_rows_take_the_matmul_then_their_terms(
+    monkeypatch: pytest.MonkeyPatch, biased: bool
+) -> None:
+    """Rows x tokens > 1 with terms: MLX's matmul for x W^T (plus bias), then `down` and `up`
+    add each row's term; `project` itself is never launched."""
+
+    def refused(*args: object) -> None:
+        raise AssertionError("several rows launched the project kernel")
+
+    monkeypatch.setattr(lora_cuda, "_project_kernel", refused)
+    monkeypatch.setattr(lora_cuda, "_down_kernel", down_by_ops)
+    monkeypatch.setattr(lora_cuda, "_up_kernel", up_by_ops)
+    mx.random.seed(3)
+    k = 32
+    parts = [
+        lora_cuda.Part(
+            mx.random.normal((3, r, k)), mx.random.normal((n, k)), mx.random.normal((3, n, r)),
+            mx.random.normal((n,)) if biased else None,
+        )
+        for n, r in ((24, 8), (40, 16), (8, 8))
+    ]  # fmt: skip
+    for slots, length in (([2, 0, 1], 1), ([1, 2], 3)):
+        x = mx.random.normal((len(slots), length, k))
+        idx = mx.repeat(mx.array(slots, dtype=mx.uint32), length)
+        flat = [a for p in parts for a in (p.weight, p.at, p.bt, p.bias) if a is not None]
+        got = lora_cuda._project(x, idx, *flat, bias=biased, term=True)
+        for y, want in zip(got, project_by_ops(x, idx, parts), strict=True):
+            assert y.shape == want.shape
+            assert mx.allclose(y, want, rtol=1e-4, atol=1e-3).item(), (slots, length)
