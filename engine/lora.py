@@ -195,6 +195,11 @@ def _base_weight(base: nn.Module) -> mx.array:
     return base.weight
 
 
+def _view(stack: mx.array, slot: int) -> mx.array:
+    """`stack[slot]` sharing the stack's memory."""
+    return stack[slot : slot + 1].squeeze(0)
+
+
 def _on_gpu() -> bool:
     return bool(mx.default_device().type == mx.DeviceType.gpu)
 
@@ -308,9 +313,10 @@ class RowLoRA(nn.Module):
         mx.eval(stacks.a, stacks.b, *([ratio] if ratio is not None else []))
         self._slots.stacks = stacks
         for slot, w in held.items():  # each adapter's weights become views of the stacks:
-            # held once, not once more beside them (zero-padded to the stacks' rank)
-            held[slot] = replace(w, a=stacks.a[slot], b=stacks.b[slot])
-        mx.eval([(w.a, w.b) for w in held.values()])  # slices share the stacks' memory
+            # held once, not once more beside them (zero-padded to the stacks' rank). A range
+            # slice shares the stacks' memory; an integer index (a gather) would copy it.
+            held[slot] = replace(w, a=_view(stacks.a, slot), b=_view(stacks.b, slot))
+        mx.eval([(w.a, w.b) for w in held.values()])
 
     def _plan(self, x: mx.array) -> Plan | None:
         stacks = self._slots.stacks

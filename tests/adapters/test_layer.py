@@ -4,6 +4,8 @@ dtype."""
 
 from __future__ import annotations
 
+import gc
+
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
@@ -150,3 +152,23 @@ def test_a_forward_plans_its_rows_once_for_every_layer() -> None:
     selection.set([1, 1, 1])
     uniform = selection.plan(held, 3)
     assert uniform is not None and uniform.single == 1
+
+
+def test_adapters_are_held_once_in_the_stacks() -> None:
+    """A layer's memory grows by its stacks alone (each adapter's slot and the zero slot 0):
+    the per-adapter weights it keeps are views of them, not copies."""
+    layer, _ = layer_with(mx.float32)
+    mx.eval(layer.base.parameters())
+    one, two = adapter(1, 8, 2.0), adapter(2, 8, 2.0)
+    mx.eval(one.a, one.b, two.a, two.b)
+    loaded = sum(a.nbytes for a in (one.a, one.b, two.a, two.b))
+    gc.collect()  # earlier tests' arrays go now, not during the measurement
+    before = mx.get_active_memory() - loaded
+    layer.put(1, one)
+    layer.put(2, two)
+    del one, two  # as read from their files: dropped once mounted
+    gc.collect()
+    stacks = layer._slots.stacks
+    assert stacks is not None
+    copied = mx.get_active_memory() - before - (stacks.a.nbytes + stacks.b.nbytes)
+    assert copied < loaded // 2  # a copy of each adapter would be `loaded`
