@@ -27,6 +27,7 @@ from mlxd.api.ollama import ServerState
 from mlxd.engine.counts import EVICTION, LOAD, LOAD_FAILURE, RUNNER_RESTART
 from mlxd.engine.events import Done, Failed
 from mlxd.engine.manager import Resident
+from mlxd.engine.memory import arrays_bytes
 
 PREFIX = "mlxd"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -111,6 +112,7 @@ class StateCollector(Collector):
         yield from _adapters(loaded)
         yield _gauge("memory_used_bytes", "Memory held by loaded pairings.", manager.memory_used())
         yield _gauge("memory_budget_bytes", "The memory budget.", manager.budget.bytes)
+        yield _gauge("memory_arrays_bytes", "Bytes MLX's arrays hold now.", arrays_bytes())
         yield from self._lifecycle(list(loaded))
         yield from self._prefix_cache()
 

@@ -10,8 +10,9 @@ four adapter entries from one `mlxd serve`, and for each client count runs, alte
 every client sends `--requests` greedy `/api/generate` requests either all to the base or
 rotating over the four adapters (so rows of different adapters share every batch). Prints
 aggregate tokens/s of each, their ratio (goal >= 0.9), the base loads counted by `/metrics`
-(goal: 1, i.e. zero reloads), and resident memory: the server's RSS with only the base loaded,
-after the adapters are mounted, and the adapters' own bytes (`mlxd_adapter_bytes`).
+(goal: 1, i.e. zero reloads), and resident memory: the server's RSS and the bytes of its MLX arrays (the RAM cache tier left
+out) with only the base loaded and after the adapters are mounted, and the adapters' own bytes
+(`mlxd_adapter_bytes`).
 Speculation is off for both, so the ratio is what the per-row LoRA terms cost. It then prints
 the server's own split of a request (from each response's durations): decode time per token,
 prompt time, and the rest (queueing, admission, mounting). `--profile DIR` records the server
@@ -86,12 +87,17 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def metric(base: str, name: str) -> float:
+def metric(base: str, name: str, labels: str = "") -> float:
+    """The sum of `mlxd_<name>` over its label sets (those containing `labels` only)."""
     text = httpx.get(f"{base}/metrics", timeout=30).text
-    values = [
-        float(m.group(1)) for m in re.finditer(rf"^mlxd_{name}(?:{{[^}}]*}})? (\S+)$", text, re.M)
-    ]
-    return sum(values)
+    found = re.finditer(rf"^mlxd_{name}(?:{{([^}}]*)}})? (\S+)$", text, re.M)
+    return sum(float(m.group(2)) for m in found if labels in (m.group(1) or ""))
+
+
+def arrays_held(base: str) -> float:
+    """Bytes of MLX arrays the server holds outside its RAM cache tier (weights, adapters)."""
+    ram = metric(base, "prefix_cache_bytes", 'tier="ram"')
+    return metric(base, "memory_arrays_bytes") - ram
 
 
 @dataclass(frozen=True)
@@ -224,10 +230,10 @@ def main() -> None:
         wait_up(base, proc)
         with httpx.Client(timeout=900) as pool:
             one(pool, base, "base", PROMPTS[0], 8)
-            rss_base = rss_bytes(proc.pid)
+            rss_base, arrays_base = rss_bytes(proc.pid), arrays_held(base)
             for name in names:
                 one(pool, base, name, PROMPTS[0], 8)
-            rss_adapters = rss_bytes(proc.pid)
+            rss_adapters, arrays_adapters = rss_bytes(proc.pid), arrays_held(base)
         adapter_bytes = metric(base, "adapter_bytes")
         files = sum((p / "adapters.safetensors").stat().st_size for p in adapters)
         print(
@@ -270,6 +276,11 @@ def main() -> None:
             f" (+{(rss_adapters - rss_base) / 2**20:.1f} MiB);"
             f" adapters resident {adapter_bytes / 2**20:.2f} MiB"
             f" ({files / 2**20:.2f} MiB of adapter files)"
+        )
+        print(
+            f"MLX arrays, the RAM cache tier left out: {arrays_base / 2**20:.1f} MiB with the base,"
+            f" {arrays_adapters / 2**20:.1f} MiB with 4 adapters"
+            f" (+{(arrays_adapters - arrays_base) / 2**20:.1f} MiB)"
         )
         print(json.dumps({"adapter_bytes": adapter_bytes, "loads": loads}))
     finally:

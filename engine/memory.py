@@ -195,6 +195,14 @@ def _physical_memory() -> int:
         return 0
 
 
+def arrays_bytes() -> int:
+    """What MLX's arrays hold now (weights, adapters, K/V, the RAM cache tier): the memory a
+    server's work takes, where a process's RSS also counts runtimes and compiled kernels."""
+    import mlx.core as mx
+
+    return int(mx.get_active_memory())
+
+
 def total_memory() -> int:
     """The device's memory (unified memory on Metal), else the machine's physical memory."""
     return _device_memory() or _physical_memory()

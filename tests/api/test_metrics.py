@@ -117,6 +117,7 @@ def test_generation_counters(served: ServerThread) -> None:
     assert value(after, "mlxd_model_loads_total", model=TINY) == 1
     assert value(after, "mlxd_model_loads_total", model=PAIR) == 1
     assert value(after, "mlxd_models_loaded") == 2
+    assert value(after, "mlxd_memory_arrays_bytes") > value(before, "mlxd_memory_arrays_bytes")
     assert value(after, "mlxd_runner_restarts_total", model=TINY) == 0
     assert wait_for(lambda: total(scrape(base), "mlxd_rows_running") == 0)
     assert value(after, "mlxd_queue_depth") == 0
