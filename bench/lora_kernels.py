@@ -1,0 +1,134 @@
+"""Adapted projections of a decode step, by route: how each way of adding the terms costs.
+
+    python bench/lora_kernels.py [--blocks 16] [--rows 1,8] [--steps 60]
+
+On MLX's CUDA build, for a 7B-shaped bf16 block (q, k, v; o; gate, up; down) with four rank-8
+adapters, times pipelined steps of `--blocks` blocks' projections (each step's outputs evaluated
+while the next is built, as decoding does) for rows x 1 token, every row adapted (rows on
+different adapters), by route:
+
+- `base`: MLX's matmuls alone, no terms (what a step on the base costs);
+- `gather`: the base matmuls plus two `gather_mm`s and an add per projection (the MLX ops);
+- `project`: `lora_cuda`'s down and project kernels, one call per group of one input;
+- `matmul+up`: MLX's matmuls for x W^T, then down and one `up` launch per group.
+
+Prints milliseconds per step and each route's ratio to `base`: the route `lora_cuda.MATMUL_ROWS`
+picks for a row count should be the cheapest there.
+"""
+
+# ruff: noqa: E402  (the backend is configured before MLX is imported)
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlxd.engine.backend import configure_backend
+
+configure_backend()
+
+# isort: split
+import mlx.core as mx
+
+from mlxd.engine import lora_cuda
+from mlxd.engine.attention import cuda_available
+
+HIDDEN, KV, MLP, RANK, SLOTS = 3584, 512, 18944, 8, 5
+GROUPS = {"qkv": (HIDDEN, (HIDDEN, KV, KV)), "o": (HIDDEN, (HIDDEN,)),
+          "mlp": (HIDDEN, (MLP, MLP)), "down": (MLP, (HIDDEN,))}  # fmt: skip
+
+
+def rand(*shape: int) -> mx.array:
+    return (0.02 * mx.random.normal(shape)).astype(mx.bfloat16)
+
+
+def block() -> dict[str, list[lora_cuda.Part]]:
+    """One block's projections, each with SLOTS-1 adapters (slot 0 zeros, as mounted)."""
+    return {
+        name: [lora_cuda.Part(rand(SLOTS, RANK, k), rand(n, k), rand(SLOTS, n, RANK), None)
+               for n in outs]
+        for name, (k, outs) in GROUPS.items()
+    }  # fmt: skip
+
+
+Route = Callable[[mx.array, mx.array, list[lora_cuda.Part]], list[mx.array]]
+
+
+def base(x: mx.array, idx: mx.array, parts: list[lora_cuda.Part]) -> list[mx.array]:
+    return [x @ p.weight.T for p in parts]
+
+
+def gather(x: mx.array, idx: mx.array, parts: list[lora_cuda.Part]) -> list[mx.array]:
+    rows = mx.arange(x.shape[0], dtype=mx.uint32)
+    out = []
+    for p in parts:
+        assert p.at is not None and p.bt is not None
+        h = mx.gather_mm(x, p.at.swapaxes(1, 2), rows, idx)
+        out.append(x @ p.weight.T + mx.gather_mm(h, p.bt.swapaxes(1, 2), rows, idx))
+    return out
+
+
+def kernels(matmul_rows: int) -> Route:
+    compiled = mx.compile(
+        partial(lora_cuda._project, bias=False, term=True, matmul_rows=matmul_rows)
+    )
+
+    def route(x: mx.array, idx: mx.array, parts: list[lora_cuda.Part]) -> list[mx.array]:
+        flat = [a for p in parts for a in (p.weight, p.at, p.bt) if a is not None]
+        return list(compiled(x, idx, *flat))
+
+    return route
+
+
+def step(route: Route, blocks: list[dict[str, list[lora_cuda.Part]]], xs: dict[str, mx.array],
+         idx: mx.array) -> list[mx.array]:  # fmt: skip
+    return [y for b in blocks for name, parts in b.items() for y in route(xs[name], idx, parts)]
+
+
+def timed(
+    route: Route, blocks: list[dict[str, list[lora_cuda.Part]]], rows: int, steps: int
+) -> float:
+    xs = {name: rand(rows, 1, k) for name, (k, _) in GROUPS.items()}
+    idx = mx.array([1 + i % (SLOTS - 1) for i in range(rows)], dtype=mx.uint32)
+    for _ in range(3):
+        mx.eval(step(route, blocks, xs, idx))
+    t0 = time.perf_counter()
+    previous: list[mx.array] = []
+    for _ in range(steps):
+        outs = step(route, blocks, xs, idx)
+        mx.async_eval(outs)
+        if previous:
+            mx.eval(previous)
+        previous = outs
+    mx.eval(previous)
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--blocks", type=int, default=16)
+    ap.add_argument("--rows", default="1,8")
+    ap.add_argument("--steps", type=int, default=60)
+    args = ap.parse_args()
+    if not cuda_available():
+        raise SystemExit("the kernels run on MLX's CUDA build")
+    mx.random.seed(0)
+    blocks = [block() for _ in range(args.blocks)]
+    mx.eval(blocks)
+    routes: dict[str, Route] = {"base": base, "gather": gather, "project": kernels(99),
+                                "matmul+up": kernels(1)}  # fmt: skip
+    print(f"{args.blocks} blocks, 7B-shaped bf16, rank {RANK}; ms per pipelined step")
+    print(f"{'rows':>5} | " + " ".join(f"{n:>16}" for n in routes))
+    for rows in (int(r) for r in args.rows.split(",")):
+        ms = {name: timed(route, blocks, rows, args.steps) for name, route in routes.items()}
+        cells = [f"{ms[n]:>7.2f} ({ms[n] / ms['base']:.2f}x)" for n in routes]
+        print(f"{rows:>5} | " + " ".join(f"{c:>16}" for c in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
