@@ -90,6 +90,21 @@ def cuda_available() -> bool:
     return bool(cuda is not None and cuda.is_available())
 
 
+_constants: dict[tuple[float, mx.Dtype], mx.array] = {}
+
+
+def _constant(value: float, dtype: mx.Dtype) -> mx.array:
+    """A one-element array of `value`, made once for every layer of a step (and every step of
+    a model's scale) rather than once per layer: each is a host-to-device upload."""
+    key = (value, dtype)
+    found = _constants.get(key)
+    if found is None:
+        if len(_constants) >= 256:
+            _constants.clear()
+        found = _constants[key] = mx.array([value], dtype=dtype)
+    return found
+
+
 def ragged_cuda(
     q: mx.array, k: mx.array, v: mx.array, scale: float, left: mx.array, end: int
 ) -> mx.array:
@@ -105,8 +120,8 @@ def ragged_cuda(
     rows, heads, _, dim = q.shape
     (out,) = _kernel(
         inputs=[
-            q, k, v, mx.array([scale], dtype=mx.float32),
-            left.astype(mx.int32), mx.array([end], dtype=mx.int32),
+            q, k, v, _constant(scale, mx.float32),
+            left if left.dtype == mx.int32 else left.astype(mx.int32), _constant(end, mx.int32),
         ],
         template=[("T", q.dtype), ("D", dim), ("WARPS", WARPS)],
         grid=(rows * heads * WARPS * 32, 1, 1),
