@@ -10,10 +10,11 @@ different adapters), by route:
 - `base`: MLX's matmuls alone, no terms (what a step on the base costs);
 - `gather`: the base matmuls plus two `gather_mm`s and an add per projection (the MLX ops);
 - `project`: `lora_cuda`'s down and project kernels, one call per group of one input;
-- `matmul+up`: MLX's matmuls for x W^T, then down and one `up` launch per group.
+- `matmul+down+up`: MLX's matmuls for x W^T, then a `down` and an `up` launch per group;
+- `matmul+term`: MLX's matmuls, then one `term` launch per group (what rows take).
 
-Prints milliseconds per step and each route's ratio to `base`: the route `lora_cuda.MATMUL_ROWS`
-picks for a row count should be the cheapest there.
+Prints milliseconds per step and each route's ratio to `base`: the route `lora_cuda` takes
+should be the cheapest at every row count.
 """
 
 # ruff: noqa: E402  (the backend is configured before MLX is imported)
@@ -25,6 +26,7 @@ import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -73,10 +75,8 @@ def gather(x: mx.array, idx: mx.array, parts: list[lora_cuda.Part]) -> list[mx.a
     return out
 
 
-def kernels(matmul_rows: int) -> Route:
-    compiled = mx.compile(
-        partial(lora_cuda._project, bias=False, term=True, matmul_rows=matmul_rows)
-    )
+def kernels(**route: Any) -> Route:
+    compiled = mx.compile(partial(lora_cuda._project, bias=False, term=True, **route))
 
     def route(x: mx.array, idx: mx.array, parts: list[lora_cuda.Part]) -> list[mx.array]:
         flat = [a for p in parts for a in (p.weight, p.at, p.bt) if a is not None]
@@ -120,14 +120,16 @@ def main() -> None:
     mx.random.seed(0)
     blocks = [block() for _ in range(args.blocks)]
     mx.eval(blocks)
-    routes: dict[str, Route] = {"base": base, "gather": gather, "project": kernels(99),
-                                "matmul+up": kernels(1)}  # fmt: skip
+    routes: dict[str, Route] = {
+        "base": base, "gather": gather, "project": kernels(matmul_rows=99),
+        "matmul+down+up": kernels(fused=False), "matmul+term": kernels(),
+    }  # fmt: skip
     print(f"{args.blocks} blocks, 7B-shaped bf16, rank {RANK}; ms per pipelined step")
-    print(f"{'rows':>5} | " + " ".join(f"{n:>16}" for n in routes))
+    print(f"{'rows':>5} | " + " ".join(f"{n:>17}" for n in routes))
     for rows in (int(r) for r in args.rows.split(",")):
         ms = {name: timed(route, blocks, rows, args.steps) for name, route in routes.items()}
         cells = [f"{ms[n]:>7.2f} ({ms[n] / ms['base']:.2f}x)" for n in routes]
-        print(f"{rows:>5} | " + " ".join(f"{c:>16}" for c in cells), flush=True)
+        print(f"{rows:>5} | " + " ".join(f"{c:>17}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

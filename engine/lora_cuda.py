@@ -1,4 +1,4 @@
-"""LoRA projections for decoding on MLX's CUDA build: the base matmul and the term in two kernels.
+"""LoRA projections for decoding on MLX's CUDA build: the base matmul and the term in few kernels.
 
 Decoding multiplies a few rows by each weight, so a projection is one memory-bound pass over W
 and a low-rank term is nothing but its kernel launches. On an H200 MLX's CUDA backend spends
@@ -15,10 +15,14 @@ launches two kernels:
   neighbouring output columns of one projection (every row of x it loads multiplies all C),
   each lane U 16-byte pieces of W per step; the term is added in the epilogue.
 
-So a block of seven adapted projections launches 8 kernels where the base launches 7. Several
-adapted rows (a batch) take MLX's matmul for x W_i^T instead, then `down` and one `up` launch
-adding every row's term: with 8 rows `project` reads W at about half cuBLAS's speed, which a
-batch's device-bound step pays in full. Rows on the base can take `project` alone, one launch
+So a lone row's block of seven adapted projections launches 8 kernels where the base launches
+7. Several adapted rows (a batch) take MLX's matmul for x W_i^T instead, then one `term` launch
+per group adding every row's term (h = x A[slot] reduced per block, then h sB^T): with 8 rows
+`project` reads W at about half cuBLAS's speed, which a batch's device-bound step pays in full.
+An H200, 16 blocks of a 7B-shaped bf16 model, every projection adapted (`bench/lora_kernels.py`):
+8 rows cost 1.33x the base's step this way, 1.62x with separate `down` and `up` launches (kept
+for ranks above MAX_TERM_RANK) and 3.15x through `project`; a lone row 1.7-1.8x every way,
+where `project` launches fewest kernels. Rows on the base can take `project` alone, one launch
 for q, k and v (`pays`). A call is traced by `mx.compile`, so a step replays it without
 building its kernels' calls in Python.
 Forwards of more than `MAX_ROWS` rows x tokens (prefill, wide verifies) are compute-bound and
@@ -227,6 +231,76 @@ def _up_source(count: int) -> str:
 """
 
 
+def _term_source(count: int) -> str:
+    """out_i = y_i + (x A_i[slot]) sB_i[slot]^T for `count` projections' matmul outputs y_i
+    (M, N_i), in one launch: a block per (row, TILE outputs of one projection) first reduces
+    h = x A[slot] (R values; A's rows are read from L2 by each of the row's blocks), then adds
+    h sB^T to its outputs. A row on no adapter (slot 0) copies y."""
+    pick = "".join(
+        f"""
+    if (g < 0) {{
+        const int tiles = (y{i}_shape[2] + TILE - 1) / TILE;
+        if (b < tiles) {{
+            g = {i}; N = y{i}_shape[2]; R = at{i}_shape[1];
+            y = y{i}; at = at{i}; bt = bt{i}; out = out{i};
+        }} else {{
+            b -= tiles;
+        }}
+    }}"""
+        for i in range(count)
+    )
+    tiles = " + ".join(f"(y{i}_shape[2] + TILE - 1) / TILE" for i in range(count))
+    return f"""
+    const int K = x_shape[2];
+    const int per_row = {tiles};
+    const int m = blockIdx.x / per_row;
+    int b = blockIdx.x % per_row, g = -1, N = 0, R = 0;
+    const T* y = nullptr;
+    const T* at = nullptr;
+    const T* bt = nullptr;
+    T* out = nullptr;{pick}
+    const int n0 = b * TILE;
+    const int n1 = min(n0 + TILE, N);
+    const size_t row = (size_t)m * N;
+    const uint32_t s = idx[m];
+    if (s == 0) {{
+        for (int n = n0 + threadIdx.x; n < n1; n += blockDim.x) out[row + n] = y[row + n];
+        return;
+    }}
+    __shared__ float parts[(THREADS / 32) * MAX_R];
+    __shared__ float h[MAX_R];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const T* xr = x + (size_t)m * K;
+    const T* ar = at + (size_t)s * R * K;
+    for (int j = 0; j < R; ++j) {{
+        float acc = 0.0f;
+        for (int k = threadIdx.x * 8; k < K; k += blockDim.x * 8) {{
+            uint4 xv = *reinterpret_cast<const uint4*>(xr + k);
+            uint4 av = *reinterpret_cast<const uint4*>(ar + (size_t)j * K + k);
+            const T* xp = reinterpret_cast<const T*>(&xv);
+            const T* ap = reinterpret_cast<const T*>(&av);
+            #pragma unroll
+            for (int i = 0; i < 8; ++i) acc += static_cast<float>(xp[i]) * static_cast<float>(ap[i]);
+        }}
+        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
+        if (lane == 0) parts[warp * MAX_R + j] = acc;
+    }}
+    __syncthreads();
+    if (threadIdx.x < R) {{
+        float total = 0.0f;
+        for (int w = 0; w < (int)(blockDim.x / 32); ++w) total += parts[w * MAX_R + threadIdx.x];
+        h[threadIdx.x] = total;
+    }}
+    __syncthreads();
+    for (int n = n0 + threadIdx.x; n < n1; n += blockDim.x) {{
+        float v = static_cast<float>(y[row + n]);
+        const T* br = bt + ((size_t)s * N + n) * R;
+        for (int j = 0; j < R; ++j) v += h[j] * static_cast<float>(br[j]);
+        out[row + n] = static_cast<T>(v);
+    }}
+"""
+
+
 # (columns per warp C, 16-byte pieces in flight per column U) by the rows of x a kernel is built
 # for: a lone row wants loads in flight; several rows want each x piece used on more columns
 # (C x MAX_M <= 32: a lane writes each (column, row) output)
@@ -235,6 +309,9 @@ FUSE_BYTES = 64 << 20  # base rows of a batch take the kernels for at most this 
 _downs: dict[int, Any] = {}
 _projects: dict[tuple[int, bool, bool], Any] = {}
 _ups: dict[int, Any] = {}
+_terms: dict[int, Any] = {}
+TERM_TILE = 2048  # outputs per block of the term kernel
+MAX_TERM_RANK = 64  # ranks the term kernel takes (its shared memory); higher: down and up
 
 
 class Part(NamedTuple):
@@ -284,6 +361,21 @@ def _up_kernel(count: int) -> Any:
     return _ups[count]
 
 
+def _term_kernel(count: int) -> Any:
+    if count not in _terms:
+        _terms[count] = mx.fast.cuda_kernel(
+            name=f"mlxd_lora_term{count}",
+            input_names=[
+                "x",
+                "idx",
+                *(n for i in range(count) for n in (f"y{i}", f"at{i}", f"bt{i}")),
+            ],
+            output_names=[f"out{i}" for i in range(count)],
+            source=_term_source(count),
+        )
+    return _terms[count]
+
+
 def fits(x: mx.array, dtype: mx.Dtype) -> bool:
     """Whether the kernels take input x (batch rows, tokens, K) of a projection in `dtype`."""
     return x.ndim == 3 and x.dtype == dtype and x.shape[0] * x.shape[1] <= MAX_ROWS
@@ -307,14 +399,19 @@ def _down(x: mx.array, idx: mx.array, ats: list[mx.array]) -> list[mx.array]:
 
 
 def _project(
-    x: mx.array, *flat: mx.array, bias: bool, term: bool, matmul_rows: int = MATMUL_ROWS
+    x: mx.array,
+    *flat: mx.array,
+    bias: bool,
+    term: bool,
+    matmul_rows: int = MATMUL_ROWS,
+    fused: bool = True,
 ) -> list[mx.array]:
     """`project` on flat arguments: (idx,) if term, then per part weight, (at, bt), (bias).
-    From `matmul_rows` rows x tokens, adapted rows take `_matmul_then_terms`."""
+    From `matmul_rows` rows x tokens, adapted rows take `_matmul_then_terms` (`fused`)."""
     width = 1 + 2 * term + bias
     parts = [flat[i : i + width] for i in range(int(term), len(flat), width)]
     if term and x.shape[0] * x.shape[1] >= matmul_rows:
-        return _matmul_then_terms(x, flat[0], parts, bias)
+        return _matmul_then_terms(x, flat[0], parts, bias, fused)
     inputs = [x]
     if term:
         idx = flat[0]
@@ -338,12 +435,24 @@ def _project(
 
 
 def _matmul_then_terms(
-    x: mx.array, idx: mx.array, parts: list[tuple[mx.array, ...]], bias: bool
+    x: mx.array, idx: mx.array, parts: list[tuple[mx.array, ...]], bias: bool, fused: bool
 ) -> list[mx.array]:
-    """Several rows: x W_i^T by MLX's matmul, which reads W at the memory's speed where
-    `project` with 8 rows reads it at about half (an H200, 7B-shaped MLP: 88 and 147 us
-    against cuBLAS's 41 and 46), then every term in one `up` launch."""
+    """x W_i^T by MLX's matmul, which reads W at the memory's speed where `project` with 8
+    rows reads it at about half (an H200, 7B-shaped MLP: 88 and 147 us against cuBLAS's 41
+    and 46), then every term: in one `term` launch (`fused`, ranks up to MAX_TERM_RANK), else
+    a `down` and an `up` launch."""
     ys = [mx.addmm(p[3], x, p[0].T) if bias else x @ p[0].T for p in parts]
+    rank = max(p[1].shape[1] for p in parts)
+    if fused and rank <= MAX_TERM_RANK:
+        per_row = sum(-(-y.shape[-1] // TERM_TILE) for y in ys)
+        outs = _term_kernel(len(parts))(
+            inputs=[x, idx, *(a for y, p in zip(ys, parts, strict=True) for a in (y, p[1], p[2]))],
+            template=[("T", x.dtype), ("TILE", TERM_TILE), ("THREADS", THREADS),
+                      ("MAX_R", MAX_TERM_RANK)],
+            grid=(idx.size * per_row * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+            output_shapes=[y.shape for y in ys], output_dtypes=[x.dtype] * len(ys),
+        )  # fmt: skip
+        return list(outs)
     hs = _down(x, idx, [p[1] for p in parts])
     total = sum(y.size for y in ys)
     outs = _up_kernel(len(parts))(
@@ -383,7 +492,8 @@ def pays(rows: int, nbytes: int) -> bool:
 def project(x: mx.array, idx: mx.array | None, parts: Sequence[Part]) -> list[mx.array]:
     """x W_i^T (+ (x A_i[idx]) sB_i[idx]^T) (+ bias_i) for projections i of one input x
     (batch rows, tokens, K), idx (rows x tokens,) uint32 (0: no term): one kernel launch, two
-    with terms for a lone row (several rows: the matmuls and two). The parts all have terms (and idx is given) or none do; a bias, or none do."""
+    with terms for a lone row (several rows: the matmuls, then one launch). The parts all have
+    terms (and idx is given) or none do; a bias, or none do."""
     term, bias = parts[0].at is not None, parts[0].bias is not None
     flat = [a for p in parts for a in (p.weight, p.at, p.bt, p.bias) if a is not None]
     return _compiled[bias, term](x, *([idx] if term else []), *flat)

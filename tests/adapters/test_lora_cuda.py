@@ -169,7 +169,7 @@ def rand(*shape: int) -> mx.array:
 @pytest.mark.skipif(not cuda_available(), reason="the kernels run on MLX's CUDA build")
 def test_kernels_match_mlx_ops() -> None:
     dtype = mx.bfloat16
-    for k, (n0, n1) in ((64, (48, 40)), (512, (1024, 8)), (2048, (256, 512))):
+    for k, (n0, n1) in ((64, (48, 40)), (512, (1024, 8)), (2048, (256, 512)), (256, (4104, 24))):
         for slots, length in (([1], 1), ([2, 0, 1, 1], 1), ([1, 2], 3), ([1] * 8, 1)):
             mx.random.seed(k + n0 + len(slots))
             x = mx.random.normal((len(slots), length, k)).astype(dtype)
@@ -183,12 +183,21 @@ def test_kernels_match_mlx_ops() -> None:
                     parts = [p._replace(bias=rand(p.weight.shape[0])) for p in parts]
                 if not term:
                     plain = [p._replace(at=None, bt=None) for p in parts]
-                got = lora_cuda.project(x, idx if term else None, parts if term else plain)
                 want_all = project_by_ops(x, idx, parts if term else plain)
-                for y, want in zip(got, want_all, strict=True):
-                    y, want = y.astype(mx.float32), want.astype(mx.float32)
-                    tol = 2e-2 * mx.abs(want).max().item()
-                    assert mx.allclose(y, want, rtol=0.0, atol=tol).item(), (k, slots, length)
+                routes = [lora_cuda.project(x, idx if term else None, parts if term else plain)]
+                if term:  # the project kernel's own terms, and down + up
+                    flat = [
+                        a for p in parts for a in (p.weight, p.at, p.bt, p.bias) if a is not None
+                    ]
+                    for extra in ({"matmul_rows": 99}, {"fused": False}):
+                        routes.append(
+                            lora_cuda._project(x, idx, *flat, bias=biased, term=True, **extra)
+                        )
+                for got in routes:
+                    for y, want in zip(got, want_all, strict=True):
+                        y, want = y.astype(mx.float32), want.astype(mx.float32)
+                        tol = 2e-2 * mx.abs(want).max().item()
+                        assert mx.allclose(y, want, rtol=0.0, atol=tol).item(), (k, slots, length)
 
 
 def down_by_ops(count: int) -> object:
@@ -219,20 +228,42 @@ def up_by_ops(count: int) -> object:
     return call
 
 
+def term_by_ops(count: int) -> object:
+    """`_term_kernel`'s arithmetic as a kernel call: out_i = y_i + (x A_i[idx]) sB_i[idx]^T."""
+
+    def call(inputs: list[mx.array], **_: object) -> list[mx.array]:
+        x, idx, rest = inputs[0], inputs[1], inputs[2:]
+        flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
+        on = (idx != 0)[:, None]
+        outs = []
+        for y, at, bt in zip(rest[0::3], rest[1::3], rest[2::3], strict=True):
+            h = (flat[:, None, :] * at[idx].astype(mx.float32)).sum(-1)
+            term = on * (h[:, None, :] * bt[idx].astype(mx.float32)).sum(-1)
+            outs.append((y.reshape(-1, y.shape[-1]) + term).astype(y.dtype).reshape(y.shape))
+        return outs
+
+    return call
+
+
 @pytest.mark.usefixtures("on_the_cpu")
+@pytest.mark.parametrize("fused", [True, False], ids=["term", "down+up"])
 @pytest.mark.parametrize("biased", [False, True])
 def test_several_adapted_rows_take_the_matmul_then_their_terms(
-    monkeypatch: pytest.MonkeyPatch, biased: bool
+    monkeypatch: pytest.MonkeyPatch, biased: bool, fused: bool
 ) -> None:
-    """Rows x tokens > 1 with terms: MLX's matmul for x W^T (plus bias), then `down` and `up`
-    add each row's term; `project` itself is never launched."""
+    """Rows x tokens > 1 with terms: MLX's matmul for x W^T (plus bias), then each row's term
+    added by one `term` launch (or `down` and `up`); `project` is never launched."""
 
     def refused(*args: object) -> None:
         raise AssertionError("several rows launched the project kernel")
 
+    def unused(*args: object) -> None:
+        raise AssertionError("the other route's kernels were launched")
+
     monkeypatch.setattr(lora_cuda, "_project_kernel", refused)
-    monkeypatch.setattr(lora_cuda, "_down_kernel", down_by_ops)
-    monkeypatch.setattr(lora_cuda, "_up_kernel", up_by_ops)
+    monkeypatch.setattr(lora_cuda, "_down_kernel", down_by_ops if not fused else unused)
+    monkeypatch.setattr(lora_cuda, "_up_kernel", up_by_ops if not fused else unused)
+    monkeypatch.setattr(lora_cuda, "_term_kernel", term_by_ops if fused else unused)
     mx.random.seed(3)
     k = 32
     parts = [
@@ -242,11 +273,11 @@ def test_several_adapted_rows_take_the_matmul_then_their_terms(
         )
         for n, r in ((24, 8), (40, 16), (8, 8))
     ]  # fmt: skip
-    for slots, length in (([2, 0, 1], 1), ([1, 2], 3)):
+    for slots, length in (([2, 0, 1], 1), ([1, 2], 3), ([2], 2)):
         x = mx.random.normal((len(slots), length, k))
         idx = mx.repeat(mx.array(slots, dtype=mx.uint32), length)
         flat = [a for p in parts for a in (p.weight, p.at, p.bt, p.bias) if a is not None]
-        got = lora_cuda._project(x, idx, *flat, bias=biased, term=True)
+        got = lora_cuda._project(x, idx, *flat, bias=biased, term=True, fused=fused)
         for y, want in zip(got, project_by_ops(x, idx, parts), strict=True):
             assert y.shape == want.shape
             assert mx.allclose(y, want, rtol=1e-4, atol=1e-3).item(), (slots, length)
