@@ -26,6 +26,7 @@ GRAPH_CACHE_ENV = "MLX_CUDA_GRAPH_CACHE_SIZE"
 # it, and an evicted graph costs a ~40 ms capture on its next use, or a "cache thrashing" abort.
 GRAPH_CACHE_SIZE = 2048
 GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
+FUSE_MLP_ENV = "MLXD_FUSE_MLP"  # "1": an MLP's gate and up projections as one matmul (GPU)
 # MLX's CUDA backend records each evaluation's kernels into CUDA graphs and replays them. On an
 # H200 serving a 7-8B bf16 model (`bench/concurrency.py`, `bench/adapters.py`), launching the
 # kernels directly instead served 8 clients at 624 tok/s against 305-408 with graphs, and a
@@ -46,6 +47,7 @@ class Backend:
     batched_attention: bool  # batched decoding reads each row's own keys (CUDA kernel)
     graph_cache_size: int | None  # MLX's CUDA graph cache; None: not CUDA
     cuda_graphs: bool | None = None  # whether MLX records CUDA graphs; None: not CUDA
+    fused_mlp: bool = False  # an MLP's gate and up projections are one matmul (GPU, opt-in)
 
     def describe(self) -> str:
         """One line for the startup log."""
@@ -61,7 +63,7 @@ class Backend:
             f" compute {'float32' if self.float32_compute else 'native dtype'},"
             f" KV caches {kv},"
             f" batched attention {'per-row kernel' if self.batched_attention else 'masked'}"
-            f"{graphs}"
+            f"{', gate and up fused' if self.fused_mlp else ''}{graphs}"
         )
 
 
@@ -145,6 +147,7 @@ def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
         batched_attention=cuda,
         graph_cache_size=graph_cache if cuda else None,
         cuda_graphs=graphs if cuda else None,
+        fused_mlp=on_gpu and env.get(FUSE_MLP_ENV, "0").strip().lower() in ("1", "true", "on"),
     )
     if cuda:
         install_batched_decode()  # batch rows attend to their own keys, no mask

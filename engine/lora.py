@@ -36,6 +36,7 @@ import mlx.nn as nn
 
 from mlxd.engine import lora_cuda
 from mlxd.engine.attention import cuda_available
+from mlxd.engine.fusedproj import SharedLinear
 
 __all__ = [
     "LayerWeights",
@@ -136,14 +137,38 @@ class _Group:
         if self.x is not x:
             self.x, self.y = x, {}
         biased = part.bias is not None
-        together = [(id(member), part)]
+        together = [(member, part)]
         for other in self.members:
             route = None if other is member else other.route(x)
             if route is not None and route[1] is idx and (route[0].bias is not None) == biased:
-                together.append((id(other), route[0]))
-        ys = lora_cuda.project(x, idx, [p for _, p in together])
-        self.y.update(zip((k for k, _ in together[1:]), ys[1:], strict=True))
+                together.append((other, route[0]))
+        parts = [p for _, p in together]
+        ys = _fused_terms(x, idx, together) if idx is not None else None
+        if ys is None:
+            ys = lora_cuda.project(x, idx, parts)
+        self.y.update(zip((id(m) for m, _ in together[1:]), ys[1:], strict=True))
         return ys[0]
+
+
+def _fused_terms(
+    x: mx.array, idx: mx.array, together: list[tuple[RowLoRA, lora_cuda.Part]]
+) -> list[mx.array] | None:
+    """Several adapted rows of projections whose base is one fused matmul (`engine.fusedproj`):
+    that matmul, then every term in one launch; None where they are not such (or a lone row,
+    whose `project` call launches fewer kernels)."""
+    if x.shape[0] * x.shape[1] < lora_cuda.MATMUL_ROWS:
+        return None
+    bases = [m.base for m, _ in together]
+    if not all(isinstance(b, SharedLinear) for b in bases):
+        return None
+    shared = bases[0].shared
+    parts = [p for _, p in together]
+    if any(b.shared is not shared for b in bases) or not lora_cuda.takes_terms(parts):
+        return None
+    y = shared.whole(x)
+    shared.take([b.member for b in bases])  # the others' columns wait for their call
+    offsets = [shared.bounds[b.member][0] for b in bases]
+    return lora_cuda.add_terms(x, idx, y, parts, offsets)
 
 
 # Projections sharing an input in mlx-lm's models, by name: grouped within their parent module.
@@ -216,7 +241,10 @@ def _decodes_fused(base: nn.Module) -> bool:
     """Whether rows decoding on adapters of `base` take the CUDA kernels (a float projection on
     MLX's CUDA build); a quantized one keeps the MLX ops."""
     return (
-        _on_gpu() and cuda_available() and type(base) is nn.Linear and lora_cuda.serves(base.weight)
+        _on_gpu()
+        and cuda_available()
+        and type(base) in (nn.Linear, SharedLinear)
+        and lora_cuda.serves(base.weight)
     )
 
 

@@ -40,7 +40,8 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 __all__ = [
-    "MAX_ROWS", "Part", "batches_take_kernels", "fits", "pays", "project", "serves", "warm"
+    "MAX_ROWS", "Part", "add_terms", "batches_take_kernels", "fits", "pays", "project", "serves",
+    "takes_terms", "warm",
 ]  # fmt: skip
 
 MAX_ROWS = 8  # rows of x (batch rows x tokens) the kernels take; more take the MLX ops
@@ -231,40 +232,42 @@ def _up_source(count: int) -> str:
 """
 
 
-def _term_source(count: int) -> str:
+def _term_source(count: int, shared: bool) -> str:
     """out_i = y_i + (x A_i[slot]) sB_i[slot]^T for `count` projections' matmul outputs y_i
     (M, N_i), in one launch: a block per (row, TILE outputs of one projection) first reduces
     h = x A[slot] (R values; A's rows are read from L2 by each of the row's blocks), then adds
-    h sB^T to its outputs. A row on no adapter (slot 0) copies y."""
+    h sB^T to its outputs. A row on no adapter (slot 0) copies y. `shared`: the y_i are
+    columns offsets[i].. of one output y (M, sum N_i) of a fused matmul (`engine.fusedproj`)."""
+    source = "y + (size_t)m * y_shape[2] + offsets[{i}]" if shared else "y{i} + (size_t)m * N"
     pick = "".join(
         f"""
     if (g < 0) {{
-        const int tiles = (y{i}_shape[2] + TILE - 1) / TILE;
+        const int tiles = (bt{i}_shape[1] + TILE - 1) / TILE;
         if (b < tiles) {{
-            g = {i}; N = y{i}_shape[2]; R = at{i}_shape[1];
-            y = y{i}; at = at{i}; bt = bt{i}; out = out{i};
+            g = {i}; N = bt{i}_shape[1]; R = at{i}_shape[1];
+            yr = {source.format(i=i)}; at = at{i}; bt = bt{i}; out = out{i};
         }} else {{
             b -= tiles;
         }}
     }}"""
         for i in range(count)
     )
-    tiles = " + ".join(f"(y{i}_shape[2] + TILE - 1) / TILE" for i in range(count))
+    tiles = " + ".join(f"(bt{i}_shape[1] + TILE - 1) / TILE" for i in range(count))
     return f"""
     const int K = x_shape[2];
     const int per_row = {tiles};
     const int m = blockIdx.x / per_row;
     int b = blockIdx.x % per_row, g = -1, N = 0, R = 0;
-    const T* y = nullptr;
+    const T* yr = nullptr;
     const T* at = nullptr;
     const T* bt = nullptr;
     T* out = nullptr;{pick}
     const int n0 = b * TILE;
     const int n1 = min(n0 + TILE, N);
-    const size_t row = (size_t)m * N;
+    T* outr = out + (size_t)m * N;
     const uint32_t s = idx[m];
     if (s == 0) {{
-        for (int n = n0 + threadIdx.x; n < n1; n += blockDim.x) out[row + n] = y[row + n];
+        for (int n = n0 + threadIdx.x; n < n1; n += blockDim.x) outr[n] = yr[n];
         return;
     }}
     __shared__ float parts[(THREADS / 32) * MAX_R];
@@ -293,10 +296,10 @@ def _term_source(count: int) -> str:
     }}
     __syncthreads();
     for (int n = n0 + threadIdx.x; n < n1; n += blockDim.x) {{
-        float v = static_cast<float>(y[row + n]);
+        float v = static_cast<float>(yr[n]);
         const T* br = bt + ((size_t)s * N + n) * R;
         for (int j = 0; j < R; ++j) v += h[j] * static_cast<float>(br[j]);
-        out[row + n] = static_cast<T>(v);
+        outr[n] = static_cast<T>(v);
     }}
 """
 
@@ -309,7 +312,7 @@ FUSE_BYTES = 64 << 20  # base rows of a batch take the kernels for at most this 
 _downs: dict[int, Any] = {}
 _projects: dict[tuple[int, bool, bool], Any] = {}
 _ups: dict[int, Any] = {}
-_terms: dict[int, Any] = {}
+_terms: dict[tuple[int, bool], Any] = {}
 TERM_TILE = 2048  # outputs per block of the term kernel
 MAX_TERM_RANK = 64  # ranks the term kernel takes (its shared memory); higher: down and up
 
@@ -361,19 +364,20 @@ def _up_kernel(count: int) -> Any:
     return _ups[count]
 
 
-def _term_kernel(count: int) -> Any:
-    if count not in _terms:
-        _terms[count] = mx.fast.cuda_kernel(
-            name=f"mlxd_lora_term{count}",
+def _term_kernel(count: int, shared: bool = False) -> Any:
+    key = (count, shared)
+    if key not in _terms:
+        ys = ["y", "offsets"] if shared else []
+        _terms[key] = mx.fast.cuda_kernel(
+            name=f"mlxd_lora_term{count}{'_shared' if shared else ''}",
             input_names=[
-                "x",
-                "idx",
-                *(n for i in range(count) for n in (f"y{i}", f"at{i}", f"bt{i}")),
+                "x", "idx", *ys,
+                *(n for i in range(count) for n in ((f"y{i}",) if not shared else ()) + (f"at{i}", f"bt{i}")),
             ],
             output_names=[f"out{i}" for i in range(count)],
-            source=_term_source(count),
-        )
-    return _terms[count]
+            source=_term_source(count, shared),
+        )  # fmt: skip
+    return _terms[key]
 
 
 def fits(x: mx.array, dtype: mx.Dtype) -> bool:
@@ -444,15 +448,8 @@ def _matmul_then_terms(
     ys = [mx.addmm(p[3], x, p[0].T) if bias else x @ p[0].T for p in parts]
     rank = max(p[1].shape[1] for p in parts)
     if fused and rank <= MAX_TERM_RANK:
-        per_row = sum(-(-y.shape[-1] // TERM_TILE) for y in ys)
-        outs = _term_kernel(len(parts))(
-            inputs=[x, idx, *(a for y, p in zip(ys, parts, strict=True) for a in (y, p[1], p[2]))],
-            template=[("T", x.dtype), ("TILE", TERM_TILE), ("THREADS", THREADS),
-                      ("MAX_R", MAX_TERM_RANK)],
-            grid=(idx.size * per_row * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-            output_shapes=[y.shape for y in ys], output_dtypes=[x.dtype] * len(ys),
-        )  # fmt: skip
-        return list(outs)
+        inputs = [x, idx, *(a for y, p in zip(ys, parts, strict=True) for a in (y, p[1], p[2]))]
+        return _terms_launch(inputs, [(p[1], p[2]) for p in parts], x, idx, ys[0].shape[:-1])
     hs = _down(x, idx, [p[1] for p in parts])
     total = sum(y.size for y in ys)
     outs = _up_kernel(len(parts))(
@@ -462,6 +459,57 @@ def _matmul_then_terms(
         output_dtypes=[x.dtype] * len(ys),
     )  # fmt: skip
     return list(outs)
+
+
+def _terms_launch(
+    inputs: list[mx.array],
+    terms: list[tuple[mx.array, mx.array]],
+    x: mx.array,
+    idx: mx.array,
+    lead: Sequence[int],
+    shared: bool = False,
+) -> list[mx.array]:
+    """Launch the term kernel on `inputs`; outputs (*lead, N_i) for each (at, bt) of `terms`
+    (`shared`: the kernel's form reading columns of one y)."""
+    per_row = sum(-(-bt.shape[1] // TERM_TILE) for _, bt in terms)
+    outs = _term_kernel(len(terms), shared)(
+        inputs=inputs,
+        template=[("T", x.dtype), ("TILE", TERM_TILE), ("THREADS", THREADS),
+                  ("MAX_R", MAX_TERM_RANK)],
+        grid=(idx.size * per_row * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
+        output_shapes=[(*lead, bt.shape[1]) for _, bt in terms],
+        output_dtypes=[x.dtype] * len(terms),
+    )  # fmt: skip
+    return list(outs)
+
+
+def _add_terms(x: mx.array, idx: mx.array, y: mx.array, *flat: mx.array) -> list[mx.array]:
+    """`add_terms` on flat arguments: the offsets array, then per part at, bt."""
+    offsets, rest = flat[0], flat[1:]
+    terms = [(rest[i], rest[i + 1]) for i in range(0, len(rest), 2)]
+    return _terms_launch([x, idx, y, offsets, *rest], terms, x, idx, y.shape[:-1], shared=True)
+
+
+_compiled_terms = mx.compile(_add_terms)
+_offsets: dict[tuple[int, ...], mx.array] = {}
+
+
+def add_terms(
+    x: mx.array, idx: mx.array, y: mx.array, parts: Sequence[Part], offsets: Sequence[int]
+) -> list[mx.array]:
+    """y_i + (x A_i[idx]) sB_i[idx]^T, y_i being columns offsets[i].. of y (rows, tokens, sum
+    N_i), the output of a fused matmul of x: one launch for every part (adapted, ranks up to
+    MAX_TERM_RANK)."""
+    key = tuple(offsets)
+    if key not in _offsets:
+        _offsets[key] = mx.array(key, dtype=mx.int32)
+    flat = [a for p in parts for a in (p.at, p.bt) if a is not None]
+    return list(_compiled_terms(x, idx, y, _offsets[key], *flat))
+
+
+def takes_terms(parts: Sequence[Part]) -> bool:
+    """Whether `add_terms` takes these parts' terms."""
+    return all(p.at is not None and p.at.shape[1] <= MAX_TERM_RANK for p in parts)
 
 
 # Traced once per shape: a step replays the kernels without building their calls again.
@@ -515,7 +563,11 @@ def warm(dtype: mx.Dtype, count: int, bias: bool, term: bool) -> None:
     outs = []
     for rows in (1, 2) if term else (2,):  # base rows take them in batches only
         x = mx.zeros((rows, 1, k), dtype=dtype)
-        outs += project(x, mx.ones((rows,), dtype=mx.uint32) if term else None, [part] * count)
+        idx = mx.ones((rows,), dtype=mx.uint32)
+        outs += project(x, idx if term else None, [part] * count)
+        if term and rows > 1:  # the form a fused gate and up take
+            y = mx.zeros((rows, 1, n * count), dtype=dtype)
+            outs += add_terms(x, idx, y, [part] * count, [n * i for i in range(count)])
     mx.eval(outs)
     _warmed.add(key)
 

@@ -18,6 +18,7 @@ from mlxd.engine.adapters import DEFAULT_ADAPTER_BYTES, AdapterSet
 from mlxd.engine.backend import Backend
 from mlxd.engine.context import row_context
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
+from mlxd.engine.fusedproj import fuse_gate_up
 from mlxd.engine.generation import Generation
 from mlxd.engine.kvcache import batch_type, make_cache, plain_kv, set_bucket
 from mlxd.engine.kvquant import KvLayout, kv_layout
@@ -120,7 +121,8 @@ def load_model(
     path: Path, backend: Backend, template: str | None = None
 ) -> tuple[nn.Module, Any, dict[str, Any]]:
     """A model as mlxd computes with it on `backend`: through mlx-lm, in float32 on the CPU
-    where the backend widens 16-bit models, with its caches laid out as the backend says."""
+    where the backend widens 16-bit models, its MLPs' gate and up projections one matmul where
+    it fuses them (`engine.fusedproj`), with its caches laid out as the backend says."""
     tokenizer_config = {"chat_template": template} if template else None
     try:
         loaded = mlx_load(str(path), tokenizer_config=tokenizer_config, return_config=True)
@@ -129,6 +131,8 @@ def load_model(
         raise ModelUnavailable(f"cannot load {path}: {exc}") from exc
     if computes_in_float32(config, backend.float32_compute):
         model.set_dtype(mx.float32)
+    if backend.fused_mlp:
+        fuse_gate_up(model)
     set_bucket(model, backend.kv_bucket)
     return model, tokenizer, config
 

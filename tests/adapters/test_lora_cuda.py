@@ -13,6 +13,7 @@ from mlx_lm.models import llama
 
 from mlxd.engine import lora, lora_cuda
 from mlxd.engine.attention import cuda_available
+from mlxd.engine.fusedproj import fuse_gate_up
 from mlxd.engine.lora import LayerWeights, Selection, wrap
 
 PROJECTIONS = [
@@ -228,18 +229,27 @@ def up_by_ops(count: int) -> object:
     return call
 
 
-def term_by_ops(count: int) -> object:
-    """`_term_kernel`'s arithmetic as a kernel call: out_i = y_i + (x A_i[idx]) sB_i[idx]^T."""
+def term_by_ops(count: int, shared: bool = False) -> object:
+    """`_term_kernel`'s arithmetic as a kernel call: out_i = y_i + (x A_i[idx]) sB_i[idx]^T,
+    the y_i given, or (`shared`) columns offsets[i].. of one y."""
 
     def call(inputs: list[mx.array], **_: object) -> list[mx.array]:
-        x, idx, rest = inputs[0], inputs[1], inputs[2:]
+        x, idx = inputs[0], inputs[1]
         flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
         on = (idx != 0)[:, None]
+        if shared:
+            y, offsets, rest = inputs[2], inputs[3].tolist(), inputs[4:]
+            terms = list(zip(rest[0::2], rest[1::2], strict=True))
+            ys = [y[..., o : o + bt.shape[1]] for o, (_, bt) in zip(offsets, terms, strict=True)]
+        else:
+            rest = inputs[2:]
+            ys, terms = list(rest[0::3]), list(zip(rest[1::3], rest[2::3], strict=True))
         outs = []
-        for y, at, bt in zip(rest[0::3], rest[1::3], rest[2::3], strict=True):
+        for y, (at, bt) in zip(ys, terms, strict=True):
             h = (flat[:, None, :] * at[idx].astype(mx.float32)).sum(-1)
             term = on * (h[:, None, :] * bt[idx].astype(mx.float32)).sum(-1)
-            outs.append((y.reshape(-1, y.shape[-1]) + term).astype(y.dtype).reshape(y.shape))
+            out = y.reshape(-1, y.shape[-1]) + term
+            outs.append(out.astype(y.dtype).reshape(*y.shape[:-1], bt.shape[1]))
         return outs
 
     return call
@@ -281,3 +291,65 @@ def test_several_adapted_rows_take_the_matmul_then_their_terms(
         for y, want in zip(got, project_by_ops(x, idx, parts), strict=True):
             assert y.shape == want.shape
             assert mx.allclose(y, want, rtol=1e-4, atol=1e-3).item(), (slots, length)
+
+
+@pytest.mark.usefixtures("on_the_cpu")
+def test_adapted_rows_on_a_fused_gate_and_up_share_its_matmul(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A batch of adapted rows on a model whose gate and up are one matmul: that matmul once
+    per block, then one term launch for both; q, k, v and the rest as before; logits as the
+    MLX-ops path gives them on the unfused model. A lone row keeps `project`."""
+    plain_sel, fused_sel = Selection(), Selection()
+    plain, fused = tiny_model(5), tiny_model(5)
+    mount(plain, plain_sel)
+    assert fuse_gate_up(fused) == 2
+    monkeypatch.setattr(lora, "_decodes_fused", lambda base: True)
+    monkeypatch.setattr(lora_cuda, "warm", lambda dtype, count, bias, term: None)
+    mount(fused, fused_sel)
+    calls = counted_calls(monkeypatch)
+    shared_terms: list[int] = []
+    add_terms = lora_cuda.add_terms
+
+    def counted_terms(x: mx.array, idx: mx.array, y: mx.array, parts: list, offsets: list) -> list:
+        shared_terms.append(len(parts))
+        return add_terms(x, idx, y, parts, offsets)
+
+    def term_kernel(count: int, shared: bool = False) -> object:
+        assert shared, "a fused pair's terms take the shared form"
+        return term_by_ops(count, shared)
+
+    monkeypatch.setattr(lora_cuda, "add_terms", counted_terms)
+    monkeypatch.setattr(lora_cuda, "_term_kernel", term_kernel)
+    monkeypatch.setattr(lora_cuda, "_compiled_terms", lora_cuda._add_terms)  # traced: no host
+    # `project` calls: block 0 q+k+v, o, (gate+up), down; block 1 q+v, k, o, (gate+up), down
+    batch, lone = [3, 1, 1, 2, 1, 1, 1], [3, 1, 2, 1, 2, 1, 1, 2, 1]
+    for slots, length, pairs, projects in (([2, 0, 1], 1, [2, 2], batch), ([1], 1, [], lone)):
+        tokens = mx.array([[(5 * r + t) % 50 for t in range(length)] for r in range(len(slots))])
+        calls.clear()
+        shared_terms.clear()
+        outs = []
+        for model, selection in ((fused, fused_sel), (plain, plain_sel)):
+            selection.set(slots)
+            outs.append(model(tokens))
+            selection.clear()
+        assert shared_terms == pairs
+        assert calls == [(n, True) for n in projects]  # a lone row's gate and up: `project`
+        assert mx.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4).item()
+
+
+@pytest.mark.skipif(not cuda_available(), reason="the kernels run on MLX's CUDA build")
+def test_terms_on_a_fused_output_match_mlx_ops() -> None:
+    """`add_terms` on columns of one fused matmul's output, as a fused gate and up give it."""
+    dtype = mx.bfloat16
+    for k, sizes, slots in ((64, (48, 40), [1, 0, 2]), (512, (4104, 2056), [2] * 8)):
+        mx.random.seed(k)
+        x = mx.random.normal((len(slots), 1, k)).astype(dtype)
+        idx = mx.array(slots, dtype=mx.uint32)
+        parts = [lora_cuda.Part(rand(3, 8, k), rand(n, k), rand(3, n, 8), None) for n in sizes]
+        y = x @ mx.concatenate([p.weight for p in parts]).T
+        got = lora_cuda.add_terms(x, idx, y, parts, [0, sizes[0]])
+        for out, want in zip(got, project_by_ops(x, idx, parts), strict=True):
+            out, want = out.astype(mx.float32), want.astype(mx.float32)
+            tol = 2e-2 * mx.abs(want).max().item()
+            assert mx.allclose(out, want, rtol=0.0, atol=tol).item(), (k, slots)
