@@ -221,24 +221,49 @@ class RowBatch:
             self.gens.append(g)
 
     def leave(self, gen: Generation) -> None:
-        """Give a row its own caches (target and draft) back and drop it from the batch."""
-        self.drop_ahead()
+        """Give a row its own caches (target and draft) back and drop it from the batch. A
+        plain round queued for these rows stays queued for the others (the leaving row's
+        position in it comes off its own cache): a row that ends costs the batch no forward.
+        On bucketed caches every row's left padding is known from its tokens, so nothing is
+        read back from the device."""
+        kept_ahead = (
+            self.ahead is not None
+            and _same(self.ahead.gens, self.gens)
+            and not getattr(self.cache[0], "adopt_as_is", False)  # a distributed target's
+        )
+        if not kept_ahead:
+            self.drop_ahead()
         part = gen.source.model_part() if gen.source is not None else None
         if part is not None and self.drafts is not None and part in self.drafts:
             self.drafts.leave(part)
         slot = next(i for i, g in enumerate(self.gens) if g is gen)
+        extra = int(kept_ahead)  # the queued round's position, in every row
+        lengths = [len(g.tokens) - 1 + extra for g in self.gens]  # each row's K/V
+        bucketed = isinstance(self.cache[0], kvcache.BucketedBatchKVCache)
+        end = self.cache[0]._idx
         own = []
         step = kvcache.bucket_of(self.target)
         for c in self.cache:
-            own.append(kvcache.own_layer(c.extract(slot), step))
+            part_kv = c.extract(slot, end - lengths[slot]) if bucketed else c.extract(slot)
+            layer = kvcache.own_layer(part_kv, step)
+            layer.trim(extra)
+            own.append(layer)
         gen.cache = own
         del self.gens[slot]
+        ahead, self.ahead = self.ahead, None
         if not self.gens:
             self.cache = []
             return
-        keep = [i for i in range(len(self.gens) + 1) if i != slot]
+        keep = [i for i in range(len(lengths)) if i != slot]
+        rows = mx.array(keep)
+        min_left = end - max(lengths[i] for i in keep)
         for c in self.cache:
-            c.filter(mx.array(keep))
+            if bucketed:
+                c.filter(rows, min_left)
+            else:
+                c.filter(rows)
+        if kept_ahead and ahead is not None:
+            self.ahead = Ahead(list(self.gens), ahead.tokens[rows])
 
     def round(self) -> list[Committed]:
         """One round for every row: drafts, one verify forward, per-row acceptance and trim."""

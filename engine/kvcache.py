@@ -120,6 +120,37 @@ class BucketedBatchKVCache(BatchKVCache):
         assert self.keys is not None and self.values is not None
         return self.keys, self.values
 
+    def extract(self, idx: int, padding: int | None = None) -> KVCache:
+        """Row `idx`'s K/V as its own cache; given its left `padding` (known to the caller),
+        without reading the device (mlx-lm's reads the padding back, waiting for every queued
+        forward)."""
+        if padding is None:
+            return super().extract(idx)
+        assert self.keys is not None and self.values is not None
+        cache = KVCache()
+        cache.keys = mx.contiguous(self.keys[idx : idx + 1, :, padding : self._idx])
+        cache.values = mx.contiguous(self.values[idx : idx + 1, :, padding : self._idx])
+        cache.offset = cache.keys.shape[2]
+        return cache
+
+    def filter(self, batch_indices: mx.array, min_left: int | None = None) -> None:
+        """Keep the rows `batch_indices`, the least left padding among them cut off; given it
+        (`min_left`, known to the caller), without reading the device, as `extract`."""
+        if min_left is None:
+            super().filter(batch_indices)
+            return
+        if self.keys is not None and self.values is not None:
+            self.keys = self.keys[batch_indices]
+            self.values = self.values[batch_indices]
+        self.offset = self.offset[batch_indices]
+        self.left_padding = self.left_padding[batch_indices]
+        if min_left > 0:
+            if self.keys is not None and self.values is not None:
+                self.keys = self.keys[..., min_left:, :]
+                self.values = self.values[..., min_left:, :]
+            self._idx -= min_left
+            self.left_padding = self.left_padding - min_left
+
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
         n = N
         capacity = self._capacity_for(n)

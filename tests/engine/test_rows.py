@@ -7,14 +7,16 @@ from collections import Counter
 from collections.abc import Callable
 
 import pytest
+from mlx_lm.models.cache import BatchKVCache
 
-from mlxd.engine.backend import configure_backend
+from mlxd.engine.backend import Backend, configure_backend
 from mlxd.engine.batch import Committed, RowBatch
 from mlxd.engine.cache_use import namespace_for, restore
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Done, Event, GenerationRequest
 from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import GrammarSpec
+from mlxd.engine.kvcache import set_bucket
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import Pairing, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
@@ -22,6 +24,7 @@ from mlxd.engine.sampling import Rng
 from mlxd.engine.scheduler import Job, Scheduler, make_draft_source
 from mlxd.engine.speculation import Costs, DraftLengthController
 from mlxd.registry.schema import ModelEntry
+from tests.engine.conftest import Loaded
 from tests.engine.test_speculative import (
     CHEAP,
     chi2_pvalue,
@@ -285,3 +288,64 @@ def test_solo_and_batched_rows_hit_each_others_blocks(
     assert later[0].cached_tokens == len(second) - 1
     assert later[0].output_tokens == alone[0].output_tokens
     assert later[0].speculation.rounds > 0
+
+
+@pytest.mark.parametrize("bucket", [None, 64], ids=["exact", "bucketed"])
+def test_a_row_leaving_keeps_the_queued_round_for_the_others(
+    loaded: Loaded, monkeypatch: pytest.MonkeyPatch, bucket: int | None
+) -> None:
+    """A row that ends while a plain round is queued leaves without taking it back: the
+    others decode on from it (no forward recomputed), the leaving row's own cache holds every
+    committed token but the last, and on bucketed caches nothing is read from the device
+    (each row's left padding is known from its tokens)."""
+    model = loaded.target
+    set_bucket(model, bucket)
+    try:
+        greedy = opts_of(temperature=0)
+        prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+        gens = [Generation(model, p, greedy, set(), 40, Rng(i)) for i, p in enumerate(prompts)]
+        for g in gens:
+            g.prefill()
+        batch = RowBatch(model, Costs(verify={1: 1.0}))
+        batch.join(gens)
+        for _ in range(3):
+            batch.round()
+        assert batch.ahead is not None
+        if bucket:
+            reads = []
+            monkeypatch.setattr(BatchKVCache, "extract", lambda *a: reads.append("extract") or None)
+            monkeypatch.setattr(BatchKVCache, "filter", lambda *a: reads.append("filter"))
+        leaving = gens[1]
+        batch.leave(leaving)
+        if bucket:
+            assert reads == []
+            monkeypatch.undo()
+        assert batch.ahead is not None and len(batch.ahead.gens) == 2  # still queued
+        assert leaving.cache[0].offset == len(leaving.tokens) - 1
+        while any(not g.done for g in batch.gens):
+            batch.round()
+        for g, prompt in zip([gens[0], gens[2]], [prompts[0], prompts[2]], strict=True):
+            solo = Generation(model, prompt, greedy, set(), 40, Rng(0))
+            solo.prefill()
+            assert g.tokens[len(prompt) :] == [t for new in solo for t in new]
+    finally:
+        set_bucket(model, None)
+
+
+def test_bucketed_rows_joining_and_leaving_match_solo_decoding(
+    tiny_pair: TinyPair, gpu_layout: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The GPU's layout, where a leaving row's padding comes from its tokens, not the device:
+    rows speculating (verify rounds roll padding per row) and plain, joining and leaving."""
+    monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
+    entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft))
+    pairing = load_pairing(entry, gpu_layout, costs=FLAT)
+    methods = ["model", "off", "lookup", "off", "model"]
+    lengths = [26, 9, 31, 17, 12]
+    specs = [
+        (p, opts_of(temperature=0, num_predict=n, draft_method=m))
+        for p, m, n in zip(PROMPTS[:5], methods, lengths, strict=True)
+    ]
+    done = serve(pairing, specs, start_after={2: (1, 3), 3: (0, 6), 4: (3, 2)})
+    for (prompt, opts), final in zip(specs, done, strict=True):
+        assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
