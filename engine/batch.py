@@ -204,10 +204,14 @@ class RowBatch:
 
     def join(self, gens: Sequence[Generation]) -> None:
         """Move rows' caches into the batch. Each must hold every committed token but the
-        last (`Generation.settle`) in plain K/V layers (`Generation.batchable`)."""
+        last (`Generation.settle`) in plain K/V layers (`Generation.batchable`). A plain round
+        queued for the rows already here stays queued where the next round can carry the
+        joiners too (`_plain_round`): they decode one round later, and no forward is thrown
+        away."""
         if not gens:
             return
-        self.drop_ahead()
+        if not self._keeps_ahead_for(gens):
+            self.drop_ahead()
         kind = kvcache.batch_type(self.target)
         layers = len(gens[0].cache)
         merged = [kind.merge([g.cache[i] for g in gens]) for i in range(layers)]
@@ -219,6 +223,18 @@ class RowBatch:
         for g in gens:
             g.cache = []  # the batch holds the row's K/V until it leaves
             self.gens.append(g)
+
+    def _keeps_ahead_for(self, gens: Sequence[Generation]) -> bool:
+        """Whether a round queued for every row here can stay as rows `gens` join: the next
+        round queues again for all of them, so every row must decode it plainly."""
+        ahead = self.ahead
+        return (
+            ahead is not None
+            and _same(ahead.gens, self.gens)
+            and not getattr(self.cache[0], "adopt_as_is", False)  # a distributed target's
+            and all(g.produced + 1 < g.limit and g.plain_next() for g in self.gens)
+            and all(g.plain_only and g.produced < g.limit and g.plain_next() for g in gens)
+        )
 
     def leave(self, gen: Generation) -> None:
         """Give a row its own caches (target and draft) back and drop it from the batch. A
@@ -269,7 +285,7 @@ class RowBatch:
         """One round for every row: drafts, one verify forward, per-row acceptance and trim."""
         gens = self.gens
         since = self._since()
-        if self.ahead is not None and _same(self.ahead.gens, gens):
+        if self.ahead is not None and _leads(self.ahead.gens, gens):
             return self._plain_round(since)  # computed already: a draft found since waits a round
         wants = [g.draft_length() for g in gens]
         t0 = time.perf_counter()
@@ -360,26 +376,36 @@ class RowBatch:
     def _plain_round(self, since: float | None = None) -> list[Committed]:
         """A round where no row drafts, pipelined: the next one is queued before this one's
         tokens are read, when every row will decode it plainly too. One that was queued is
-        timed (from `since`, the previous round's return) as the batch's plain round."""
+        timed (from `since`, the previous round's return) as the batch's plain round. Rows
+        that joined after it was queued (`join`) commit nothing this round: the next one,
+        queued now for every row, carries their first token."""
         gens = self.gens
         ahead, self.ahead = self.ahead, None
+        late: list[Generation] = []
         pipelined = False
-        if ahead is not None and _same(ahead.gens, gens):
-            tokens, pipelined = ahead.tokens, True
+        if ahead is not None and _leads(ahead.gens, gens):
+            tokens, late = ahead.tokens, gens[len(ahead.gens) :]
+            pipelined = not late
         else:
             if ahead is not None:
                 self._take_back()
             last = mx.array([[g.tokens[-1]] for g in gens], dtype=mx.uint32)
-            tokens = self._choose(self._forward(last), 0)
+            tokens = self._choose(self._forward(last), [0] * len(gens))
             mx.async_eval(tokens)
-        if all(g.produced + 1 < g.limit and g.plain_next() for g in gens):
-            queued = self._choose(self._forward(tokens[:, None]), 1)
+        if late:
+            pending = mx.array([g.tokens[-1] for g in late], dtype=mx.uint32)
+            inputs = mx.concatenate([tokens, pending])[:, None]
+            queued = self._choose(self._forward(inputs), [1] * len(tokens) + [0] * len(late))
+            mx.async_eval(queued)
+            self.ahead = Ahead(list(gens), queued)
+        elif all(g.produced + 1 < g.limit and g.plain_next() for g in gens):
+            queued = self._choose(self._forward(tokens[:, None]), [1] * len(gens))
             mx.async_eval(queued)
             self.ahead = Ahead(list(gens), queued)
         chosen = to_ints(tokens)
         committed = [
             Committed(g, g.absorb(Draft.empty(), Verdict(0, [t])))
-            for g, t in zip(gens, chosen, strict=True)
+            for g, t in zip(gens, chosen, strict=False)  # late rows: nothing yet
         ]
         end = self._ended(gens)
         if pipelined and since is not None:
@@ -391,22 +417,28 @@ class RowBatch:
         with selecting([g.target for g in self.gens]):
             return self.target(inputs, cache=self.cache)[:, -1, :]
 
-    def _choose(self, logits: mx.array, ahead: int) -> mx.array:
-        """Each row's token (B,) for rows `ahead` positions past their committed tokens."""
+    def _choose(self, logits: mx.array, ahead: list[int]) -> mx.array:
+        """Each row's token (B,), row i `ahead[i]` positions past its committed tokens."""
         gens = self.gens
         if all(g.opts.greedy for g in gens):
             return mx.argmax(logits, axis=-1).astype(mx.uint32)
         return mx.concatenate(
             [
-                choose(logits[i : i + 1], g.opts, g.rng, len(g.tokens) + ahead)
-                for i, g in enumerate(gens)
+                choose(logits[i : i + 1], g.opts, g.rng, len(g.tokens) + k)
+                for i, (g, k) in enumerate(zip(gens, ahead, strict=True))
             ]
         )
 
     def drop_ahead(self) -> None:
-        """Take the queued plain round back: its position comes off every row's cache."""
-        if self.ahead is not None:
-            self.ahead = None
+        """Take the queued plain round back: its position comes off the cache of every row
+        it was queued for (not rows that joined since)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is None:
+            return
+        late = len(self.gens) - len(ahead.gens)
+        if late:
+            trim_rows(self.cache, [1] * len(ahead.gens) + [0] * late, len(self.gens))
+        else:
             self._take_back()
 
     def _take_back(self) -> None:
@@ -468,6 +500,11 @@ class RowBatch:
 
 def _same(a: list[Generation], b: list[Generation]) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+
+
+def _leads(a: list[Generation], b: list[Generation]) -> bool:
+    """Whether rows `a` are the first rows of `b` (the rest joined since)."""
+    return len(a) <= len(b) and all(x is y for x, y in zip(a, b[: len(a)], strict=True))
 
 
 def warm_rounds(target: nn.Module, rows: int, widths: int) -> None:

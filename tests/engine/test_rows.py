@@ -147,12 +147,14 @@ def test_pipelined_plain_rounds_choose_what_plain_decoding_does(
     tiny_pair: TinyPair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Plain rounds queue the next round before reading this one; rows joining and leaving
-    take it back. Greedy and seeded rows alike give their solo tokens."""
+    keep it (joiners ride the round after it). Greedy and seeded rows alike give their solo
+    tokens."""
     seen = Counter[str]()
     plain_round, drop = RowBatch._plain_round, RowBatch.drop_ahead
 
     def counted_round(self: RowBatch, since: float | None = None) -> list[Committed]:
         seen["from ahead" if self.ahead is not None else "fresh"] += 1
+        seen["joined behind"] += self.ahead is not None and len(self.ahead.gens) < len(self)
         return plain_round(self, since)
 
     def counted_drop(self: RowBatch) -> None:
@@ -172,7 +174,8 @@ def test_pipelined_plain_rounds_choose_what_plain_decoding_does(
     for (prompt, opts), final in zip(specs, done, strict=True):
         assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
     assert seen["from ahead"] > seen["fresh"] > 0
-    assert seen["dropped"] > 0  # rows joined or left with a round queued
+    assert seen["joined behind"] > 0  # rows joined with a round queued
+    assert seen["dropped"] == 0  # and no queued round was taken back
 
 
 @pytest.mark.parametrize("method", ["model", "off"])
@@ -349,3 +352,45 @@ def test_bucketed_rows_joining_and_leaving_match_solo_decoding(
     done = serve(pairing, specs, start_after={2: (1, 3), 3: (0, 6), 4: (3, 2)})
     for (prompt, opts), final in zip(specs, done, strict=True):
         assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
+
+
+@pytest.mark.parametrize("bucket", [None, 64], ids=["exact", "bucketed"])
+@pytest.mark.parametrize("taken_back", [False, True])
+def test_a_row_joining_rides_the_round_after_the_queued_one(
+    loaded: Loaded, bucket: int | None, taken_back: bool
+) -> None:
+    """A row joining while a plain round is queued for the others commits nothing in that
+    round and its first token in the next, queued for every row; the queued round can still
+    be taken back (off the older rows only). Every row gives its solo tokens."""
+    model = loaded.target
+    set_bucket(model, bucket)
+    try:
+        greedy = opts_of(temperature=0)
+        prompts = [PROMPTS[0], PROMPTS[2], PROMPTS[3]]
+
+        def row(i: int) -> Generation:
+            g = Generation(model, prompts[i], greedy, set(), 30, Rng(i))
+            g.prefill()
+            return g
+
+        gens = [row(0), row(1)]
+        batch = RowBatch(model, Costs(verify={1: 1.0}))
+        batch.join(gens)
+        for _ in range(3):
+            batch.round()
+        joiner = row(2)
+        joiner.settle()
+        batch.join([joiner])
+        assert batch.ahead is not None and len(batch.ahead.gens) == 2
+        if taken_back:
+            batch.drop_ahead()
+        first = batch.round()  # the joiner commits nothing yet, unless the round was taken back
+        assert [c.gen for c in first] == (batch.gens if taken_back else gens)
+        while any(not g.done for g in batch.gens):
+            batch.round()
+        for g, prompt in zip([*gens, joiner], prompts, strict=True):
+            solo = Generation(model, prompt, greedy, set(), 30, Rng(0))
+            solo.prefill()
+            assert g.tokens[len(prompt) :] == [t for new in solo for t in new]
+    finally:
+        set_bucket(model, None)
