@@ -10,7 +10,8 @@ milliseconds per round and mlxd / mlx-lm. `--shape` builds a random-weight Llama
 (bf16), as `bench/batch_step.py` does. The last columns run mlxd's rows again on a thread of
 their own, as `mlxd serve` decodes (one runner thread per pairing, with that thread's streams):
 a served stream that decodes slower than the in-process one shows here first if the thread is
-the cause.
+the cause. With `MLXD_FUSE_MLP=1` on a GPU, mlxd's rows run on fused MLPs (`engine.fusedproj`)
+and mlx-lm's on a second copy of the model as it loads.
 """
 
 # ruff: noqa: E402  (the backend is configured before MLX is imported)
@@ -40,6 +41,7 @@ from mlx_lm.sample_utils import make_sampler
 from bench.concurrency import SHAPES
 from mlxd.engine import rowpad
 from mlxd.engine.batch import RowBatch
+from mlxd.engine.fusedproj import fuse_gate_up
 from mlxd.engine.generation import Generation
 from mlxd.engine.kvcache import set_bucket
 from mlxd.engine.options import parse_options
@@ -165,13 +167,18 @@ def main() -> None:
     ap.add_argument("--temps", default="0,0.7")
     args = ap.parse_args()
     model = build(args)
+    plain = model  # what mlx-lm runs: the model as it loads it
+    if BACKEND.fused_mlp:  # MLXD_FUSE_MLP=1: mlxd's rows on fused MLPs, mlx-lm's on a copy
+        plain = build(args)
+        fuse_gate_up(model)
     padded = as_served(model)
+    theirs_padded = padded if plain is model else {}  # a copy stays as loaded
     vocab = model.args.vocab_size
     counts = [int(r) for r in args.rows.split(",")]
     temps = [float(t) for t in args.temps.split(",")]
     mlxd_rate(model, prompts_for(2, vocab), 8, 0.0)  # warm both sides' shapes
-    with unpadded(model, padded):
-        mlxlm_rate(model, prompts_for(2, vocab), 8, 0.0)
+    with unpadded(plain, theirs_padded):
+        mlxlm_rate(plain, prompts_for(2, vocab), 8, 0.0)
     print(f"device {mx.default_device()}  tokens per row {args.tokens}  padded {padded}")
     print(f"{'temp':>5} {'rows':>5} | {'mlxd tok/s':>10} {'ms/round':>9} | "
           f"{'mlx-lm tok/s':>12} {'ms/round':>9} | {'mlxd/mlx-lm':>11} | "
@@ -180,8 +187,8 @@ def main() -> None:
         for b in counts:
             prompts = prompts_for(b, vocab)
             ours = mlxd_rate(model, prompts, args.tokens, temp)
-            with unpadded(model, padded):
-                theirs = mlxlm_rate(model, prompts, args.tokens, temp)
+            with unpadded(plain, theirs_padded):
+                theirs = mlxlm_rate(plain, prompts, args.tokens, temp)
             served = threaded(model, prompts, args.tokens, temp)
             print(
                 f"{temp:>5} {b:>5} | {ours:>10.1f} {1e3 * b / ours:>9.2f} | "
