@@ -224,14 +224,21 @@ class RowBatch:
             g.cache = []  # the batch holds the row's K/V until it leaves
             self.gens.append(g)
 
-    def _keeps_ahead_for(self, gens: Sequence[Generation]) -> bool:
-        """Whether a round queued for every row here can stay as rows `gens` join: the next
-        round queues again for all of them, so every row must decode it plainly."""
+    def _ahead_for_all(self) -> bool:
+        """Whether a plain round is queued for every row (a distributed target's batch cache
+        replays its calls on other ranks: there a queued round is always taken back)."""
         ahead = self.ahead
         return (
             ahead is not None
             and _same(ahead.gens, self.gens)
-            and not getattr(self.cache[0], "adopt_as_is", False)  # a distributed target's
+            and not getattr(self.cache[0], "adopt_as_is", False)
+        )
+
+    def _keeps_ahead_for(self, gens: Sequence[Generation]) -> bool:
+        """Whether a round queued for every row here can stay as rows `gens` join: the next
+        round queues again for all of them, so every row must decode it plainly."""
+        return (
+            self._ahead_for_all()
             and all(g.produced + 1 < g.limit and g.plain_next() for g in self.gens)
             and all(g.plain_only and g.produced < g.limit and g.plain_next() for g in gens)
         )
@@ -242,11 +249,7 @@ class RowBatch:
         position in it comes off its own cache): a row that ends costs the batch no forward.
         On bucketed caches every row's left padding is known from its tokens, so nothing is
         read back from the device."""
-        kept_ahead = (
-            self.ahead is not None
-            and _same(self.ahead.gens, self.gens)
-            and not getattr(self.cache[0], "adopt_as_is", False)  # a distributed target's
-        )
+        kept_ahead = self._ahead_for_all()
         if not kept_ahead:
             self.drop_ahead()
         part = gen.source.model_part() if gen.source is not None else None
@@ -318,11 +321,13 @@ class RowBatch:
             decide(to_ints(d.tokens) if d.count else [], to_ints(c))
             for d, c in zip(drafts, chosen, strict=True)
         ]
-        self.keep([1 + v.accepted for v in verdicts], width)
         committed = [
             Committed(g, g.absorb(d, v, w, logits[i]))
             for i, (g, d, v, w) in enumerate(zip(gens, drafts, verdicts, walks, strict=True))
         ]
+        # each row keeps the K/V of what it committed, all but the last: 1 + accepted drafts,
+        # fewer where EOS or the limit cut its commit (so its K/V length is its tokens' - 1)
+        self.keep([len(c.tokens) for c in committed], width)
         end = self._ended(gens)
         seconds = end - (since if since is not None else t0)
         paid = [0 if d.source in FREE_SOURCES else d.count for d in drafts]

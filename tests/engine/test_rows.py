@@ -6,6 +6,7 @@ import queue
 from collections import Counter
 from collections.abc import Callable
 
+import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
@@ -16,7 +17,7 @@ from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSourc
 from mlxd.engine.events import Done, Event, GenerationRequest
 from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import GrammarSpec
-from mlxd.engine.kvcache import set_bucket
+from mlxd.engine.kvcache import make_cache, set_bucket
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import Pairing, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
@@ -341,17 +342,40 @@ def test_bucketed_rows_joining_and_leaving_match_solo_decoding(
     """The GPU's layout, where a leaving row's padding comes from its tokens, not the device:
     rows speculating (verify rounds roll padding per row) and plain, joining and leaving."""
     monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
-    entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft))
+    # the target drafting for itself: every draft accepted, so limits cut commits mid-round
+    entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.target))
     pairing = load_pairing(entry, gpu_layout, costs=FLAT)
-    methods = ["model", "off", "lookup", "off", "model"]
-    lengths = [26, 9, 31, 17, 12]
+    left: list[tuple[list[int], mx.array]] = []  # a leaving row's tokens and own keys
+    leave = RowBatch.leave
+
+    def checked(self: RowBatch, gen: Generation) -> None:
+        leave(self, gen)  # checked after the run: an error here would end the rows, not the test
+        left.append((list(gen.tokens), gen.cache[0].keys[..., : gen.cache[0].offset, :]))
+
+    monkeypatch.setattr(RowBatch, "leave", checked)
+    methods = ["model", "off", "model", "lookup", "model"]
+    lengths = [26, 9, 31, 17, 13]
     specs = [
         (p, opts_of(temperature=0, num_predict=n, draft_method=m))
         for p, m, n in zip(PROMPTS[:5], methods, lengths, strict=True)
     ]
-    done = serve(pairing, specs, start_after={2: (1, 3), 3: (0, 6), 4: (3, 2)})
+    # a token row 0 decodes mid-stream, and no row running beside it before, becomes an end
+    # of sequence: row 0's commit stops there, inside a round whose drafts were all accepted
+    first = solo_plain(pairing, PROMPTS[0], specs[0][1], 26)
+    others = {t for i in (1, 2) for t in solo_plain(pairing, PROMPTS[i], specs[i][1], 20)}
+    eos = next(t for t in first[5:] if t not in others and t not in first[:5])
+    monkeypatch.setattr(Pairing, "eos_ids", property(lambda self: {eos}))
+    done = serve(pairing, specs, start_after={2: (1, 2), 3: (0, 2), 4: (3, 2)})
     for (prompt, opts), final in zip(specs, done, strict=True):
         assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
+    assert done[0].done_reason == "stop" and done[0].speculation.accepted > 0
+    assert left
+    for tokens, keys in left:  # the K/V a row takes along are its own tokens' (prefix cache)
+        assert keys.shape[2] == len(tokens) - 1  # every committed token but the last
+        cache = make_cache(pairing.target)
+        pairing.target(mx.array([tokens[:-1]]), cache=cache)
+        want = cache[0].keys[..., : len(tokens) - 1, :]
+        assert mx.allclose(keys, want, atol=1e-4).item()
 
 
 @pytest.mark.parametrize("bucket", [None, 64], ids=["exact", "bucketed"])
