@@ -11,10 +11,11 @@ different adapters), by route:
 - `gather`: the base matmuls plus two `gather_mm`s and an add per projection (the MLX ops);
 - `project`: `lora_cuda`'s down and project kernels, one call per group of one input;
 - `matmul+down+up`: MLX's matmuls for x W^T, then a `down` and an `up` launch per group;
-- `matmul+term`: MLX's matmuls, then one `term` launch per group (what rows take).
+- `matmul+term`: MLX's matmuls, then one `term` launch per group.
 
-Prints milliseconds per step and each route's ratio to `base`: the route `lora_cuda` takes
-should be the cheapest at every row count.
+Prints milliseconds per step and each route's ratio to `base`. `lora_cuda` sends a lone row
+through `project` and several through `matmul+term` (`MATMUL_ROWS`): those should be the
+cheapest at their row counts.
 """
 
 # ruff: noqa: E402  (the backend is configured before MLX is imported)
@@ -75,8 +76,8 @@ def gather(x: mx.array, idx: mx.array, parts: list[lora_cuda.Part]) -> list[mx.a
     return out
 
 
-def kernels(**route: Any) -> Route:
-    compiled = mx.compile(partial(lora_cuda._project, bias=False, term=True, **route))
+def kernels(**choice: Any) -> Route:
+    compiled = mx.compile(partial(lora_cuda._project, bias=False, term=True, **choice))
 
     def route(x: mx.array, idx: mx.array, parts: list[lora_cuda.Part]) -> list[mx.array]:
         flat = [a for p in parts for a in (p.weight, p.at, p.bt) if a is not None]
@@ -122,7 +123,8 @@ def main() -> None:
     mx.eval(blocks)
     routes: dict[str, Route] = {
         "base": base, "gather": gather, "project": kernels(matmul_rows=99),
-        "matmul+down+up": kernels(fused=False), "matmul+term": kernels(),
+        "matmul+down+up": kernels(matmul_rows=1, fused=False),
+        "matmul+term": kernels(matmul_rows=1),
     }  # fmt: skip
     print(f"{args.blocks} blocks, 7B-shaped bf16, rank {RANK}; ms per pipelined step")
     print(f"{'rows':>5} | " + " ".join(f"{n:>17}" for n in routes))
