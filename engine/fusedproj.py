@@ -170,6 +170,7 @@ def _fuse(mlp: nn.Module) -> bool:
     else:
         mlp.gate_proj = SharedQuantizedLinear(shared, 0, gate)
         mlp.up_proj = SharedQuantizedLinear(shared, 1, up)
+    mx.eval(mlp.gate_proj.parameters(), mlp.up_proj.parameters())  # the views, not lazy slices
     return True
 
 
