@@ -10,9 +10,9 @@ four adapter entries from one `mlxd serve`, and for each client count runs, alte
 every client sends `--requests` greedy `/api/generate` requests either all to the base or
 rotating over the four adapters (so rows of different adapters share every batch). Prints
 aggregate tokens/s of each, their ratio (goal >= 0.9), the base loads counted by `/metrics`
-(goal: 1, i.e. zero reloads), and resident memory: the server's RSS and the bytes of its MLX arrays (the RAM cache tier left
-out) with only the base loaded and after the adapters are mounted, and the adapters' own bytes
-(`mlxd_adapter_bytes`).
+(goal: 1, i.e. zero reloads), and resident memory: the server's RSS and the bytes of its MLX
+arrays (the RAM cache tier left out) with only the base loaded and after the adapters are
+mounted, and the adapters' own bytes (`mlxd_adapter_bytes`).
 Speculation is off for both, so the ratio is what the per-row LoRA terms cost. It then prints
 the server's own split of a request (from each response's durations): decode time per token,
 prompt time, and the rest (queueing, admission, mounting). `--profile DIR` records the server

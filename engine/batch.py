@@ -504,7 +504,7 @@ class RowBatch:
 
 
 def _same(a: list[Generation], b: list[Generation]) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
+    return len(a) == len(b) and _leads(a, b)
 
 
 def _leads(a: list[Generation], b: list[Generation]) -> bool:

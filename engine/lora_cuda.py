@@ -367,16 +367,14 @@ def _up_kernel(count: int) -> Any:
 def _term_kernel(count: int, shared: bool = False) -> Any:
     key = (count, shared)
     if key not in _terms:
-        ys = ["y", "offsets"] if shared else []
+        lead = ["x", "idx", *(["y", "offsets"] if shared else [])]
+        parts = [[*([] if shared else [f"y{i}"]), f"at{i}", f"bt{i}"] for i in range(count)]
         _terms[key] = mx.fast.cuda_kernel(
             name=f"mlxd_lora_term{count}{'_shared' if shared else ''}",
-            input_names=[
-                "x", "idx", *ys,
-                *(n for i in range(count) for n in ((f"y{i}",) if not shared else ()) + (f"at{i}", f"bt{i}")),
-            ],
+            input_names=[*lead, *(name for part in parts for name in part)],
             output_names=[f"out{i}" for i in range(count)],
             source=_term_source(count, shared),
-        )  # fmt: skip
+        )
     return _terms[key]
 
 

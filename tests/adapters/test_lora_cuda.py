@@ -79,6 +79,18 @@ def mount(model: nn.Module, selection: Selection) -> None:
                 row.put(slot, LayerWeights(a, b, 2.0))
 
 
+def logits_on(
+    slots: list[int], tokens: mx.array, *models: tuple[nn.Module, Selection]
+) -> list[mx.array]:
+    """Each model's logits for `tokens`, its rows on `slots`."""
+    outs = []
+    for model, selection in models:
+        selection.set(slots)
+        outs.append(model(tokens))
+        selection.clear()
+    return outs
+
+
 @pytest.mark.usefixtures("on_the_cpu")
 def test_projections_of_one_input_share_one_call_per_forward(
     monkeypatch: pytest.MonkeyPatch,
@@ -97,11 +109,7 @@ def test_projections_of_one_input_share_one_call_per_forward(
     for slots, length in (([1], 1), ([2, 0, 1], 2)):
         tokens = mx.array([[(5 * r + t) % 50 for t in range(length)] for r in range(len(slots))])
         calls.clear()
-        outs = []
-        for model, selection in ((fused, fused_sel), (plain, plain_sel)):
-            selection.set(slots)
-            outs.append(model(tokens))
-            selection.clear()
+        outs = logits_on(slots, tokens, (fused, fused_sel), (plain, plain_sel))
         assert calls == expected
         assert mx.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4).item()
     calls.clear()
@@ -328,11 +336,7 @@ def test_adapted_rows_on_a_fused_gate_and_up_share_its_matmul(
         tokens = mx.array([[(5 * r + t) % 50 for t in range(length)] for r in range(len(slots))])
         calls.clear()
         shared_terms.clear()
-        outs = []
-        for model, selection in ((fused, fused_sel), (plain, plain_sel)):
-            selection.set(slots)
-            outs.append(model(tokens))
-            selection.clear()
+        outs = logits_on(slots, tokens, (fused, fused_sel), (plain, plain_sel))
         assert shared_terms == pairs
         assert calls == [(n, True) for n in projects]  # a lone row's gate and up: `project`
         assert mx.allclose(outs[0], outs[1], rtol=1e-4, atol=1e-4).item()
