@@ -124,23 +124,28 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 900) -> No
 def stream_once(
     client: httpx.Client, base: str, model: str, prompt: str, tokens: int
 ) -> tuple[float, float, int]:
-    """(time to first token, per-stream decode tok/s, tokens) for one streaming completion."""
+    """(time to first token, per-stream decode tok/s, tokens) for one streaming completion.
+    Tokens are the server's own count (`usage`), not chunks: a random-weight model emits runs
+    of byte-fragment tokens that a server holds back until their text is whole."""
     body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0,
-            "stream": True}  # fmt: skip
+            "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     t0 = time.perf_counter()
     stamps: list[float] = []
+    counted = 0
     with client.stream("POST", f"{base}/v1/completions", json=body) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             chunk = json.loads(line[6:])
+            counted = int((chunk.get("usage") or {}).get("completion_tokens") or counted)
             choices = chunk.get("choices") or []
             if choices and choices[0].get("text"):
                 stamps.append(time.perf_counter())
     if not stamps:
-        return 0.0, 0.0, 0
-    rate = (len(stamps) - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
-    return stamps[0] - t0, rate, len(stamps)
+        return 0.0, 0.0, counted
+    made = counted or len(stamps)
+    rate = (made - 1) / (stamps[-1] - stamps[0]) if len(stamps) > 1 else 0.0
+    return stamps[0] - t0, rate, made
 
 
 def released_at_once(

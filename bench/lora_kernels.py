@@ -13,7 +13,7 @@ different adapters), by route:
 - `matmul+down+up`: MLX's matmuls for x W^T, then a `down` and an `up` launch per group;
 - `matmul+term`: MLX's matmuls, then one `term` launch per group.
 
-Prints milliseconds per step and each route's ratio to `base`. `lora_cuda` sends a lone row
+Prints milliseconds per step, the host's share of it and each route's ratio to `base`. `lora_cuda` sends a lone row
 through `project` and several through `matmul+term` (`MATMUL_ROWS`): those should be the
 cheapest at their row counts.
 """
@@ -93,21 +93,25 @@ def step(route: Route, blocks: list[dict[str, list[lora_cuda.Part]]], xs: dict[s
 
 def timed(
     route: Route, blocks: list[dict[str, list[lora_cuda.Part]]], rows: int, steps: int
-) -> float:
+) -> tuple[float, float]:
+    """(ms per pipelined step, host ms per step: building it and `async_eval`)."""
     xs = {name: rand(rows, 1, k) for name, (k, _) in GROUPS.items()}
     idx = mx.array([1 + i % (SLOTS - 1) for i in range(rows)], dtype=mx.uint32)
     for _ in range(3):
         mx.eval(step(route, blocks, xs, idx))
+    host = 0.0
     t0 = time.perf_counter()
     previous: list[mx.array] = []
     for _ in range(steps):
+        h0 = time.perf_counter()
         outs = step(route, blocks, xs, idx)
         mx.async_eval(outs)
+        host += time.perf_counter() - h0
         if previous:
             mx.eval(previous)
         previous = outs
     mx.eval(previous)
-    return (time.perf_counter() - t0) / steps * 1e3
+    return (time.perf_counter() - t0) / steps * 1e3, host / steps * 1e3
 
 
 def main() -> None:
@@ -126,12 +130,13 @@ def main() -> None:
         "matmul+down+up": kernels(matmul_rows=1, fused=False),
         "matmul+term": kernels(matmul_rows=1),
     }  # fmt: skip
-    print(f"{args.blocks} blocks, 7B-shaped bf16, rank {RANK}; ms per pipelined step")
-    print(f"{'rows':>5} | " + " ".join(f"{n:>17}" for n in routes))
+    print(f"{args.blocks} blocks, 7B-shaped bf16, rank {RANK}; ms per pipelined step (host ms)")
+    print(f"{'rows':>5} | " + " ".join(f"{n:>23}" for n in routes))
     for rows in (int(r) for r in args.rows.split(",")):
         ms = {name: timed(route, blocks, rows, args.steps) for name, route in routes.items()}
-        cells = [f"{ms[n]:>7.2f} ({ms[n] / ms['base']:.2f}x)" for n in routes]
-        print(f"{rows:>5} | " + " ".join(f"{c:>17}" for c in cells), flush=True)
+        base_ms = ms["base"][0]
+        cells = [f"{t:>6.2f} ({h:5.2f}; {t / base_ms:.2f}x)" for t, h in ms.values()]
+        print(f"{rows:>5} | " + " ".join(f"{c:>23}" for c in cells), flush=True)
 
 
 if __name__ == "__main__":

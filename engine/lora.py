@@ -449,10 +449,11 @@ def wrap(model: nn.Module, path: str, selection: Selection) -> RowLoRA:
 def wrap_for_decoding(model: nn.Module, selection: Selection) -> int:
     """Wrap, on MLX's CUDA build where `lora_cuda.batches_take_kernels`, the projections whose
     decoding batches' rows on the base take its kernels (those sharing an input in one call;
-    o_proj alone): the projections wrapped."""
+    o_proj alone; down_proj too where the tensor-core kernel reads its large W): the
+    projections wrapped."""
     if not (_on_gpu() and cuda_available() and lora_cuda.batches_take_kernels()):
         return 0
-    names = {*GROUPED, "o_proj"}
+    names = {*GROUPED, "o_proj", *(("down_proj",) if lora_cuda.mma_on() else ())}
     paths = [
         path
         for path, module in model.named_modules()

@@ -39,6 +39,8 @@ from typing import Any, NamedTuple
 
 import mlx.core as mx
 
+from mlxd.engine import mma_cuda
+
 __all__ = [
     "MAX_ROWS", "Part", "add_terms", "batches_take_kernels", "fits", "pays", "project", "serves",
     "takes_terms", "warm",
@@ -414,6 +416,8 @@ def _project(
     parts = [flat[i : i + width] for i in range(int(term), len(flat), width)]
     if term and x.shape[0] * x.shape[1] >= matmul_rows:
         return _matmul_then_terms(x, flat[0], parts, bias, fused)
+    if not term and x.shape[0] * x.shape[1] > 1 and _takes_mma(x, parts):
+        return mma_cuda._matmul(x, *flat, bias=bias)
     inputs = [x]
     if term:
         idx = flat[0]
@@ -443,7 +447,10 @@ def _matmul_then_terms(
     rows reads it at about half (an H200, 7B-shaped MLP: 88 and 147 us against cuBLAS's 41
     and 46), then every term: in one `term` launch (`fused`, ranks up to MAX_TERM_RANK), else
     a `down` and an `up` launch."""
-    ys = [mx.addmm(p[3], x, p[0].T) if bias else x @ p[0].T for p in parts]
+    if _takes_mma(x, parts):
+        ys = mma_cuda._matmul(x, *(a for p in parts for a in (p[0], *p[3:])), bias=bias)
+    else:
+        ys = [mx.addmm(p[3], x, p[0].T) if bias else x @ p[0].T for p in parts]
     rank = max(p[1].shape[1] for p in parts)
     if fused and rank <= MAX_TERM_RANK:
         inputs = [x, idx, *(a for y, p in zip(ys, parts, strict=True) for a in (y, p[1], p[2]))]
@@ -518,6 +525,16 @@ _compiled = {
 }
 
 
+def mma_on() -> bool:
+    """Whether several rows' base matmuls take `mma_cuda`'s kernel rather than cuBLAS
+    (`MLXD_MMA=0` turns it off)."""
+    return os.environ.get("MLXD_MMA", "1") not in ("", "0", "false")
+
+
+def _takes_mma(x: mx.array, parts: Sequence[tuple[mx.array, ...]]) -> bool:
+    return mma_on() and all(mma_cuda.fits(x, p[0]) for p in parts)
+
+
 def batches_take_kernels() -> bool:
     """Whether base rows of a decoding batch take the kernels (`MLXD_BATCH_KERNELS=1`; off by
     default: in-process they made an H200's 8-row decode step of a 7B-shaped bf16 model 1.33x
@@ -532,7 +549,7 @@ def pays(rows: int, nbytes: int) -> bool:
     against 15 for one call here) outweighs the kernels' slower reading of W (an H200: 2x
     cuBLAS's GPU time at 8 rows). A lone row keeps MLX's gemv: one call for q, k and v saved
     the host less than its Python cost (a 7B-shaped step 0.95x as fast)."""
-    return rows > 1 and nbytes <= FUSE_BYTES
+    return rows > 1 and (mma_on() or nbytes <= FUSE_BYTES)
 
 
 def project(x: mx.array, idx: mx.array | None, parts: Sequence[Part]) -> list[mx.array]:

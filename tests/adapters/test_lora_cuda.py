@@ -134,22 +134,25 @@ def counted_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
 @pytest.mark.usefixtures("on_the_cpu")
 def test_batches_base_rows_take_the_kernels_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """With `MLXD_BATCH_KERNELS=1` and no adapters: a batch's q, k, v (and gate, up) in one
-    call each, o_proj alone, down_proj by MLX's matmul; a lone row and a prompt by MLX ops;
-    logits unchanged. Without it nothing is wrapped."""
-    plain, fused = tiny_model(2), tiny_model(2)
+    call each, o_proj alone, down_proj alone with the tensor-core kernel (else by MLX's
+    matmul); a lone row and a prompt by MLX ops; logits unchanged. Without it nothing is
+    wrapped."""
     monkeypatch.setenv("MLXD_BATCH_KERNELS", "1")
     monkeypatch.setattr(lora, "_decodes_fused", lambda base: True)
     monkeypatch.setattr(lora, "_on_gpu", lambda: True)
     monkeypatch.setattr(lora, "cuda_available", lambda: True)
     monkeypatch.setattr(lora_cuda, "warm", lambda dtype, count, bias, term: None)
-    assert lora.wrap_for_decoding(fused, Selection()) == 2 * 6
-    calls = counted_calls(monkeypatch)
-    for rows, length, expected in ((1, 1, []), (2, 1, [3, 1, 2]), (1, 9, [])):
-        tokens = mx.array([[(3 * r + t) % 50 for t in range(length)] for r in range(rows)])
-        calls.clear()
-        got, want = fused(tokens), plain(tokens)
-        assert calls == [(n, False) for n in expected * 2]
-        assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
+    for mma, wrapped, batch in (("1", 7, [3, 1, 2, 1]), ("0", 6, [3, 1, 2])):
+        monkeypatch.setenv("MLXD_MMA", mma)
+        plain, fused = tiny_model(2), tiny_model(2)
+        assert lora.wrap_for_decoding(fused, Selection()) == 2 * wrapped
+        calls = counted_calls(monkeypatch)
+        for rows, length, expected in ((1, 1, []), (2, 1, batch), (1, 9, [])):
+            tokens = mx.array([[(3 * r + t) % 50 for t in range(length)] for r in range(rows)])
+            calls.clear()
+            got, want = fused(tokens), plain(tokens)
+            assert calls == [(n, False) for n in expected * 2]
+            assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
     monkeypatch.setenv("MLXD_BATCH_KERNELS", "0")
     assert lora.wrap_for_decoding(tiny_model(2), Selection()) == 0
 
