@@ -70,12 +70,16 @@ class Plan:
         return self._per_token[length]
 
 
+PlanKey = tuple[tuple[int, ...], frozenset[int], int]
+MAX_PLANS = 256  # plans kept for later forwards on the same slots (a decoding row's steps)
+
+
 @dataclass
 class Selection:
     """Which slot each row of the next forward uses; None: every row is on the base."""
 
     slots: tuple[int, ...] | None = None
-    _plans: dict[tuple[frozenset[int], int], Plan | None] = field(default_factory=dict, repr=False)
+    _plans: dict[PlanKey, Plan | None] = field(default_factory=dict, repr=False)
     groups: dict[str, _Group] = field(default_factory=dict, repr=False)
 
     def set(self, slots: list[int]) -> None:
@@ -89,19 +93,21 @@ class Selection:
         self._forget()
 
     def _forget(self) -> None:
-        self._plans.clear()
         for group in self.groups.values():
             group.forget()
 
     def plan(self, held: frozenset[int], rows: int) -> Plan | None:
         """The plan for layers holding `held` slots in a forward of `rows` rows (None: no row
-        uses any of them), built once per forward and shared by every such layer."""
+        uses any of them), shared by every such layer and kept for later forwards on the same
+        slots: a decoding row's steps build its slot arrays once, not once per step."""
         slots = self.slots
         if slots is None:
             return None
-        key = (held, rows)
+        key = (slots, held, rows)
         if key in self._plans:
             return self._plans[key]
+        if len(self._plans) >= MAX_PLANS:
+            self._plans.clear()
         picked = [s if s in held else 0 for s in slots]
         if len(picked) == 1:
             picked *= rows
@@ -125,9 +131,18 @@ class _Group:
     nbytes: int = 0  # the members' base weights
     x: mx.array | None = None  # the input whose outputs `y` holds
     y: dict[int, mx.array] = field(default_factory=dict)  # id(member) -> its output, until taken
+    # who computes with whom, by (caller, slots, input shape and dtype): a decoding row's
+    # steps route alike, so they look it up rather than route every member again
+    together: dict[tuple[Any, ...], list[tuple[RowLoRA, lora_cuda.Part]]] = field(
+        default_factory=dict
+    )
 
     def forget(self) -> None:
         self.x, self.y = None, {}
+
+    def restacked(self) -> None:
+        """A member's adapters changed: routes are decided anew."""
+        self.together.clear()
 
     def output(
         self, member: RowLoRA, x: mx.array, part: lora_cuda.Part, idx: mx.array | None
@@ -137,12 +152,18 @@ class _Group:
         until they are called (`RowLoRA.__call__` takes them first)."""
         if self.x is not x:
             self.x, self.y = x, {}
-        biased = part.bias is not None
-        together = [(member, part)]
-        for other in self.members:
-            route = None if other is member else other.route(x)
-            if route is not None and route[1] is idx and (route[0].bias is not None) == biased:
-                together.append((other, route[0]))
+        key = (id(member), member.selection.slots, x.shape, x.dtype)
+        together = self.together.get(key)
+        if together is None:
+            biased = part.bias is not None
+            together = [(member, part)]
+            for other in self.members:
+                route = None if other is member else other.route(x)
+                if route is not None and route[1] is idx and (route[0].bias is not None) == biased:
+                    together.append((other, route[0]))
+            if len(self.together) >= MAX_PLANS:
+                self.together.clear()
+            self.together[key] = together
         parts = [p for _, p in together]
         ys = _fused_terms(x, idx, together) if idx is not None else None
         if ys is None:
@@ -262,7 +283,7 @@ class RowLoRA(nn.Module):
     def __init__(self, base: nn.Module, selection: Selection, group: _Group | None = None) -> None:
         super().__init__()
         self.base = base
-        self._selection = selection
+        self.selection = selection
         self._slots = _Slots()
         self.group = group
         if group is not None:
@@ -310,6 +331,8 @@ class RowLoRA(nn.Module):
         return held.a.nbytes + held.b.nbytes + (ratio[slot].nbytes if ratio is not None else 0)
 
     def _restack(self) -> None:
+        if self.group is not None:
+            self.group.restacked()
         held = self._slots.by_slot
         if not held:
             self._slots.stacks = None
@@ -349,7 +372,7 @@ class RowLoRA(nn.Module):
 
     def _plan(self, x: mx.array) -> Plan | None:
         stacks = self._slots.stacks
-        return None if stacks is None else self._selection.plan(stacks.held, x.shape[0])
+        return None if stacks is None else self.selection.plan(stacks.held, x.shape[0])
 
     def route(self, x: mx.array) -> tuple[lora_cuda.Part, mx.array | None] | None:
         """What `lora_cuda.project` takes for this projection's input x: its part and each

@@ -152,6 +152,9 @@ def test_a_forward_plans_its_rows_once_for_every_layer() -> None:
     selection.set([1, 1, 1])
     uniform = selection.plan(held, 3)
     assert uniform is not None and uniform.single == 1
+    selection.clear()
+    selection.set([2, 0, 1])  # a later forward on the same slots: no new slot arrays
+    assert selection.plan(held, 3) is plan
 
 
 def test_adapters_are_held_once_in_the_stacks() -> None:
