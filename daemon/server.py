@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import socket
 import sys
 from types import FrameType
@@ -87,6 +88,22 @@ def build_state(settings: Settings, backend: Backend) -> ServerState:
     )
 
 
+SWITCH_ENV = "MLXD_SWITCH_INTERVAL_US"
+
+
+def _switch_interval() -> None:
+    """`MLXD_SWITCH_INTERVAL_US`: how long a thread waiting for the GIL lets its holder run on
+    (Python's default is 5,000 us). A runner coming back from MLX waits that long at most for
+    the event loop's streaming work."""
+    raw = os.environ.get(SWITCH_ENV, "").strip()
+    if not raw:
+        return
+    try:
+        sys.setswitchinterval(max(1.0, float(raw)) / 1e6)
+    except ValueError:
+        log.warning("%s=%r is not a number of microseconds; left at the default", SWITCH_ENV, raw)
+
+
 def serve(settings: Settings, backend: Backend) -> int:
     problem = port_free(settings.host, settings.port)
     if problem:
@@ -101,6 +118,7 @@ def serve(settings: Settings, backend: Backend) -> int:
     except RegistryError as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
+    _switch_interval()
     app = build_app(state, bind_host=settings.host)
     config = uvicorn.Config(
         app,
