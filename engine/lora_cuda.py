@@ -16,14 +16,15 @@ launches two kernels:
   each lane U 16-byte pieces of W per step; the term is added in the epilogue.
 
 So a lone row's block of seven adapted projections launches 8 kernels where the base launches
-7. Several adapted rows (a batch) take MLX's matmul for x W_i^T instead, then one `term` launch
-per group adding every row's term (h = x A[slot] reduced per block, then h sB^T): with 8 rows
-`project` reads W at about half cuBLAS's speed, which a batch's device-bound step pays in full.
-An H200, 16 blocks of a 7B-shaped bf16 model, every projection adapted (`bench/lora_kernels.py`):
-8 rows cost 1.33x the base's step this way, 1.62x with separate `down` and `up` launches (kept
-for ranks above MAX_TERM_RANK) and 3.15x through `project`; a lone row 1.7-1.8x every way,
-where `project` launches fewest kernels. Rows on the base can take `project` alone, one launch
-for q, k and v (`pays`). A call is traced by `mx.compile`, so a step replays it without
+7. Several adapted rows (a batch) take `mma_cuda`'s tensor-core kernel for x W_i^T instead (MLX's
+matmul where it is off), then one `term` launch per group adding every row's term (h = x
+A[slot] reduced per block, then h sB^T): with 8 rows `project` reads W at about half cuBLAS's
+speed, which a batch's device-bound step pays in full. An H200, 16 blocks of a 7B-shaped bf16
+model, every projection adapted (`bench/lora_kernels.py`): with cuBLAS for the base, 8 rows
+cost 1.33x the base's step this way, 1.62x with separate `down` and `up` launches (kept for
+ranks above MAX_TERM_RANK) and 3.15x through `project`; a lone row 1.6-1.8x every way, where
+`project` launches fewest kernels. Rows on the base can take the kernels too, one launch for q,
+k and v (`pays`). A call is traced by `mx.compile`, so a step replays it without
 building its kernels' calls in Python.
 Forwards of more than `MAX_ROWS` rows x tokens (prefill, wide verifies) are compute-bound and
 take the MLX ops. The kernels read K in 16-byte pieces: K a multiple of 8 and a 2-byte dtype
@@ -47,7 +48,7 @@ __all__ = [
 ]  # fmt: skip
 
 MAX_ROWS = 8  # rows of x (batch rows x tokens) the kernels take; more take the MLX ops
-MATMUL_ROWS = 2  # adapted rows x tokens from which the base takes MLX's matmul (see `_project`)
+MATMUL_ROWS = 2  # adapted rows x tokens from which the base takes a matmul (see `_project`)
 THREADS = 256
 WARPS = THREADS // 32
 
@@ -443,10 +444,10 @@ def _project(
 def _matmul_then_terms(
     x: mx.array, idx: mx.array, parts: list[tuple[mx.array, ...]], bias: bool, fused: bool
 ) -> list[mx.array]:
-    """x W_i^T by MLX's matmul, which reads W at the memory's speed where `project` with 8
-    rows reads it at about half (an H200, 7B-shaped MLP: 88 and 147 us against cuBLAS's 41
-    and 46), then every term: in one `term` launch (`fused`, ranks up to MAX_TERM_RANK), else
-    a `down` and an `up` launch."""
+    """x W_i^T by `mma_cuda`'s kernel (else MLX's matmul), which read W near the memory's
+    speed where `project` with 8 rows reads it at about half (an H200, 7B-shaped MLP: 88 and
+    147 us against cuBLAS's 41 and 46), then every term: in one `term` launch (`fused`, ranks
+    up to MAX_TERM_RANK), else a `down` and an `up` launch."""
     if _takes_mma(x, parts):
         ys = mma_cuda._matmul(x, *(a for p in parts for a in (p[0], *p[3:])), bias=bias)
     else:
@@ -537,18 +538,20 @@ def _takes_mma(x: mx.array, parts: Sequence[tuple[mx.array, ...]]) -> bool:
 
 def batches_take_kernels() -> bool:
     """Whether base rows of a decoding batch take the kernels (`MLXD_BATCH_KERNELS=1`; off by
-    default: in-process they made an H200's 8-row decode step of a 7B-shaped bf16 model 1.33x
-    faster, but served, 8 clients ran 0.92x as fast with them)."""
+    default: in-process the tensor-core kernel made an H200's 8-row step of a 7B-shaped bf16
+    model's projections 1.15x faster, but served, 8 clients of an 8B-shaped model ran at 572.7
+    tok/s with it and 608.1 without, on one machine start)."""
     return os.environ.get("MLXD_BATCH_KERNELS", "0") not in ("", "0", "false")
 
 
 def pays(rows: int, nbytes: int) -> bool:
     """Whether `rows` rows (x tokens) on the base take the kernels for projections of one input
-    holding `nbytes` of weights, rather than MLX's matmuls: a batch's, where W is small enough
-    that the host time cuBLAS calls cost (20-39 us each, 107 us for q, k and v of 8 rows,
-    against 15 for one call here) outweighs the kernels' slower reading of W (an H200: 2x
-    cuBLAS's GPU time at 8 rows). A lone row keeps MLX's gemv: one call for q, k and v saved
-    the host less than its Python cost (a 7B-shaped step 0.95x as fast)."""
+    holding `nbytes` of weights, rather than MLX's matmuls: a batch's, through `mma_cuda`'s
+    kernel whatever W's size (an H200, 8 rows of a 7B-shaped model's 28 blocks: 4.57 ms
+    against cuBLAS's 5.25, the host's share 1.70 against 4.73), or with it off where W is small
+    enough that the host time cuBLAS calls cost outweighs `project`'s slower reading of W. A
+    lone row keeps MLX's gemv: one call for q, k and v saved the host less than its Python
+    cost (a 7B-shaped step 0.95x as fast)."""
     return rows > 1 and (mma_on() or nbytes <= FUSE_BYTES)
 
 
