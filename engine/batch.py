@@ -290,12 +290,17 @@ class RowBatch:
         since = self._since()
         if self.ahead is not None and _leads(self.ahead.gens, gens):
             return self._plain_round(since)  # computed already: a draft found since waits a round
-        wants = [g.draft_length() for g in gens]
+        wants = [g.draft_length(ready=False) for g in gens]
         t0 = time.perf_counter()
         ks = plan_widths(gens, wants, self.costs, self.times) if any(wants) else wants
-        for g, want, k in zip(gens, wants, ks, strict=True):
+        for i, (g, want, k) in enumerate(zip(gens, wants, ks, strict=True)):
             if want and not k and g.controller is not None:
                 g.controller.benched()
+            if k:  # the draft reads the prompt once its drafts are taken, not before
+                r0 = time.perf_counter()
+                g.ready_source()
+                t0 += time.perf_counter() - r0  # not this round's time (the trial pays it)
+                ks[i] = k if g.spec.on else 0
         if not any(ks) and all(g.plain_only for g in gens):
             return self._plain_round(since)  # no draft wanted, or every one declined: no verify
         self.drop_ahead()

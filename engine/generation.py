@@ -118,13 +118,13 @@ class Generation:
             mx.eval([c.state for c in self.cache])
         self._maybe_quantize()
         self._source_behind = self.source is not None
-        if self.controller is None or not self.controller.off:
-            self.ready_source()
 
     def ready_source(self) -> None:
-        """Let the draft source read the committed tokens, once. Deferred while the pairing's
-        clock pauses speculation from the start: a request that ends inside the pause never
-        pays for it (the prefix cache catches the draft up after the response instead)."""
+        """Let the draft source read the committed tokens, once: when the row first drafts
+        (`draft_length`; in a batch, once the batch takes its drafts), not with the prompt. A
+        request whose speculation stays paused, or a batch row whose drafts the batch keeps
+        declining, never pays for it (the prefix cache catches the draft up after the
+        response instead)."""
         if not self._source_behind or self.source is None:
             return
         self._source_behind = False
@@ -193,13 +193,15 @@ class Generation:
             self.controller.observe_time(time.perf_counter() - t0, len(new), drafted, arm)
         return new
 
-    def draft_length(self) -> int:
+    def draft_length(self, ready: bool = True) -> int:
         """Drafts this row wants next round: 0 when speculation is not on, when the source
-        has nothing to propose, or near the limit."""
+        has nothing to propose, or near the limit. `ready`: the source reads what it has not
+        yet read now (else the caller readies it where the drafts are taken)."""
         k = min(self.spec.draft_length(self.produced), self.limit - self.produced - 1)
         if k <= 0 or not self.spec.on:
             return 0
-        self.ready_source()
+        if ready:
+            self.ready_source()
         if not self.spec.on or not self._has_draft():
             return 0
         return k

@@ -103,20 +103,24 @@ def rows_of(target: nn.Module, draft: Any, methods: list[str], temperature: floa
 def test_batched_rows_draft_in_one_forward_per_step(loaded: Loaded) -> None:
     """Four rows drafting with the draft model (here the target itself, so drafts are
     accepted), one with lookup, one without: each round runs the draft model once per draft
-    step over all its rows, the rows commit their solo plain tokens and report drafts."""
+    step over all its rows, the rows commit their solo plain tokens and report drafts. A
+    row's draft reads its prompt (alone) in the round its drafts are first taken, not when
+    the prompt is read."""
     draft = Counted(loaded.target)
     methods = ["model", "lookup", "model", "off", "model", "model"]
     gens = rows_of(loaded.target, draft, methods, 0.0)
     for g in gens:
         g.prefill()
-    draft.calls.clear()
+    assert draft.calls == []
     batch = RowBatch(loaded.target, FLAT)
     batch.join(gens)
     out: list[list[int]] = [[] for _ in gens]
     batched_rounds = 0
+    unread = {i for i, m in enumerate(methods) if m == "model"}
     while len(batch):
         before = len(draft.calls)
         drafted = [g.stats.drafted for g in gens]
+        lengths = [len(g.tokens) for g in gens]
         for c in batch.round():
             out[gens.index(c.gen)] += c.tokens
         steps = max(
@@ -124,7 +128,11 @@ def test_batched_rows_draft_in_one_forward_per_step(loaded: Loaded) -> None:
             for g, d, m in zip(gens, drafted, methods, strict=True)
             if m == "model"
         )
+        read = sorted(i for i in unread if gens[i].stats.drafted > drafted[i])
+        unread -= set(read)
         calls = draft.calls[before:]
+        assert calls[: len(read)] == [(1, lengths[i] - 1) for i in read]
+        calls = calls[len(read) :]
         assert len(calls) == steps
         if steps:
             assert batch.drafts is not None
