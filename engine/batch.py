@@ -239,9 +239,29 @@ class RowBatch:
         round queues again for all of them, so every row must decode it plainly."""
         return (
             self._ahead_for_all()
-            and all(g.produced + 1 < g.limit and g.plain_next() for g in self.gens)
-            and all(g.plain_only and g.produced < g.limit and g.plain_next() for g in gens)
+            and all(g.produced + 1 < g.limit for g in self.gens)
+            and all(g.plain_only and g.produced < g.limit for g in gens)
+            and self._next_is_plain([*self.gens, *gens], bench=False)
         )
+
+    def _next_is_plain(self, gens: Sequence[Generation], bench: bool = True) -> bool:
+        """Whether the round after the next drafts nothing for `gens`, as far as the host
+        knows now: every row decodes it plainly (`plain_next`), or the rows whose speculation
+        is on would draft only where the plan declines them, priced as `round` prices them.
+        Those rows are benched now (`bench`), as a planned round benches them, and the round
+        can be queued: rows the batch will not let draft do not stop it pipelining."""
+        maybe = [not g.plain_next() for g in gens]
+        if not any(maybe):
+            return True
+        if any(m and not g.spec.on for g, m in zip(gens, maybe, strict=True)):
+            return False  # a pause ends: that round plans afresh
+        wants = [g.draft_length(ready=False) if m else 0 for g, m in zip(gens, maybe, strict=True)]
+        if any(plan_widths(gens, wants, self.costs, self.times)):
+            return False
+        for g, want in zip(gens, wants, strict=True):
+            if bench and want and g.controller is not None:
+                g.controller.benched()
+        return True
 
     def leave(self, gen: Generation) -> None:
         """Give a row its own caches (target and draft) back and drop it from the batch. A
@@ -408,7 +428,7 @@ class RowBatch:
             queued = self._choose(self._forward(inputs), [1] * len(tokens) + [0] * len(late))
             mx.async_eval(queued)
             self.ahead = Ahead(list(gens), queued)
-        elif all(g.produced + 1 < g.limit and g.plain_next() for g in gens):
+        elif all(g.produced + 1 < g.limit for g in gens) and self._next_is_plain(gens):
             queued = self._choose(self._forward(tokens[:, None]), [1] * len(gens))
             mx.async_eval(queued)
             self.ahead = Ahead(list(gens), queued)

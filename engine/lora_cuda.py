@@ -418,7 +418,7 @@ def _project(
     if term and x.shape[0] * x.shape[1] >= matmul_rows:
         return _matmul_then_terms(x, flat[0], parts, bias, fused)
     if not term and x.shape[0] * x.shape[1] > 1 and _takes_mma(x, parts):
-        return mma_cuda._matmul(x, *flat, bias=bias)
+        return mma_cuda.flat_matmul(x, *flat, bias=bias)
     inputs = [x]
     if term:
         idx = flat[0]
@@ -449,7 +449,7 @@ def _matmul_then_terms(
     147 us against cuBLAS's 41 and 46), then every term: in one `term` launch (`fused`, ranks
     up to MAX_TERM_RANK), else a `down` and an `up` launch."""
     if _takes_mma(x, parts):
-        ys = mma_cuda._matmul(x, *(a for p in parts for a in (p[0], *p[3:])), bias=bias)
+        ys = mma_cuda.flat_matmul(x, *(a for p in parts for a in (p[0], *p[3:])), bias=bias)
     else:
         ys = [mx.addmm(p[3], x, p[0].T) if bias else x @ p[0].T for p in parts]
     rank = max(p[1].shape[1] for p in parts)

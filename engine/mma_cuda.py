@@ -2,8 +2,10 @@
 
 MLX's CUDA matmul sends 2-8 rows to cuBLAS, and every call builds its cublasLt descriptors and
 asks for an algorithm anew: host work a decode step pays once per projection, where a lone
-row's gemv pays none. A batch's step is bound by that host time on an H200. Here the
-projections of one input (q, k, v; gate, up) take one kernel: y_i = x W_i^T (+ bias_i).
+row's gemv pays none. Here the projections of one input (q, k, v; gate, up) take one kernel:
+y_i = x W_i^T (+ bias_i). An H200, 8 rows through the 28 blocks of a 7B-shaped bf16 model's
+projections (`bench/decode_matmul.py`): 4.57 ms per pipelined step against cuBLAS's 5.25, the
+host's share 1.70 ms against 4.73; a lone row stays on MLX's gemv (3.89 ms; this kernel 4.42).
 
 Each block takes 16 output columns of one projection; its warps split K and each issues
 `mma.sync.m16n8k16` with 16 rows of W as A (16 x 16) and x's rows, up to 8, as B (16 x 8).
@@ -22,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 
-__all__ = ["MAX_ROWS", "fits", "matmul"]
+__all__ = ["MAX_ROWS", "fits", "flat_matmul", "matmul"]
 
 MAX_ROWS = 8  # the mma's n: rows of x (batch rows x tokens) one launch takes
 WARPS = 8  # warps of a block, splitting K
@@ -131,7 +133,9 @@ def _kernel(count: int, bias: bool, dtype: mx.Dtype) -> Any:
     return _kernels[key]
 
 
-def _matmul(x: mx.array, *flat: mx.array, bias: bool) -> list[mx.array]:
+def flat_matmul(x: mx.array, *flat: mx.array, bias: bool) -> list[mx.array]:
+    """`matmul` on flat arguments, each weight followed by its bias where `bias`: uncompiled,
+    for callers that trace it into their own `mx.compile`."""
     width = 1 + bias
     weights = flat[::width]
     blocks = sum(-(-w.shape[0] // 16) for w in weights)
@@ -146,7 +150,7 @@ def _matmul(x: mx.array, *flat: mx.array, bias: bool) -> list[mx.array]:
 
 
 # Traced once per shape: a step replays the launch without building it in Python again.
-_compiled = {bias: mx.compile(partial(_matmul, bias=bias)) for bias in (False, True)}
+_compiled = {bias: mx.compile(partial(flat_matmul, bias=bias)) for bias in (False, True)}
 
 
 def matmul(

@@ -273,7 +273,7 @@ def test_rows_a_batch_never_lets_draft_pause_and_decode_pipelined(
 ) -> None:
     """Where the measured costs say no draft pays in the batch (every verify token costs a
     step, as on a CPU), rows that keep wanting drafts pause within the patience: their
-    source stops running and the batch's rounds become pipelined plain rounds."""
+    source stops running, and the batch's rounds are pipelined plain rounds throughout."""
     linear = Costs(verify={w: float(w) for w in range(1, 17)}, plain_step=1.0)
     gens, plains = _rejected_rows(loaded, linear, 40, pause_tokens=64)
     verifies = []
@@ -289,7 +289,9 @@ def test_rows_a_batch_never_lets_draft_pause_and_decode_pipelined(
     for g in gens:
         assert g.stats.rounds == 0 and g.stats.paused == 1 and g.source.rounds == 0
         g.close()
-    assert queued >= 40 - PATIENCE - 2  # every round after the benched ones ran ahead
+    # every round after the first ran ahead: rows the plan declines are benched without
+    # costing the batch its pipelining while they still want drafts
+    assert queued >= 40 - 1
     assert verifies == []  # declined rounds are plain rounds: no verify forward
 
 
