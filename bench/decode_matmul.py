@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -33,6 +32,7 @@ configure_backend()
 # isort: split
 import mlx.core as mx
 
+from bench.lora_kernels import pipelined
 from mlxd.engine import lora_cuda, mma_cuda
 from mlxd.engine.attention import cuda_available
 
@@ -78,21 +78,7 @@ def step(route: Route, blocks: list[Block], xs: dict[str, mx.array]) -> list[mx.
 def timed(route: Route, blocks: list[Block], rows: int, steps: int) -> tuple[float, float]:
     """(ms per pipelined step, host ms per step)."""
     xs = {name: rand(rows, 1, k) for name, (k, _) in GROUPS.items()}
-    for _ in range(3):
-        mx.eval(step(route, blocks, xs))
-    host = 0.0
-    t0 = time.perf_counter()
-    previous: list[mx.array] = []
-    for _ in range(steps):
-        h0 = time.perf_counter()
-        outs = step(route, blocks, xs)
-        mx.async_eval(outs)
-        host += time.perf_counter() - h0
-        if previous:
-            mx.eval(previous)
-        previous = outs
-    mx.eval(previous)
-    return (time.perf_counter() - t0) / steps * 1e3, host / steps * 1e3
+    return pipelined(lambda: step(route, blocks, xs), steps)
 
 
 def largest_difference(blocks: list[Block], rows: int) -> float:
