@@ -58,6 +58,14 @@ def trim_rows(cache: list[Any], amounts: Sequence[int], rows: int) -> None:
             c.filter(mx.arange(rows))
 
 
+def catch_up_width(missing: int, shaped: bool) -> int:
+    """The width of a catch-up forward for rows missing up to `missing` tokens. Where shapes
+    compile (bucketed caches) a power of two: rows re-read more of what they hold rather
+    than run a width never seen (on an H200, each new width cost a compile of ~50 ms in
+    front of a verify round, ten times the round)."""
+    return 1 << (missing - 1).bit_length() if shaped else missing
+
+
 class DraftBatch:
     """Rows' draft K/V in one batch cache of the draft model; rows join and leave between
     rounds, and a leaving row's source gets its own cache back."""
@@ -166,7 +174,7 @@ class DraftBatch:
         missing = [
             max(len(t) - len(s.cached), 1) for t, s in zip(tokens, self.sources, strict=True)
         ]
-        width = max(missing)
+        width = catch_up_width(max(missing), kvcache.bucket_of(self.model) is not None)
         feed = [min(width, len(t)) for t in tokens]
         # keep only what precedes the re-read tokens (rejected drafts go with it)
         trim_rows(
@@ -200,8 +208,12 @@ class DraftBatch:
         return mx.concatenate(picks).astype(mx.uint32)
 
 
+WARM_CATCH_UP = 64  # catch-up widths warmed at load: a row benched longer than this is rare
+
+
 def warm_drafts(model: nn.Module, rows: int, widths: int) -> None:
-    """Run a draft batch of `rows` through every catch-up width up to `widths` and a draft
+    """Run a draft batch of `rows` through every catch-up width up to `widths` (each a power of
+    two, as `catch_up_width` makes them; those up to `WARM_CATCH_UP` as well) and a draft
     step, with rows trimmed by different amounts (the roll): the shapes a GPU compiles once."""
     greedy = parse_options({"temperature": 0})
     sources = [ModelDraftSource(model, greedy, Rng(0)) for _ in range(rows)]
@@ -211,7 +223,10 @@ def warm_drafts(model: nn.Module, rows: int, widths: int) -> None:
         return
     batch = DraftBatch(model)
     batch.join(sources)
-    for width in range(1, widths + 1):
+    shaped = kvcache.bucket_of(model) is not None
+    limit = max(widths, WARM_CATCH_UP) if shaped else widths
+    catch_ups = {catch_up_width(w, shaped) for w in range(1, limit + 1)}
+    for width in sorted(catch_ups):
         mx.eval(model(mx.zeros((rows, width), dtype=mx.uint32), cache=batch.cache))
         trim_rows(batch.cache, [width] + [width - 1] * (rows - 1), rows)
         mx.eval(model(mx.zeros((rows, 1), dtype=mx.uint32), cache=batch.cache))

@@ -14,6 +14,7 @@ from mlxd.engine.batch import RowBatch, plan_widths
 from mlxd.engine.draftbatch import DraftBatch
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
+from mlxd.engine.kvcache import set_bucket
 from mlxd.engine.options import parse_options
 from mlxd.engine.probestore import ProbeStore
 from mlxd.engine.sampling import Rng, to_ints
@@ -38,14 +39,34 @@ class Counted:
         return getattr(self.model, name)
 
 
+@pytest.mark.parametrize("bucket", [None, 16])
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_batched_drafts_equal_each_rows_solo_drafts(loaded: Loaded, temperature: float) -> None:
+def test_batched_drafts_equal_each_rows_solo_drafts(
+    loaded: Loaded, temperature: float, bucket: int | None
+) -> None:
     """Rows of different lengths, missing different numbers of committed tokens (one rides
     along several rounds without drafting, so it misses more than the shortest row holds),
     accepting different lengths: every round's batched draft equals the row's solo draft, one
-    forward per draft step; a row leaving takes a draft state that drafts on alone."""
+    forward per draft step; a row leaving takes a draft state that drafts on alone. With
+    bucketed caches (a GPU's, where every new forward shape compiles) every catch-up is a
+    power of two wide."""
+    set_bucket(loaded.draft, bucket)
+    try:
+        _batched_drafts_equal_solo(loaded, temperature)
+    finally:
+        set_bucket(loaded.draft, None)
+    if bucket:
+        assert set(_WIDTHS) <= {1, 2, 4, 8, 16, 32, 64}, _WIDTHS
+        assert len(set(_WIDTHS)) > 1
+
+
+_WIDTHS: list[int] = []  # the catch-up widths of the last run
+
+
+def _batched_drafts_equal_solo(loaded: Loaded, temperature: float) -> None:
     prompts = [[9, 10, 11], [20 + i % 7 for i in range(30)], [5, 6, 7, 8, 5, 6, 7], [44, 45]]
     model = Counted(loaded.draft)
+    _WIDTHS.clear()
     alone, together = [], []
     for i, p in enumerate(prompts):
         opts = parse_options({"temperature": temperature, "seed": 100 + i})
@@ -62,6 +83,7 @@ def test_batched_drafts_equal_each_rows_solo_drafts(loaded: Loaded, temperature:
         before = len(model.calls)
         batched = batch.propose(tokens, ks)
         assert len(model.calls) - before == max(ks)  # one forward per draft step
+        _WIDTHS.append(model.calls[before][1])
         assert all(shape[0] == len(prompts) for shape in model.calls[before:])
         for i, k in enumerate(ks):
             solo = alone[i].propose(tokens[i], k)
