@@ -169,6 +169,14 @@ class Scheduler:
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> None:
+        """Every MLX operation of the loop runs on the scheduler's stream: a restore, an offer
+        and the rounds reading what they built never wait on one another across streams (on
+        MLX's CUDA build a cross-stream dependency is a fence: a host or device wait)."""
+        with mx.stream(self.stream):
+            self._loop()
+        self.flush()
+
+    def _loop(self) -> None:
         while True:
             self.flush()  # after every step: the runner's heartbeat, then the step's events
             busy = bool(self.rows or self.waiting or self.prefilling or self.finished)
@@ -182,9 +190,7 @@ class Scheduler:
                 self._prefill_step()
             self._offer_finished()
             if self.rows:
-                with mx.stream(self.stream):
-                    self._step()
-        self.flush()
+                self._step()
 
     def _collect(self, block: bool) -> bool:
         """Move queued jobs to `waiting`; True once the stop marker arrived (remembered, so
@@ -277,15 +283,14 @@ class Scheduler:
         """Feed waiting prompts, oldest first, up to PREFILL_CHUNK tokens while rows decode
         (a lone prompt whole); prompts read to their last token start decoding
         together."""
-        with mx.stream(self.stream):
-            joining = self._read_prompts()
-            for row in list(joining):  # after every feed is queued: offering syncs
-                try:
-                    row.gen.prefill()  # the draft reads the prompt; nothing left for the target
-                    row.unoffered = self.prefix is not None
-                except Exception as exc:
-                    joining.remove(row)
-                    self._fail(row, exc)
+        joining = self._read_prompts()
+        for row in list(joining):  # after every feed is queued: offering syncs
+            try:
+                row.gen.prefill()  # the draft reads the prompt; nothing left for the target
+                row.unoffered = self.prefix is not None
+            except Exception as exc:
+                joining.remove(row)
+                self._fail(row, exc)
         if joining:
             self._insert(joining)
 

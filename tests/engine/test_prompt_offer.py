@@ -6,6 +6,7 @@ from __future__ import annotations
 import queue
 from typing import Any
 
+import mlx.core as mx
 import pytest
 
 from mlxd.engine.backend import Backend
@@ -167,3 +168,48 @@ def test_a_finished_row_offers_after_a_waiting_prompt_is_read_unless_it_would_hi
     )
     assert log.index("insert") < [i for i, e in enumerate(log) if e == "prefill"][1]
     assert _cached(events) == [0, len(PROMPT) - 1]
+
+
+class _StreamScheduler(Scheduler):
+    """Notes the stream MLX work would go to in each part of the loop."""
+
+    def __init__(self, seen: dict[str, set[str]], *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seen = seen
+
+    def _note(self, part: str) -> None:
+        self.seen.setdefault(part, set()).add(str(mx.default_stream(mx.default_device())))
+
+    def _admit(self) -> None:
+        self._note("admit")  # prefix-cache restores
+        super()._admit()
+
+    def _offer_finished(self, hits_only: bool = False) -> None:
+        self._note("offer")
+        super()._offer_finished(hits_only)
+
+    def _prefill_step(self) -> None:
+        self._note("prefill")
+        super()._prefill_step()
+
+    def _step(self) -> None:
+        self._note("step")
+        super()._step()
+
+
+def test_every_part_of_the_loop_runs_on_the_schedulers_stream(pairing: Pairing) -> None:
+    """Restores, offers, prompts and rounds all queue their MLX work on one stream: none of
+    them waits on another across streams (a fence on MLX's CUDA build)."""
+    opts = parse_options({"temperature": 0, "num_predict": 3})
+    cache = PrefixCache(64 << 20, block=16)
+    seen: dict[str, set[str]] = {}
+    for _ in range(2):  # the second pass restores what the first offered
+        jobs: queue.Queue[Job | None] = queue.Queue()
+        for p in (PROMPT[:40], PROMPT[:40], PROMPT[50:90]):
+            jobs.put(Job(GenerationRequest(p, opts), lambda e: None, lambda: None))
+        jobs.put(None)
+        scheduler = _StreamScheduler(seen, pairing, jobs, cache, num_parallel=4)
+        seen.clear()
+        scheduler.run()
+    assert set(seen) == {"admit", "offer", "prefill", "step"}
+    assert all(streams == {str(scheduler.stream)} for streams in seen.values()), seen
