@@ -46,12 +46,14 @@ rounds, return to return (`RoundTimes`): plain rounds in their pipelined steady 
 count, verify rounds by row count and width. The planner and the judge price a round by what
 this batch measured, the probe's curve filling in what it has not run yet (scaled to the plain
 rounds it measured), so the first verify round at a shape is a trial and later ones are judged
-by their record (dropped now and then, so that a width once timed as losing is tried again).
+by their record (the median of its recent rounds, so one stalled round does not condemn a width;
+dropped now and then, so that a width once timed as losing is tried again).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,23 +111,29 @@ def draft_seconds(gens: Sequence[Generation], ks: Sequence[int], costs: Costs) -
     return alone + max(shared, default=0) * costs.draft_rows(len(shared))
 
 
-ROUND_DECAY = 0.7  # weight of the estimate so far when a round's time is added
+ROUND_DECAY = 0.7  # weight of the estimate so far when a plain round's time is added
 ROUND_CAP = 4.0  # a round timed past this many times its modelled cost counts as this many
 RETRY_ROUNDS = 2048  # plain rounds after which verify rounds' records are dropped (re-tried)
+VERIFY_SAMPLES = 5  # the recent verify rounds of a shape whose median prices it
 
 
 @dataclass
 class RoundTimes:
-    """Wall seconds of a batch's rounds, return to return, as moving averages: plain rounds in
-    their pipelined steady state by row count, verify rounds by (rows, width), drafting
-    included. The first verify round of a shape is not recorded (on a GPU it compiles the
-    shape), and any round counts at most `ROUND_CAP` times its modelled cost. A width whose
-    record says it loses is not run again, so its record could never improve: every
-    `RETRY_ROUNDS` plain rounds the verify records are dropped and the widths tried anew."""
+    """Wall seconds of a batch's rounds, return to return: plain rounds in their pipelined
+    steady state by row count (a moving average: they come every round), verify rounds by
+    (rows, width), drafting included. The first verify round of a shape is not recorded (on a
+    GPU it compiles the shape), and any round counts at most `ROUND_CAP` times its modelled
+    cost. A width whose record says it loses is not run again, so one slow round (a stall on
+    the device, another thread's work) must not make that record: a shape is priced by the
+    median of its last `VERIFY_SAMPLES` rounds, or, with fewer than three on record, by the
+    fastest of them (with one, also no slower than the probe's curve says), so that a width
+    is declined on two slow rounds, not one. Every `RETRY_ROUNDS` plain rounds the verify
+    records are dropped and the widths tried anew."""
 
     costs: Costs
     plain: dict[int, float] = field(default_factory=dict)
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
+    _samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict, repr=False)
     _tried: set[tuple[int, int]] = field(default_factory=set, repr=False)
     _plain_rounds: int = field(default=0, repr=False)
 
@@ -136,11 +144,14 @@ class RoundTimes:
     def verify_round(self, rows: int, width: int, drafting: float) -> float:
         """A verify round of `rows` x `width` tokens whose drafts cost `drafting`: as measured,
         else the probe's forward scaled as this batch's plain rounds measured against it."""
-        seen = self.verify.get((rows, width))
-        if seen is not None:
-            return seen
         scale = self.plain_round(rows) / max(self.costs.v(rows), 1e-12)
-        return (self.costs.v(rows * width) + drafting) * scale
+        probed = (self.costs.v(rows * width) + drafting) * scale
+        seen = self.verify.get((rows, width))
+        if seen is None:
+            return probed
+        if len(self._samples.get((rows, width), ())) == 1:
+            return min(seen, probed)
+        return seen
 
     def add_plain(self, rows: int, seconds: float) -> None:
         _average(self.plain, rows, min(seconds, ROUND_CAP * self.costs.v(rows)))
@@ -148,6 +159,7 @@ class RoundTimes:
         if self._plain_rounds >= RETRY_ROUNDS:
             self._plain_rounds = 0
             self.verify.clear()
+            self._samples.clear()
             self._tried.clear()
 
     def add_verify(self, rows: int, width: int, seconds: float, drafting: float) -> None:
@@ -155,7 +167,10 @@ class RoundTimes:
             self._tried.add((rows, width))
             return
         modelled = self.costs.v(rows * width) + drafting
-        _average(self.verify, (rows, width), min(seconds, ROUND_CAP * modelled))
+        samples = self._samples.setdefault((rows, width), deque(maxlen=VERIFY_SAMPLES))
+        samples.append(min(seconds, ROUND_CAP * modelled))
+        ordered = sorted(samples)
+        self.verify[(rows, width)] = ordered[(len(ordered) - 1) // 2 if len(ordered) > 2 else 0]
 
 
 def _average(table: dict[Any, float], key: Any, seconds: float) -> None:
