@@ -96,3 +96,57 @@ def test_short_prompts_arriving_together_join_the_batch_together(
     assert joins == [4]
     assert groups == [4]
     assert together == [run([p], num_parallel=1)[0][0] for p in prompts]
+
+
+class _Arrivals(Scheduler):
+    """Requests `later` arrive while the first prompts are read; notes each step's rows."""
+
+    later: list[Job]
+    stepped: list[int]
+
+    def _prefill_step(self) -> None:
+        super()._prefill_step()
+        while self.later:
+            self.jobs.put(self.later.pop(0))
+
+    def _step(self) -> None:
+        self.stepped.append(len(self.rows))
+        super()._step()
+
+
+def test_prompts_arriving_while_a_burst_is_read_start_in_its_first_round(
+    tiny_pair: TinyPair, backend: Backend
+) -> None:
+    """Clients released together reach the runner a few milliseconds apart: those that arrive
+    while the first prompts are read are read before any row decodes, so every row's first
+    token comes from one round. A lone request with nothing arriving steps as soon as it is
+    read. Outputs are each prompt's own."""
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
+    opts = parse_options({"temperature": 0, "num_predict": 5})
+    prompts = [[5 + i, 9, *range(20, 20 + 3 * i), 13] for i in range(5)]
+
+    def run(first: list[list[int]], later: list[list[int]]) -> tuple[list[int], list[list[int]]]:
+        outputs: dict[int, list[int]] = {}
+        jobs: queue.Queue[Job | None] = queue.Queue()
+
+        def job(i: int, prompt: list[int]) -> Job:
+            def emit(event: Event) -> None:
+                if isinstance(event, Done):
+                    outputs[i] = event.output_tokens
+
+            return Job(GenerationRequest(prompt, opts), emit, lambda: None)
+
+        for i, p in enumerate(first):
+            jobs.put(job(i, p))
+        scheduler = _Arrivals(pairing, jobs, num_parallel=8)
+        scheduler.later = [job(len(first) + i, p) for i, p in enumerate(later)]
+        scheduler.later.append(None)  # type: ignore[arg-type]  # the stop marker, last
+        scheduler.stepped = []
+        scheduler.run()
+        return scheduler.stepped, [outputs[i] for i in range(len(first) + len(later))]
+
+    stepped, together = run(prompts[:2], prompts[2:])
+    assert stepped[0] == 5
+    assert together == [run([p], [])[1][0] for p in prompts]
+    alone, _ = run(prompts[:1], [])
+    assert alone[0] == 1
