@@ -23,7 +23,7 @@ from mlxd.engine.sampling import Rng
 from mlxd.engine.specstate import Mode
 from mlxd.engine.speculation import Costs, DraftLengthController
 from tests.engine.conftest import Loaded
-from tests.engine.test_speculative import generate, prompts
+from tests.engine.test_speculative import generate, prompts, tiny_vocab_model
 
 GREEDY = parse_options({"temperature": 0})
 # Every verify position costs a tenth of a step more: a round that commits one token loses.
@@ -199,16 +199,17 @@ def test_auto_drops_its_draft_model_arm_when_that_arm_loses() -> None:
 
 
 def _rejected_rows(
-    loaded: Loaded, costs: Costs, limit: int, pause_tokens: int
+    loaded: Loaded, costs: Costs, limit: int, pause_tokens: int, prior: float = 0.7
 ) -> tuple[list[Generation], list[list[int]]]:
-    """Three prefilled greedy rows whose drafts are always rejected, and their plain tokens."""
+    """Three prefilled greedy rows whose drafts are always rejected, and their plain tokens
+    (`prior`: the acceptance their controllers expect before they have seen any)."""
     texts = prompts(loaded.tokenizer, 3)
     plains = [generate(loaded.target, p, GREEDY, None, limit=limit)[0] for p in texts]
     gens = []
     for prompt, plain in zip(texts, plains, strict=True):
         source = _AlwaysRejected(plain, len(prompt), loaded.target.args.vocab_size)
         controller = DraftLengthController(
-            costs, 4, 0.0, patience=PATIENCE, pause_tokens=pause_tokens
+            costs, 4, 0.0, prior=prior, patience=PATIENCE, pause_tokens=pause_tokens
         )
         gen = Generation(loaded.target, prompt, GREEDY, set(), limit, Rng(0), source, controller)
         gen.prefill()
@@ -315,8 +316,6 @@ def test_a_row_the_batch_keeps_declining_pauses_longer_each_time() -> None:
 
 def _model_drafting_rows(costs: Costs) -> list[Generation]:
     """Six rows of a small-vocabulary model, each drafting with a draft model, batched."""
-    from tests.engine.test_speculative import tiny_vocab_model
-
     target = tiny_vocab_model(3, 8)
     return [
         Generation(target, [1, 2, 3], GREEDY, set(), 20, Rng(i),
@@ -372,10 +371,47 @@ def test_one_slow_verify_round_does_not_stop_a_width_that_pays() -> None:
     assert plan_widths(gens, [4] * 6, costs, times) == [0] * 6
 
 
+def test_shapes_not_yet_run_are_priced_as_the_verify_rounds_run_so_far_measured() -> None:
+    """Verify rounds of one shape cost 3.5 times what the probe's forwards say: a shape
+    not yet run (fewer rows) is priced so too, and declined without a losing trial."""
+    costs = Costs(
+        verify={w: 1.0 + 0.02 * w for w in range(1, 40)}, draft_step=0.05,
+        draft_batch={1: 0.05, 8: 0.05},
+    )  # fmt: skip
+    gens = _model_drafting_rows(costs)
+    times = RoundTimes(costs)
+    for rows in (5, 6):
+        times.add_plain(rows, costs.v(rows))
+    assert times.excess() == 1.0
+    assert plan_widths(gens[:5], [4] * 5, costs, times) == [4] * 5
+    slow = 3.5 * (costs.v(30) + 0.2)
+    for _ in range(3):  # a trial, then two rounds on record
+        times.add_verify(6, 5, slow, 0.2)
+    assert times.excess() == pytest.approx(3.5)
+    assert plan_widths(gens, [4] * 6, costs, times) == [0] * 6
+    assert plan_widths(gens[:5], [4] * 5, costs, times) == [0] * 5
+
+
+def test_a_batch_drafts_on_expected_acceptance_where_a_lone_row_explores() -> None:
+    """Rows that expect a third of their drafts accepted: alone, a row explores (its
+    optimism bonus says a few drafts may pay); in a batch, where an exploratory round costs
+    every row a wider forward, the plan drafts only on what the rows expect."""
+    costs = Costs(verify={w: 1.0 if w <= 4 else 1.5 for w in range(1, 40)}, plain_step=1.0)
+    gens = [
+        Generation(tiny_vocab_model(3, 8), [1, 2, 3], GREEDY, set(), 20, Rng(i),
+                   _AlwaysRejected([0] * 40, 0, 8),
+                   DraftLengthController(costs, 4, 0.0, prior=0.3))
+        for i in range(4)
+    ]  # fmt: skip
+    assert all(g.controller is not None and g.controller.choose() > 0 for g in gens)
+    assert plan_widths(gens, [4] * 4, costs, RoundTimes(costs)) == [0] * 4
+
+
 def test_a_batch_times_its_own_rounds(loaded: Loaded) -> None:
     """Verify rounds are timed by rows and width, pipelined plain rounds by rows; a round
-    after other work on the runner (a prompt's chunk) is not timed."""
-    gens, plains = _rejected_rows(loaded, SLOPED, 32, pause_tokens=64)
+    after other work on the runner (a prompt's chunk) is not timed. (The rows expect their
+    drafts to be accepted, so the batch drafts for them until their record says otherwise.)"""
+    gens, plains = _rejected_rows(loaded, SLOPED, 32, pause_tokens=64, prior=0.95)
     batch = RowBatch(loaded.target, SLOPED)
     batch.join(gens)
     out: list[list[int]] = [[] for _ in gens]
