@@ -52,21 +52,19 @@ def test_batched_drafts_equal_each_rows_solo_drafts(
     power of two wide."""
     set_bucket(loaded.draft, bucket)
     try:
-        _batched_drafts_equal_solo(loaded, temperature)
+        widths = _batched_drafts_equal_solo(loaded, temperature)
     finally:
         set_bucket(loaded.draft, None)
     if bucket:
-        assert set(_WIDTHS) <= {1, 2, 4, 8, 16, 32, 64}, _WIDTHS
-        assert len(set(_WIDTHS)) > 1
+        assert set(widths) <= {1, 2, 4, 8, 16, 32, 64}, widths
+        assert len(set(widths)) > 1
 
 
-_WIDTHS: list[int] = []  # the catch-up widths of the last run
-
-
-def _batched_drafts_equal_solo(loaded: Loaded, temperature: float) -> None:
+def _batched_drafts_equal_solo(loaded: Loaded, temperature: float) -> list[int]:
+    """The test above, on the draft as it is set up; returns each round's catch-up width."""
     prompts = [[9, 10, 11], [20 + i % 7 for i in range(30)], [5, 6, 7, 8, 5, 6, 7], [44, 45]]
     model = Counted(loaded.draft)
-    _WIDTHS.clear()
+    widths: list[int] = []
     alone, together = [], []
     for i, p in enumerate(prompts):
         opts = parse_options({"temperature": temperature, "seed": 100 + i})
@@ -83,7 +81,7 @@ def _batched_drafts_equal_solo(loaded: Loaded, temperature: float) -> None:
         before = len(model.calls)
         batched = batch.propose(tokens, ks)
         assert len(model.calls) - before == max(ks)  # one forward per draft step
-        _WIDTHS.append(model.calls[before][1])
+        widths.append(model.calls[before][1])
         assert all(shape[0] == len(prompts) for shape in model.calls[before:])
         for i, k in enumerate(ks):
             solo = alone[i].propose(tokens[i], k)
@@ -104,6 +102,7 @@ def _batched_drafts_equal_solo(loaded: Loaded, temperature: float) -> None:
         last = alone[i].propose(tokens[i], 3)
         assert to_ints(s.propose(tokens[i], 3).tokens) == to_ints(last.tokens)
     assert len(batch) == 0
+    return widths
 
 
 def rows_of(target: nn.Module, draft: Any, methods: list[str], temperature: float) -> list[Any]:
