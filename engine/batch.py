@@ -92,7 +92,8 @@ def expected_tokens(gen: Generation, k: int) -> float:
     """Tokens a row expects to commit from a round with k drafts (1 when k = 0), at the
     acceptance its controller expects, without the bonus a lone row explores with: in a batch
     an exploratory round costs every row a wider forward (on a CPU, 4 and 8 clients of the
-    code pair ran at 0.90-0.94x of plain decoding with it, 0.94-1.07x without; one run each)."""
+    code pair ran at 0.90-0.93x of plain decoding greedy with it, 0.94-1.00x without; one run
+    each)."""
     if k <= 0 or gen.controller is None:
         return 1.0
     expected, survive = 1.0, 1.0
@@ -133,8 +134,8 @@ class RoundTimes:
     is declined on two slow rounds, not one. A shape not yet on record is priced by the
     probe's curve times how this batch's verify rounds of every shape measured against it
     (`excess`, robust as a shape's record is), so that once verify rounds are known to cost
-    more than the probe says (on a CPU, a served 8-row round cost 4x a plain one against the
-    probe's 2.5x), each other shape is not tried at a loss to learn it again. Every
+    more than the probe says (on a CPU, served 8x5 verify rounds cost 4.3 plain rounds), each
+    other shape is not tried at a loss to learn it again. Every
     `RETRY_ROUNDS` plain rounds the verify records are dropped and the widths tried anew."""
 
     costs: Costs
