@@ -10,7 +10,9 @@ once). For each client count it prints the burst's aggregate and per-stream rate
 - the runner's parts per decoding step (a lone row's `Generation.step` or a batch round), wall
   and thread CPU time: building a round's graph (`RowBatch._forward`), MLX encoding it
   (`mx.async_eval`; on a GPU this is where kernel launches go), waiting for the device
-  (`to_ints`), drafting, streaming (`Scheduler._push`), the hand-over to the event loop;
+  (`to_ints`), a verify round's sampling (`choices`, grammar walks) and its one sync
+  (`mx.eval`: encoding and waiting), drafting, streaming (`Scheduler._push`), the hand-over to
+  the event loop;
 - the rounds by kind (plain, queued ahead or fresh; verify, by rows x width) and their mean,
   and the slowest rounds with what they spent;
 - the first steps of the burst (when requests arrived, prompts were read, rounds ran);
@@ -78,6 +80,7 @@ class Timers:
         self.kind_n: Counter[str] = Counter()
         self.slow: list[str] = []
         self.early: list[str] = []
+        self.wants: Counter[str] = Counter()  # batch rows' draft lengths asked, and planned
         self.kind = ""
         self.steps = 0  # scheduler steps that decoded (a lone row's step or a batch round)
         self.start = time.perf_counter()
@@ -120,11 +123,13 @@ def install() -> None:
     wrap(scheduler.Scheduler, "_push _admit _offer_finished _prefill_step", "Scheduler")
     wrap(batch.RowBatch, "_forward _next_is_plain join leave keep", "RowBatch")
     wrap(draftbatch.DraftBatch, "propose join leave", "DraftBatch")
-    wrap(generation.Generation, "step ready_source absorb", "Generation")
+    wrap(generation.Generation, "step ready_source absorb walk", "Generation")
     wrap(runner.Outbox, "flush", "Outbox")
     batch.to_ints = timed("to_ints (device wait)", batch.to_ints)
+    batch.choices = timed("choices (verify sampling)", batch.choices)
     encode = timed("mx.async_eval (encoding)", mx.async_eval)
-    batch.mx = _Shim(mx, async_eval=encode)  # the batch module's MLX, with a timed async_eval
+    settle = timed("mx.eval (verify: encoding and device wait)", mx.eval)
+    batch.mx = _Shim(mx, async_eval=encode, eval=settle)  # the batch module's MLX, timed
 
     round_, plain, propose = (
         batch.RowBatch.round,
@@ -156,6 +161,25 @@ def install() -> None:
         T.kind = f"verify {len(self.gens)}x{1 + max(d.count for d in drafts)}"
         return drafts
 
+    def counted_plan(gens: Any, wants: list[int], *args: Any) -> list[int]:
+        ks = plan(gens, wants, *args)
+        if on_runner():
+            T.wants["rows asking to draft"] += sum(w > 0 for w in wants)
+            T.wants["rows planned to draft"] += sum(k > 0 for k in ks)
+            T.wants["tokens asked"] += sum(wants)
+            T.wants["tokens planned"] += sum(ks)
+        return ks
+
+    def counted_length(self: generation.Generation, ready: bool = True) -> int:
+        k = draft_length(self, ready)
+        if on_runner() and not ready:
+            state = "on" if self.spec.on else "not on"
+            T.wants[f"batch rows asked: spec {state}, wants {'some' if k else 'none'}"] += 1
+        return k
+
+    plan, draft_length = batch.plan_widths, generation.Generation.draft_length
+    batch.plan_widths = counted_plan
+    generation.Generation.draft_length = counted_length  # type: ignore[method-assign]
     batch.RowBatch.round = timed_round  # type: ignore[method-assign]
     batch.RowBatch._plain_round = kind_plain  # type: ignore[method-assign]
     batch.RowBatch._propose = kind_verify  # type: ignore[method-assign]
@@ -208,6 +232,8 @@ def report(*_: Any) -> None:
         print(f"  round {k:26} x{T.kind_n[k]:<4} {T.kinds[k] / T.kind_n[k] * 1e3:8.2f} ms each")
     for line in T.slow:
         print(f"  slow {line}")
+    if T.wants:
+        print("  drafts: " + ", ".join(f"{k} {v}" for k, v in T.wants.items()))
     for line in T.early:
         print(f"  {line}")
     now = thread_cpu()
