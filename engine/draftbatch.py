@@ -42,7 +42,7 @@ def base_of(model: Any) -> Any:
 def trim_rows(cache: list[Any], amounts: Sequence[int], rows: int) -> None:
     """Drop the last `amounts[i]` positions of row i in every layer: what all rows drop is
     trimmed off the end, the rest rolled into each row's left padding (masked). Cuts the
-    shared left padding once it is worth a copy."""
+    shared left padding once it is worth a copy (a bucketed cache: whole buckets of it)."""
     if not amounts or not any(amounts):
         return
     common = min(amounts)
@@ -53,9 +53,17 @@ def trim_rows(cache: list[Any], amounts: Sequence[int], rows: int) -> None:
         if any(rest):
             c.prepare(right_padding=rest)
             c.finalize()
-    if any(rest) and min(to_ints(cache[0].left_padding)) >= COMPACT:
+    first = cache[0]
+    bucketed = isinstance(first, kvcache.BucketedBatchKVCache)
+    if not any(rest) or (bucketed and (first.keys is None or first.keys.shape[2] <= first.step)):
+        return  # a bucketed cache cuts whole buckets: one bucket has none to cut
+    least = min(to_ints(first.left_padding))
+    if least >= (first.step if bucketed else COMPACT):
         for c in cache:
-            c.filter(mx.arange(rows))
+            if bucketed:
+                c.filter(mx.arange(rows), least)
+            else:
+                c.filter(mx.arange(rows))
 
 
 def catch_up_width(missing: int, shaped: bool) -> int:
