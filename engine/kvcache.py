@@ -144,8 +144,9 @@ class BucketedBatchKVCache(BatchKVCache):
         capacity = self._capacity_for(n)
         if self.keys is None:
             b, heads, _, k_dim = keys.shape
-            self.keys = mx.zeros((b, heads, capacity, k_dim), keys.dtype)
-            self.values = mx.zeros((b, heads, capacity, values.shape[3]), values.dtype)
+            # mlx-lm's __init__ leaves the buffers None, which its type stubs take as their type
+            self.keys = mx.zeros((b, heads, capacity, k_dim), keys.dtype)  # type: ignore[assignment]
+            self.values = mx.zeros((b, heads, capacity, values.shape[3]), values.dtype)  # type: ignore[assignment]
         else:
             self._pad_to(capacity)
         assert self.keys is not None and self.values is not None
