@@ -110,9 +110,9 @@ class BucketedBatchKVCache(BatchKVCache):
     left padding when rows leave, so its length drifts to any number; on MLX's CUDA build a
     multi-token forward (a verify round, a draft catch-up) at a key length not seen before paid
     38-52 ms on the code pair (against 2-3 ms), and a 4 x 5 verify round served on the fat 7B
-    pair once took 547 ms (against 12). Here rows merge into whole buckets,
-    the buffer grows by whole buckets and a leaving row cuts only whole buckets of padding, so
-    those forwards see the lengths warm-up ran."""
+    pair once took 547 ms (against 12). Here rows merge into whole buckets, the buffer grows
+    by whole buckets and a leaving row cuts only whole buckets of padding, so those forwards
+    see the lengths warm-up ran."""
 
     step = GPU_BUCKET
 
@@ -126,6 +126,8 @@ class BucketedBatchKVCache(BatchKVCache):
 
     @classmethod
     def merge(cls, caches: Any) -> Any:
+        if max(c.size() for c in caches) == 0:
+            return cls([0] * len(caches))  # mlx-lm's would be its own (unbucketed) kind
         merged = super().merge(caches)
         if merged.keys is not None:
             merged._pad_to(merged._whole(merged.keys.shape[2]))

@@ -92,3 +92,12 @@ def test_rows_trimmed_by_different_amounts_keep_whole_buckets() -> None:
     rows.check()
     rows.step([[8]] * 2)
     assert isinstance(rows.solo[0][0], BucketedKVCache)
+
+
+def test_rows_with_nothing_cached_merge_into_a_bucketed_batch() -> None:
+    kind = bucketed_type(STEP)
+    merged = kind.merge([kind(), kind()])
+    assert type(merged) is kind.batch
+    k = mx.zeros((2, 2, 3, 8))
+    keys, _ = merged.update_and_fetch(k, k)
+    assert keys.shape[2] == STEP
