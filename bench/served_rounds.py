@@ -15,6 +15,8 @@ once). For each client count it prints the burst's aggregate and per-stream rate
   the event loop;
 - the rounds by kind (plain, queued ahead or fresh; verify, by rows x width) and their mean,
   and the slowest rounds with what they spent;
+- how many batch rows asked to draft (and whether their speculation was on), and how many
+  drafts the batch's plan let them make;
 - the first steps of the burst (when requests arrived, prompts were read, rounds ran);
 - every busy thread's CPU share (the event loop is the main thread).
 A part whose wall time exceeds its CPU time waited (for the GIL, the device or a lock).
