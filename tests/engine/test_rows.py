@@ -17,7 +17,7 @@ from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSourc
 from mlxd.engine.events import Done, Event, GenerationRequest
 from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import GrammarSpec
-from mlxd.engine.kvcache import make_cache, set_bucket
+from mlxd.engine.kvcache import BucketedBatchKVCache, make_cache, set_bucket
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import Pairing, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
@@ -25,7 +25,7 @@ from mlxd.engine.sampling import Rng
 from mlxd.engine.scheduler import Job, Scheduler, make_draft_source
 from mlxd.engine.speculation import Costs, DraftLengthController
 from mlxd.registry.schema import ModelEntry
-from tests.engine.conftest import Loaded
+from tests.engine.conftest import GPU_TEST_BUCKET, Loaded
 from tests.engine.test_speculative import (
     CHEAP,
     chi2_pvalue,
@@ -353,6 +353,15 @@ def test_bucketed_rows_joining_and_leaving_match_solo_decoding(
         left.append((list(gen.tokens), gen.cache[0].keys[..., : gen.cache[0].offset, :]))
 
     monkeypatch.setattr(RowBatch, "leave", checked)
+    widths: Counter[tuple[int, int]] = Counter()  # (forward width, key buffer) over batches
+    update = BucketedBatchKVCache.update_and_fetch
+
+    def counted(self: BucketedBatchKVCache, k: mx.array, v: mx.array) -> tuple[mx.array, ...]:
+        keys, values = update(self, k, v)
+        widths[k.shape[2], keys.shape[2]] += 1
+        return keys, values
+
+    monkeypatch.setattr(BucketedBatchKVCache, "update_and_fetch", counted)
     methods = ["model", "off", "model", "lookup", "model"]
     lengths = [26, 9, 31, 17, 13]
     specs = [
@@ -369,6 +378,10 @@ def test_bucketed_rows_joining_and_leaving_match_solo_decoding(
     for (prompt, opts), final in zip(specs, done, strict=True):
         assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
     assert done[0].done_reason == "stop" and done[0].speculation.accepted > 0
+    # verify rounds and draft catch-ups over the batches (target and draft) attend over whole
+    # buckets of keys, so their shapes recur on a GPU however rows join and leave
+    assert any(width > 1 for width, _ in widths)
+    assert {keys % GPU_TEST_BUCKET for _, keys in widths} == {0}, widths
     assert left
     for tokens, keys in left:  # the K/V a row takes along are its own tokens' (prefix cache)
         assert keys.shape[2] == len(tokens) - 1  # every committed token but the last
