@@ -25,6 +25,13 @@ GRAPH_CACHE_ENV = "MLX_CUDA_GRAPH_CACHE_SIZE"
 # (bucketed key lengths x prefill widths x row counts x verify widths, for two models) outgrow
 # it, and an evicted graph costs a ~40 ms capture on its next use, or a "cache thrashing" abort.
 GRAPH_CACHE_SIZE = 2048
+SDPA_CACHE_ENV = "MLX_CUDA_SDPA_CACHE_SIZE"
+# MLX's CUDA attention keeps the cuDNN graph it builds per shape (a multi-token forward at a
+# new key length paid 38-52 ms on the code pair) in a per-thread LRU of 256. Warm-up alone runs
+# 100-200 shapes on the serving thread (a pairing, 8 rows, an 8k context: 115 multi-token
+# ones), and every longer context a request brings adds more: evicted, a warmed shape is built
+# again inside someone's round.
+SDPA_CACHE_SIZE = 4096
 GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 FUSE_MLP_ENV = "MLXD_FUSE_MLP"  # "1": an MLP's gate and up projections as one matmul (GPU)
 # MLX's CUDA backend records each evaluation's kernels into CUDA graphs and replays them. On an
@@ -77,13 +84,13 @@ def _cpu_dtype(env: Mapping[str, str]) -> tuple[str, bool]:
     return "float32", False
 
 
-def _graph_cache(env: MutableMapping[str, str]) -> int | None:
-    """Size MLX's graph cache unless the user did: the size in effect (None if unreadable)."""
-    env.setdefault(GRAPH_CACHE_ENV, str(GRAPH_CACHE_SIZE))
+def _cache_size(env: MutableMapping[str, str], name: str, size: int) -> int | None:
+    """Size one of MLX's caches unless the user did: the size in effect (None if unreadable)."""
+    env.setdefault(name, str(size))
     try:
-        return int(env[GRAPH_CACHE_ENV])
+        return int(env[name])
     except ValueError:
-        log.warning("%s=%r is not a number; MLX ignores it", GRAPH_CACHE_ENV, env[GRAPH_CACHE_ENV])
+        log.warning("%s=%r is not a number; MLX ignores it", name, env[name])
         return None
 
 
@@ -108,7 +115,8 @@ def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
     blas = cpu_blas.load_cpu_blas(env, env)
     if blas.refused:
         log.warning("%s: %s", cpu_blas.ENV, blas.reason)
-    graph_cache = _graph_cache(env)  # before MLX builds a GPU stream
+    graph_cache = _cache_size(env, GRAPH_CACHE_ENV, GRAPH_CACHE_SIZE)  # before MLX's GPU work
+    _cache_size(env, SDPA_CACHE_ENV, SDPA_CACHE_SIZE)  # read at the first attention
     graphs = _cuda_graphs(env)  # read at MLX's first GPU work
 
     import mlx.core as mx  # after the BLAS: MLX binds what is in the global scope now

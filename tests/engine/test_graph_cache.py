@@ -1,5 +1,6 @@
-"""Configuring the backend turns MLX's CUDA graphs off and sizes their cache before any GPU
-work, unless the user set them; importing the engine alone sets nothing."""
+"""Configuring the backend turns MLX's CUDA graphs off and sizes their cache and the attention
+graphs' before any GPU work, unless the user set them; importing the engine alone sets
+nothing."""
 
 from __future__ import annotations
 
@@ -9,7 +10,13 @@ import sys
 
 import pytest
 
-from mlxd.engine.backend import GRAPH_CACHE_ENV, GRAPH_CACHE_SIZE, GRAPHS_ENV
+from mlxd.engine.backend import (
+    GRAPH_CACHE_ENV,
+    GRAPH_CACHE_SIZE,
+    GRAPHS_ENV,
+    SDPA_CACHE_ENV,
+    SDPA_CACHE_SIZE,
+)
 
 
 def configured(name: str) -> str:
@@ -35,6 +42,12 @@ def test_graph_cache_size_default_and_override(given: str | None, expected: str)
     assert GRAPH_CACHE_SIZE > 400  # MLX's own default
 
 
+@pytest.mark.parametrize(("given", "expected"), [(None, str(SDPA_CACHE_SIZE)), ("77", "77")])
+def test_attention_graph_cache_size_default_and_override(given: str | None, expected: str) -> None:
+    assert run(configured(SDPA_CACHE_ENV), SDPA_CACHE_ENV, given) == expected
+    assert SDPA_CACHE_SIZE > 256  # MLX's own default
+
+
 @pytest.mark.parametrize(("given", "expected"), [(None, "0"), ("1", "1")])
 def test_cuda_graphs_are_off_unless_the_user_turns_them_on(
     given: str | None, expected: str
@@ -42,7 +55,7 @@ def test_cuda_graphs_are_off_unless_the_user_turns_them_on(
     assert run(configured(GRAPHS_ENV), GRAPHS_ENV, given) == expected
 
 
-@pytest.mark.parametrize("name", [GRAPH_CACHE_ENV, GRAPHS_ENV])
+@pytest.mark.parametrize("name", [GRAPH_CACHE_ENV, GRAPHS_ENV, SDPA_CACHE_ENV])
 def test_importing_the_engine_leaves_the_graph_settings_alone(name: str) -> None:
     code = f"import mlxd.engine.manager, os; print(os.environ.get({name!r}))"
     assert run(code, name, None) == "None"
