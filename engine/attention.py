@@ -7,19 +7,24 @@ and at 8 rows of an 8B model that was a third of each step. Here each row's quer
 its own keys, [left padding, write position), in one kernel launch per layer.
 
 `install_batched_decode` (called once by the backend configuration, on CUDA) sends every model's
-single-token attention over a `BucketedBatchKVCache` to that kernel; every other call (prefill,
-solo decoding, other caches) keeps mlx-lm's path.
+single-token attention over a `BucketedBatchKVCache` to that kernel. A multi-token attention
+over a bucketed cache (a verify round, a draft catch-up) at a shape the serving thread's warm-up
+did not run takes MLX's plain operations: MLX's own would build a cuDNN graph for the shape
+first, inside the round. Every other call (prefill, solo decoding, other caches, shapes warmed)
+keeps mlx-lm's path.
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import mlx.core as mx
 
-from mlxd.engine.kvcache import BucketedBatchKVCache
+from mlxd.engine.kvcache import BucketedBatchKVCache, BucketedKVCache
 from mlxd.engine.sampling import to_ints
 
 Ragged = Callable[[mx.array, mx.array, mx.array, float, mx.array, int], mx.array]
@@ -145,6 +150,67 @@ def ragged_reference(
     return mx.concatenate(outs, axis=0)
 
 
+class _Warmed(threading.local):
+    """This thread's warm-up: whether one ran or runs, and the multi-token attention shapes it
+    ran (MLX's CUDA attention keeps what it builds per thread)."""
+
+    def __init__(self) -> None:
+        self.running = False
+        self.ran = False
+        self.shapes: set[tuple[Any, ...]] = set()
+
+
+_warmed = _Warmed()
+
+
+@contextmanager
+def warming() -> Iterator[None]:
+    """Within (a model's warm-up on its serving thread): the multi-token attention shapes run
+    are built by MLX as usual, and later calls of those shapes keep its attention; after it,
+    a shape it did not run takes `attend_with_ops` (`unwarmed`)."""
+    _warmed.running = True
+    try:
+        yield
+    finally:
+        _warmed.running, _warmed.ran = False, True
+
+
+def unwarmed(queries: mx.array, keys: mx.array, cache: Any, mask: Any, sinks: Any) -> bool:
+    """Whether a call is a multi-token attention with an array mask over a bucketed cache (a
+    verify round, a draft catch-up, a short prompt chunk) at a shape this thread's warm-up did
+    not run. MLX's CUDA build would first build a cuDNN graph for it, tens of ms to half a
+    second, in the middle of a round; MLX's plain operations build nothing. Before any warm-up
+    on the thread (in-process benches, tests) every call keeps MLX's attention."""
+    if sinks is not None or queries.shape[2] == 1 or not isinstance(mask, mx.array):
+        return False
+    if not isinstance(cache, BucketedKVCache | BucketedBatchKVCache):
+        return False
+    shape = (queries.shape, keys.shape, mask.shape, queries.dtype)
+    if _warmed.running:
+        _warmed.shapes.add(shape)
+        return False
+    return _warmed.ran and shape not in _warmed.shapes
+
+
+def attend_with_ops(
+    q: mx.array, k: mx.array, v: mx.array, scale: float, mask: mx.array
+) -> mx.array:
+    """Attention of q (B, H, L, D) over k, v (B, H_kv, N, D) under a boolean mask that
+    broadcasts to (B, 1, L, N), as MLX's operations: two matmuls and a softmax, each head
+    group's queries stacked so that one matmul serves them."""
+    b, heads, length, dim = q.shape
+    groups = heads // k.shape[1]
+    q = (q * scale).reshape(b, k.shape[1], groups * length, dim)
+    while mask.ndim < 4:
+        mask = mask[None]
+    if groups > 1:
+        mask = mx.tile(mask, (1, 1, groups, 1))
+    scores = q @ k.swapaxes(-1, -2)
+    scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    out = mx.softmax(scores, axis=-1, precise=True) @ v
+    return out.reshape(b, heads, length, v.shape[-1])
+
+
 def batched_decode(queries: mx.array, cache: Any, sinks: Any) -> bool:
     """Whether a call is single-token attention over a bucketed batch cache."""
     return sinks is None and isinstance(cache, BucketedBatchKVCache) and queries.shape[2] == 1
@@ -156,8 +222,10 @@ def kernel_serves(head_dim: int) -> bool:
 
 def route_module(module: Any, ragged: Ragged, serves: Callable[[int], bool]) -> bool:
     """Send `module`'s single-token attention over a bucketed batch cache to `ragged` (for head
-    dims `serves` accepts); every other call keeps the function it had. Idempotent: a module
-    already routed is routed afresh around its original. False where it has no such function."""
+    dims `serves` accepts), and multi-token attention at shapes warm-up did not run to
+    `attend_with_ops` (`unwarmed`); every other call keeps the function it had. Idempotent: a
+    module already routed is routed afresh around its original. False where it has no such
+    function."""
     original = getattr(module, "scaled_dot_product_attention", None)
     if original is None:
         return False
@@ -174,6 +242,8 @@ def route_module(module: Any, ragged: Ragged, serves: Callable[[int], bool]) -> 
     ) -> mx.array:
         if batched_decode(queries, cache, sinks) and serves(queries.shape[-1]):
             return ragged(queries, keys, values, scale, cache.left_padding, cache._idx)
+        if unwarmed(queries, keys, cache, mask, sinks):
+            return attend_with_ops(queries, keys, values, scale, mask)
         extra = {} if sinks is None else {"sinks": sinks}
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **extra)
 

@@ -21,6 +21,7 @@ from typing import Any
 import mlx.core as mx
 
 from mlxd.engine.adapters import AdaptedModel, selecting
+from mlxd.engine.attention import warming
 from mlxd.engine.batch import RowBatch, warm_rounds
 from mlxd.engine.cache_use import namespace_for, offer_final, offer_prompt, restore
 from mlxd.engine.draftbatch import warm_drafts
@@ -138,12 +139,14 @@ class Scheduler:
         cold (a first request paid 1.5-3.9x a later one). The solo round shapes and every
         prompt chunk within the row context (`warm_up`), prompts read together, then for
         every row count up to `num_parallel` each round width up to the default draft length,
-        and a round whose rows keep different lengths (the roll). Where nothing compiles
-        (the CPU) there is nothing to warm."""
+        and a round whose rows keep different lengths (the roll). Multi-token attention at
+        shapes not run here then takes MLX's plain operations (`attention.unwarmed`) rather
+        than build a graph inside a round. Where nothing compiles (the CPU) there is nothing
+        to warm."""
         pairing = self.pairing
         if not bucketed(pairing.target):
             return
-        with mx.stream(self.stream):
+        with mx.stream(self.stream), warming():
             context = pairing.row_context(parse_options({}))
             warm_up(pairing.target, pairing.draft, pairing.costs, context=context)
             self._warm_row_groups()

@@ -9,12 +9,15 @@ from typing import Any
 import mlx.core as mx
 import pytest
 
+from mlxd.engine import attention
 from mlxd.engine.attention import (
+    attend_with_ops,
     cuda_available,
     install_batched_decode,
     ragged_cuda,
     ragged_reference,
     route_module,
+    warming,
 )
 from mlxd.engine.kvcache import BucketedBatchKVCache, BucketedKVCache, make_cache
 from mlxd.engine.prefill import feed
@@ -131,3 +134,58 @@ def test_kernel_equals_the_reference(dim: int, dtype: mx.Dtype) -> None:
     got = ragged_cuda(q, k, v, 0.25, left, end).astype(mx.float32)
     want = ragged_reference(q, k, v, 0.25, left, end).astype(mx.float32)
     assert mx.allclose(got, want, atol=2e-2 if dtype == mx.bfloat16 else 1e-4).item()
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_attention_with_operations_equals_mlx_attention(rows: int) -> None:
+    """Grouped heads, a few queries, a mask of a batch's rows (left padding, causal) or of a
+    lone row (queries x keys)."""
+    mx.random.seed(rows)
+    q = mx.random.normal((rows, 8, 3, 16))
+    k, v = mx.random.normal((rows, 2, 24, 16)), mx.random.normal((rows, 2, 24, 16))
+    cols = mx.arange(24)[None, None, None, :]
+    ends = (mx.arange(3) + 18)[None, None, :, None]
+    left = mx.array([2 * i for i in range(rows)])[:, None, None, None]
+    mask = (cols <= ends) & (cols >= left)
+    if rows == 1:
+        mask = mask[0, 0]  # (queries, keys), as a lone row's cache makes it
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
+    got = attend_with_ops(q, k, v, 0.25, mask)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
+@pytest.mark.usefixtures("gpu_layout")
+def test_multi_token_shapes_warm_up_did_not_run_take_the_operations(
+    loaded: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before any warm-up every call keeps MLX's attention; after one, a verify-wide forward
+    of a shape it ran keeps it too, and one of a shape it did not run takes the operations,
+    with the same logits."""
+    module = sys.modules[type(loaded.target).__module__]
+    monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
+    monkeypatch.setattr(attention, "_warmed", attention._Warmed())
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+
+    def verify(width: int) -> mx.array:
+        cache = make_cache(loaded.target)
+        feed(loaded.target, cache, prompt)
+        return loaded.target(mx.array([[3 + i for i in range(width)]]), cache=cache)
+
+    want = {width: verify(width) for width in (3, 5)}
+    taken: list[int] = []
+
+    def spy(q: mx.array, *args: Any) -> mx.array:
+        taken.append(q.shape[2])
+        return attend_with_ops(q, *args)
+
+    assert route_module(module, ragged_reference, lambda _dim: True)
+    monkeypatch.setattr(attention, "attend_with_ops", spy)
+    layers = len(loaded.target.layers)
+    assert mx.allclose(verify(3), want[3], atol=1e-4).item() and taken == []
+    with warming():
+        verify(3)
+    assert taken == []
+    assert mx.allclose(verify(3), want[3], atol=1e-4).item() and taken == []
+    assert mx.allclose(verify(5), want[5], atol=1e-4).item()
+    assert taken == [5] * layers
