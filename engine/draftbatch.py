@@ -55,8 +55,8 @@ def trim_rows(cache: list[Any], amounts: Sequence[int], rows: int) -> None:
             c.finalize()
     first = cache[0]
     bucketed = isinstance(first, kvcache.BucketedBatchKVCache)
-    if not any(rest) or (bucketed and (first.keys is None or first.keys.shape[2] <= first.step)):
-        return  # a bucketed cache cuts whole buckets: one bucket has none to cut
+    if not any(rest) or (bucketed and not first.may_cut()):
+        return
     least = min(to_ints(first.left_padding))
     if least >= (first.step if bucketed else COMPACT):
         for c in cache:

@@ -171,6 +171,11 @@ class BucketedBatchKVCache(BatchKVCache):
         cache.offset = cache.keys.shape[2]
         return cache
 
+    def may_cut(self) -> bool:
+        """Whether a whole bucket of left padding could be cut: the buffer holds more than one
+        (left padding stays below the write position)."""
+        return self.keys is not None and self.keys.shape[2] > self.step
+
     def filter(self, batch_indices: mx.array, min_left: int | None = None) -> None:
         """Keep the rows `batch_indices`, whole buckets of the least left padding among them
         cut off; given that padding (`min_left`, known to the caller), without reading the
@@ -181,8 +186,8 @@ class BucketedBatchKVCache(BatchKVCache):
         self.offset = self.offset[batch_indices]
         self.left_padding = self.left_padding[batch_indices]
         if min_left is None:
-            if self.keys is None or self.keys.shape[2] <= self.step:
-                return  # nothing to cut: no read
+            if not self.may_cut():
+                return  # no read
             min_left = min(to_ints(self.left_padding))
         cut = (min_left // self.step) * self.step
         if cut > 0:
