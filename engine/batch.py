@@ -25,8 +25,9 @@ forward is queued on the tokens this round chose, still on the device, before th
 them, so the device never waits for the host's per-row work (`Ahead`). The choice at every
 position is keyed by the position, so a round computed ahead chooses exactly what it would
 have chosen later, and the round after it runs plainly even when a row has found a draft
-since (as a lone row's does). A row joining or leaving first takes the round ahead back off
-the cache (one position for every row).
+since (as a lone row's does). A verify round queues the round after it the same way where
+every row decodes that one plainly. A row joining or leaving first takes the round ahead back
+off the cache (one position for every row).
 
 How many drafts a round verifies is one choice for the batch: a width W costs one forward of
 B x W tokens, estimated as the target's measured cost of a B*W-token forward (`Costs.v`, linear past
@@ -74,10 +75,13 @@ from mlxd.engine.verify import Verdict, choices, decide
 
 @dataclass
 class Ahead:
-    """The next plain round, queued: its rows and their chosen tokens, still lazy."""
+    """The next plain round, queued: its rows and their chosen tokens, still lazy. `steady`:
+    queued by a plain round, so its round times the batch's pipelined steady state (one queued
+    by a verify round started early and is not timed)."""
 
     gens: list[Generation]
     tokens: mx.array
+    steady: bool = True
 
 
 @dataclass
@@ -292,20 +296,21 @@ class RowBatch:
 
     def _next_is_plain(self, gens: Sequence[Generation], bench: bool = True) -> bool:
         """Whether the round after the next drafts nothing for `gens`, as far as the host
-        knows now: every row decodes it plainly (`plain_next`), or the rows whose speculation
-        is on would draft only where the plan declines them, priced as `round` prices them.
-        Those rows are benched now (`bench`), as a planned round benches them, and the round
-        can be queued: rows the batch will not let draft do not stop it pipelining."""
+        knows now: every row decodes it plainly (`plain_next`), or the rows that may draft
+        there (speculation on, or a pause ending: `next_want`) would draft only where the plan
+        declines them, priced as `round` prices them. Rows with speculation on are benched now
+        (`bench`), as a planned round benches them, and the round can be queued: rows the
+        batch will not let draft do not stop it pipelining, nor does a pause that ends into a
+        round the plan declines (on a CPU, 4 clients of the code pair ran such a round
+        unpipelined, at twice a pipelined round's time, each time a row's pause ended)."""
         maybe = [not g.plain_next() for g in gens]
         if not any(maybe):
             return True
-        if any(m and not g.spec.on for g, m in zip(gens, maybe, strict=True)):
-            return False  # a pause ends: that round plans afresh
-        wants = [g.draft_length(ready=False) if m else 0 for g, m in zip(gens, maybe, strict=True)]
+        wants = [g.next_want() if m else 0 for g, m in zip(gens, maybe, strict=True)]
         if any(plan_widths(gens, wants, self.costs, self.times)):
             return False
         for g, want in zip(gens, wants, strict=True):
-            if bench and want and g.controller is not None:
+            if bench and want and g.spec.on and g.controller is not None:
                 g.controller.benched()
         return True
 
@@ -348,7 +353,7 @@ class RowBatch:
             else:
                 c.filter(rows)
         if kept_ahead and ahead is not None:
-            self.ahead = Ahead(list(self.gens), ahead.tokens[rows])
+            self.ahead = Ahead(list(self.gens), ahead.tokens[rows], ahead.steady)
 
     def round(self) -> list[Committed]:
         """One round for every row: drafts, one verify forward, per-row acceptance and trim."""
@@ -406,7 +411,23 @@ class RowBatch:
         if width > 1:
             self.times.add_verify(len(gens), width, seconds, drafting)
         self._judge(drafts, committed, seconds, width, drafting)
+        self._queue_after_verify()
         return committed
+
+    def _queue_after_verify(self) -> None:
+        """Queue the round after a verify round where every row decodes it plainly, as a plain
+        round queues the next: the host's work on this round's tokens (streaming them, the
+        scheduler's turn) then runs while the device computes it, and the round is not run
+        unpipelined."""
+        gens = self.gens
+        if not all(g.plain_only for g in gens) or all(g.done for g in gens):
+            return
+        if not self._next_is_plain(gens):
+            return
+        last = mx.array([[g.tokens[-1]] for g in gens], dtype=mx.uint32)
+        tokens = self._choose(self._forward(last), [0] * len(gens))
+        mx.async_eval(tokens)
+        self.ahead = Ahead(list(gens), tokens, steady=False)
 
     def untimed(self) -> None:
         """Work other than rounds runs before the next round: that round is not timed."""
@@ -454,14 +475,16 @@ class RowBatch:
         tokens are read, when every row will decode it plainly too. One that was queued is
         timed (from `since`, the previous round's return) as the batch's plain round. Rows
         that joined after it was queued (`join`) commit nothing this round: the next one,
-        queued now for every row, carries their first token."""
+        queued now for every row, carries their first token. It is queued while any row goes
+        on: a row that ends with this round leaves with its position in it taken off its own
+        cache (`leave`), so the others keep their pipelining."""
         gens = self.gens
         ahead, self.ahead = self.ahead, None
         late: list[Generation] = []
         pipelined = False
         if ahead is not None and _leads(ahead.gens, gens):
             tokens, late = ahead.tokens, gens[len(ahead.gens) :]
-            pipelined = not late
+            pipelined = not late and ahead.steady
         else:
             if ahead is not None:
                 self._take_back()
@@ -474,7 +497,7 @@ class RowBatch:
             queued = self._choose(self._forward(inputs), [1] * len(tokens) + [0] * len(late))
             mx.async_eval(queued)
             self.ahead = Ahead(list(gens), queued)
-        elif all(g.produced + 1 < g.limit for g in gens) and self._next_is_plain(gens):
+        elif any(g.produced + 1 < g.limit for g in gens) and self._next_is_plain(gens):
             queued = self._choose(self._forward(tokens[:, None]), [1] * len(gens))
             mx.async_eval(queued)
             self.ahead = Ahead(list(gens), queued)

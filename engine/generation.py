@@ -225,6 +225,17 @@ class Generation:
             return not self._has_draft()
         return self._plain_ahead()
 
+    def next_want(self) -> int:
+        """Drafts this row asks for in the round after the next, as far as the host knows now
+        (where `plain_next` says it may draft): a row with speculation on, its `draft_length`;
+        a row whose pause ends with the next token, what its controller wants on resuming."""
+        if self.spec.on:
+            return self.draft_length(ready=False)
+        controller = self.controller
+        if self.spec.mode is Mode.PAUSED and controller is not None:
+            return max(0, min(controller.wanted(), self.limit - self.produced - 2))
+        return 0
+
     def _has_draft(self) -> bool:
         return self.source is not None and self.source.has_draft(self.tokens)
 

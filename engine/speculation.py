@@ -411,9 +411,12 @@ class DraftLengthController:
         return expected / (k * self.draft_cost + self.costs.v(k + 1))
 
     def choose(self) -> int:
-        """The k of the best `expected_rate`, in one pass: E(k) extends E(k-1) by one term."""
-        if self.off:
-            return 0
+        """The k of the best `expected_rate` (0 while off)."""
+        return 0 if self.off else self.wanted()
+
+    def wanted(self) -> int:
+        """The k of the best `expected_rate` were speculation on (what a paused row will ask
+        for once it resumes), in one pass: E(k) extends E(k-1) by one term."""
         best_k, best_rate = 1, -1.0
         expected, survive = 1.0, 1.0
         for k, a in enumerate(self.alphas(self.max_k, optimistic=True), start=1):
@@ -511,6 +514,9 @@ class FixedDraftLength(DraftLengthController):
         super().__init__(costs, k, 0.0)
 
     def choose(self) -> int:
+        return self.max_k
+
+    def wanted(self) -> int:
         return self.max_k
 
     def observe_time(

@@ -336,6 +336,43 @@ def test_a_row_leaving_keeps_the_queued_round_for_the_others(
         set_bucket(model, None)
 
 
+@pytest.mark.parametrize("bucket", [None, 64], ids=["exact", "bucketed"])
+def test_a_row_at_its_last_token_does_not_stop_the_others_pipelining(
+    loaded: Loaded, bucket: int | None
+) -> None:
+    """Rows of different lengths: the round that ends a row is queued ahead for every row all
+    the same (the ending row leaves with its queued position taken off its own cache), so
+    every round but the first runs ahead, each row keeps its solo tokens, and a leaving row's
+    cache holds every committed token but the last."""
+    model = loaded.target
+    set_bucket(model, bucket)
+    try:
+        greedy = opts_of(temperature=0)
+        prompts, limits = [PROMPTS[0], PROMPTS[2], PROMPTS[3]], [6, 11, 17]
+        gens = [
+            Generation(model, p, greedy, set(), n, Rng(i))
+            for i, (p, n) in enumerate(zip(prompts, limits, strict=True))
+        ]
+        for g in gens:
+            g.prefill()
+        batch = RowBatch(model, Costs(verify={1: 1.0}))
+        batch.join(gens)
+        fresh = 0
+        while len(batch):
+            fresh += batch.ahead is None
+            batch.round()
+            for g in [g for g in batch.gens if g.done]:
+                batch.leave(g)
+                assert g.cache[0].offset == len(g.tokens) - 1
+        assert fresh == 1
+        for g, prompt, n in zip(gens, prompts, limits, strict=True):
+            solo = Generation(model, prompt, greedy, set(), n, Rng(0))
+            solo.prefill()
+            assert g.tokens[len(prompt) :] == [t for new in solo for t in new]
+    finally:
+        set_bucket(model, None)
+
+
 def test_bucketed_rows_joining_and_leaving_match_solo_decoding(
     tiny_pair: TinyPair, gpu_layout: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

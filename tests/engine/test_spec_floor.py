@@ -21,7 +21,7 @@ from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
 from mlxd.engine.sampling import Rng
 from mlxd.engine.specstate import Mode
-from mlxd.engine.speculation import Costs, DraftLengthController
+from mlxd.engine.speculation import Costs, DraftLengthController, FixedDraftLength
 from tests.engine.conftest import Loaded
 from tests.engine.test_speculative import generate, prompts, tiny_vocab_model
 
@@ -294,6 +294,94 @@ def test_rows_a_batch_never_lets_draft_pause_and_decode_pipelined(
     # costing the batch its pipelining while they still want drafts
     assert queued >= 40 - 1
     assert verifies == []  # declined rounds are plain rounds: no verify forward
+
+
+def test_a_pause_that_ends_into_a_declined_round_keeps_the_batch_pipelined(
+    loaded: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows whose short pauses end again and again, in a batch whose measured costs decline
+    every draft: the round where a pause ends is priced ahead like any other, so it is queued
+    ahead too and the batch never runs a round unpipelined."""
+    linear = Costs(verify={w: float(w) for w in range(1, 17)}, plain_step=1.0)
+    gens, plains = _rejected_rows(loaded, linear, 48, pause_tokens=2)
+    ended = []
+    resume = DraftLengthController.resume
+
+    def counted(self: DraftLengthController) -> None:
+        ended.append(self)
+        resume(self)
+
+    monkeypatch.setattr(DraftLengthController, "resume", counted)
+    out, queued = _batched(loaded, linear, gens)
+    assert out == plains
+    assert len(ended) >= 3  # pauses did end, into rounds the plan declined
+    assert queued >= 48 - 1
+    for g in gens:
+        assert g.stats.rounds == 0
+        g.close()
+
+
+class _RightNowAndThen(DraftSource):
+    """Drafts of the right tokens, then nothing to propose for the next `gap` tokens."""
+
+    name = "now-and-then"
+
+    def __init__(self, reference: list[int], start: int, gap: int) -> None:
+        self.reference, self.start, self.gap = reference, start, gap
+        self.next_at = 0
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def has_draft(self, tokens: Sequence[int]) -> bool:
+        return len(tokens) >= self.next_at
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        self.next_at = len(tokens) + self.gap
+        at = len(tokens) - self.start
+        out = self.reference[at : at + n]
+        return Draft(mx.array(out, dtype=mx.uint32), len(out), self.name)
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        pass
+
+
+def test_a_verify_round_queues_the_plain_round_after_it(
+    loaded: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows that draft now and then: a verify round followed by a round where every row
+    decodes plainly queues that round before returning, as a plain round does, so no plain
+    round runs unqueued after the first; every row keeps plain decoding's tokens."""
+    flat = Costs(verify=dict.fromkeys(range(1, 40), 1.0), plain_step=1.0)
+    texts = prompts(loaded.tokenizer, 3)
+    plains = [generate(loaded.target, p, GREEDY, None, limit=40)[0] for p in texts]
+    gens = []
+    for prompt, plain in zip(texts, plains, strict=True):
+        source = _RightNowAndThen(plain, len(prompt), gap=7)
+        gen = Generation(
+            loaded.target, prompt, GREEDY, set(), 40, Rng(0), source, FixedDraftLength(flat, 3)
+        )
+        gen.prefill()
+        gens.append(gen)
+    verifies, unqueued = [], []
+    propose, plain_round = RowBatch._propose, RowBatch._plain_round
+
+    def counted(self: RowBatch, ks: list[int]) -> list[Draft]:
+        verifies.append(ks)
+        return propose(self, ks)
+
+    def plain(self: RowBatch, since: float | None = None) -> list[Committed]:
+        unqueued.append(self.ahead is None)
+        return plain_round(self, since)
+
+    monkeypatch.setattr(RowBatch, "_propose", counted)
+    monkeypatch.setattr(RowBatch, "_plain_round", plain)
+    out, _ = _batched(loaded, flat, gens)
+    assert out == plains
+    assert len(verifies) >= 3 and unqueued and not any(unqueued[1:])
+    for g in gens:
+        assert g.stats.accepted > 0
+        g.close()
 
 
 def test_a_row_the_batch_keeps_declining_pauses_longer_each_time() -> None:
