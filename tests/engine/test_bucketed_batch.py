@@ -42,7 +42,9 @@ class Rows:
         got = self.m(mx.array(tokens), cache=self.batch)
         for i, cache in enumerate(self.solo):
             want = self.m(mx.array([tokens[i]]), cache=cache)
-            assert mx.allclose(got[i], want[0], atol=1e-4).item(), i
+            # float32 matmuls of other shapes round differently on a GPU (5e-4 seen on an
+            # H200); a wrong mask or roll moves outputs by orders of magnitude more
+            assert mx.allclose(got[i], want[0], atol=2e-3).item(), i
         self.check()
 
     def check(self) -> None:
