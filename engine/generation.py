@@ -232,7 +232,7 @@ class Generation:
         if self.spec.on:
             return self.draft_length(ready=False)
         controller = self.controller
-        if self.spec.mode is Mode.PAUSED and controller is not None:
+        if self.spec.mode is Mode.PAUSED and controller is not None and not controller.hopeless():
             return max(0, min(controller.wanted(), self.limit - self.produced - 2))
         return 0
 

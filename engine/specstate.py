@@ -4,8 +4,10 @@ ON: every round asks the draft source for up to k tokens (k from the row's contr
 PAUSED(n): speculation stopped paying; the next n committed tokens are decoded plainly, then
 a trial round runs (ON again), unless the source would first have to catch up on more tokens
 than the rest of the request can repay (a draft model that read nothing during the pause): then
-OFF, and the pairing's pause clock schedules the next trial at a later request's start. OFF: plain decoding to the end (no source, a source that failed,
-a target cache that cannot be trimmed, or a controller that gave up). The state belongs to the
+OFF, and the pairing's pause clock schedules the next trial at a later request's start. A
+trial the acceptance seen so far says loses (`hopeless`) is not run: another, longer pause.
+OFF: plain decoding to the end (no source, a source that failed, a target cache that cannot
+be trimmed, or a controller that gave up). The state belongs to the
 row, not to the way it is stepped: a row moving between solo and batched decoding keeps it.
 """
 
@@ -101,6 +103,10 @@ class Speculation:
             return
         if not worth_resuming():
             self.stop("speculation paused: catching the draft up would not pay", failed=False)
+            return
+        if self.controller.hopeless():
+            self.controller.skip_trial()  # the trial would lose: a longer pause instead
+            self.pause_left = self.controller.pause_tokens
             return
         self.controller.resume()
         self.mode = Mode.ON

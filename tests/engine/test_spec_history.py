@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import mlx.core as mx
+
 from mlxd.engine.drafting import (
     Draft,
     DraftSource,
@@ -259,3 +261,66 @@ def test_greedy_and_sampled_requests_keep_separate_histories() -> None:
     assert history.get("model/sampled") is not None
     later = DraftLengthController(FLAT, 4, 0.05, history=history, source="model", regime=greedy)
     assert later.restart(0.0, "lookup").key == "lookup/greedy"
+
+
+# a draft step at 0.59 of a target step and verify forwards at 1.5: the draft model pays only
+# above about 0.9 acceptance (the fat 7B/0.5B pair's costs on an H200)
+SLOW_DRAFT = Costs(
+    verify={1: 1.0, **{w: 1.5 for w in range(2, 10)}}, draft_step=0.59, plain_step=1.0
+)
+
+
+def _history(hits: float, tries: float) -> SpecHistory:
+    """A history in which the draft model paid lately (so no pause clock holds it back)."""
+    history = SpecHistory()
+    history.record("model", SourceRecord([hits], [tries], spec_seconds=1.0, plain_seconds=2.0))
+    return history
+
+
+def test_a_trial_is_hopeless_only_where_the_acceptance_is_known_and_cannot_pay() -> None:
+    def controller(history: SpecHistory, cost: float = 0.59) -> DraftLengthController:
+        return DraftLengthController(SLOW_DRAFT, 4, cost, history=history, source="model")
+
+    low = controller(_history(18.0, 40.0))  # 0.45 over 40 rounds: no k reaches 0.8 of plain
+    assert low.hopeless() and low.off  # the trial due at the request's start is skipped
+    assert not controller(_history(38.0, 40.0)).hopeless()  # 0.95: it may pay
+    assert not controller(_history(1.0, 4.0)).hopeless()  # too few rounds to know
+    assert not controller(_history(18.0, 40.0), cost=0.0).hopeless()  # free drafts: try them
+
+
+class _Reference(DraftSource):
+    """Drafts of the reference continuation, with no model state to catch up after a pause
+    (so a pause's end is a trial, not the end of speculation)."""
+
+    def __init__(self, reference: list[int], start: int) -> None:
+        self.reference, self.start = reference, start
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        pass
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        at = len(tokens) - self.start
+        out = self.reference[at : at + n]
+        return Draft(mx.array(out, dtype=mx.uint32), len(out), "model")
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        pass
+
+
+def test_a_paused_draft_model_whose_trials_would_lose_never_runs_them(loaded: Loaded) -> None:
+    """Short pauses that keep ending: with an acceptance known to lose, each ends in another,
+    longer pause and not in a trial (no round drafts); with it unknown, the trial runs. The
+    tokens are plain decoding's either way."""
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=48)
+    rounds, paused = [], []
+    for history in (_history(18.0, 40.0), _history(1.0, 2.0)):
+        controller = DraftLengthController(
+            SLOW_DRAFT, 4, 0.59, history=history, source="model", pause_tokens=2, model_pause=2
+        )
+        gen = run(loaded, prompt, controller, _Reference(plain, len(prompt)))
+        assert gen.out == plain  # type: ignore[attr-defined]
+        rounds.append(gen.stats.rounds)
+        paused.append(gen.stats.paused)
+    assert rounds[0] == 0 and paused[0] == 1  # one pause, lengthened at each of its ends
+    assert rounds[1] > 0
