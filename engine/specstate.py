@@ -7,8 +7,8 @@ than the rest of the request can repay (a draft model that read nothing during t
 OFF, and the pairing's pause clock schedules the next trial at a later request's start. A
 trial the acceptance seen so far says loses (`hopeless`) is not run: another, longer pause.
 OFF: plain decoding to the end (no source, a source that failed, a target cache that cannot
-be trimmed, or a controller that gave up). The state belongs to the
-row, not to the way it is stepped: a row moving between solo and batched decoding keeps it.
+be trimmed, or a controller that gave up). The state belongs to the row, not to the way it is
+stepped: a row moving between solo and batched decoding keeps it.
 """
 
 from __future__ import annotations
