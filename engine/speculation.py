@@ -239,8 +239,8 @@ MODEL_ARM = "model"  # the arm of a mixed source (auto) judged on its own rounds
 # A draft model's trial is skipped where its best expected rate, at the acceptance seen over
 # this many rounds, is below this share of plain decoding's (`hopeless`). On an H200 the fat
 # 7B/0.5B pair's draft step costs 0.59 of a target step and a verify forward 1.5, so the draft
-# pays only above about 0.9 acceptance; sampled at 0.7 it accepted 0.44, and its trials cost
-# that method 5% of plain decoding's speed.
+# pays only above about 0.9 acceptance; sampled at 0.7 it accepted 0.44, drafted 1.7% of the
+# tokens and still ran at 0.95x of plain decoding.
 KNOWN_TRIES = 16
 HOPELESS = 0.8
 

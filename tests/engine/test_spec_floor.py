@@ -321,12 +321,13 @@ def test_a_pause_that_ends_into_a_declined_round_keeps_the_batch_pipelined(
         g.close()
 
 
-class _RightNowAndThen(DraftSource):
-    """Drafts of the right tokens, then nothing to propose for the next `gap` tokens."""
+class ReferenceDrafts(DraftSource):
+    """Drafts of the reference continuation (no model state to catch up after a pause), then
+    nothing to propose for the next `gap` tokens."""
 
-    name = "now-and-then"
+    name = "model"
 
-    def __init__(self, reference: list[int], start: int, gap: int) -> None:
+    def __init__(self, reference: list[int], start: int, gap: int = 0) -> None:
         self.reference, self.start, self.gap = reference, start, gap
         self.next_at = 0
 
@@ -357,7 +358,7 @@ def test_a_verify_round_queues_the_plain_round_after_it(
     plains = [generate(loaded.target, p, GREEDY, None, limit=40)[0] for p in texts]
     gens = []
     for prompt, plain in zip(texts, plains, strict=True):
-        source = _RightNowAndThen(plain, len(prompt), gap=7)
+        source = ReferenceDrafts(plain, len(prompt), gap=7)
         gen = Generation(
             loaded.target, prompt, GREEDY, set(), 40, Rng(0), source, FixedDraftLength(flat, 3)
         )

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import mlx.core as mx
-
 from mlxd.engine.drafting import (
     Draft,
     DraftSource,
@@ -18,6 +16,7 @@ from mlxd.engine.options import parse_options
 from mlxd.engine.sampling import Rng
 from mlxd.engine.speculation import Costs, DraftLengthController, SourceRecord, SpecHistory
 from tests.engine.conftest import Loaded
+from tests.engine.test_spec_floor import ReferenceDrafts
 from tests.engine.test_speculative import generate, prompts
 
 GREEDY = parse_options({"temperature": 0})
@@ -288,25 +287,6 @@ def test_a_trial_is_hopeless_only_where_the_acceptance_is_known_and_cannot_pay()
     assert not controller(_history(18.0, 40.0), cost=0.0).hopeless()  # free drafts: try them
 
 
-class _Reference(DraftSource):
-    """Drafts of the reference continuation, with no model state to catch up after a pause
-    (so a pause's end is a trial, not the end of speculation)."""
-
-    def __init__(self, reference: list[int], start: int) -> None:
-        self.reference, self.start = reference, start
-
-    def prefill(self, tokens: Sequence[int]) -> None:
-        pass
-
-    def propose(self, tokens: Sequence[int], n: int) -> Draft:
-        at = len(tokens) - self.start
-        out = self.reference[at : at + n]
-        return Draft(mx.array(out, dtype=mx.uint32), len(out), "model")
-
-    def accept(self, tokens: Sequence[int]) -> None:
-        pass
-
-
 def test_a_paused_draft_model_whose_trials_would_lose_never_runs_them(loaded: Loaded) -> None:
     """Short pauses that keep ending: with an acceptance known to lose, each ends in another,
     longer pause and not in a trial (no round drafts); with it unknown, the trial runs. The
@@ -318,7 +298,7 @@ def test_a_paused_draft_model_whose_trials_would_lose_never_runs_them(loaded: Lo
         controller = DraftLengthController(
             SLOW_DRAFT, 4, 0.59, history=history, source="model", pause_tokens=2, model_pause=2
         )
-        gen = run(loaded, prompt, controller, _Reference(plain, len(prompt)))
+        gen = run(loaded, prompt, controller, ReferenceDrafts(plain, len(prompt)))
         assert gen.out == plain  # type: ignore[attr-defined]
         rounds.append(gen.stats.rounds)
         paused.append(gen.stats.paused)
