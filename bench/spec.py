@@ -14,7 +14,10 @@ a ratio to plain). The fat pairs are slow on a CPU: keep --prompts and --tokens 
 
 Every method decodes exactly --tokens new tokens per prompt (EOS does not stop it), so the
 rates compare like with like. Times include the prompt prefill. Prints one table per
-temperature and the ratios the goals are stated in; --json writes the raw numbers.
+temperature and the ratios the goals are stated in; --json writes the raw numbers. Each table
+also counts mlxd's slow steps: those that took over `SLOW` times what the measured costs say
+(a draft model catching up on the context at a trial, a shape's first forward on a GPU), and
+the share of the method's time spent beyond those costs.
 """
 
 # ruff: noqa: E402  (the backend is configured before MLX is imported)
@@ -60,6 +63,8 @@ class Row:
     drafted: int = 0
     accepted: int = 0
     from_draft: int = 0
+    slow_steps: int = 0  # mlxd steps over SLOW x their measured cost (catch-ups, compiles)
+    slow_excess: float = 0.0  # seconds those steps took beyond that cost
 
     @property
     def rate(self) -> float:
@@ -73,7 +78,9 @@ class Row:
 def mlxd_run(
     target: nn.Module, draft: nn.Module, prompt: list[int], opts: SamplingOptions,
     method: str, tokens: int, costs: Costs, max_k: int, seed: int, history: SpecHistory,
-) -> tuple[int, int, int]:  # fmt: skip
+) -> tuple[int, int, int, int, float]:  # fmt: skip
+    """Tokens, drafted, accepted, and the steps that took over `SLOW` times what the measured
+    costs say they should (a trial's catch-up, a shape's first forward) with their excess."""
     rng = Rng(seed)
     source: DraftSource | None = None
     controller = None
@@ -91,8 +98,22 @@ def mlxd_run(
     gen = Generation(target, prompt, opts, set(), tokens, rng, source, controller)
     try:
         gen.prefill()
-        n = sum(len(new) for new in gen)
-        return n, gen.stats.drafted, gen.stats.accepted
+        n = slow = 0
+        excess = 0.0
+        step = iter(gen)
+        while True:
+            before, t0 = gen.stats.drafted, time.perf_counter()
+            new = next(step, None)
+            took = time.perf_counter() - t0
+            if new is None:
+                break
+            n += len(new)
+            k = gen.stats.drafted - before  # what the step should cost, by the measured costs
+            expected = costs.v(k + 1) + k * draft_cost if k else costs.plain
+            if took > SLOW * expected:
+                slow += 1
+                excess += took - expected
+        return n, gen.stats.drafted, gen.stats.accepted, slow, excess
     finally:
         gen.close()
 
@@ -114,6 +135,8 @@ def mlxlm_run(
         from_draft += int(is_draft)
     return n, from_draft
 
+
+SLOW = 3.0  # a step over this many times its measured cost is reported as slow
 
 FAT_TARGET = "3584,28,18944"  # hidden, layers, MLP: a Qwen2.5-7B-like target
 FAT_DRAFT = "896,24,4864"  # a Qwen2.5-0.5B-like draft
@@ -235,9 +258,11 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
                     out = run(name, prompt, i, temp)
                     row.seconds += time.perf_counter() - t0
                     row.tokens += out[0]
-                    if name.startswith("mlxd"):
+                    if name.startswith("mlxd") or name.startswith("plain"):
                         row.drafted += out[1]
                         row.accepted += out[2]
+                        row.slow_steps += out[3]
+                        row.slow_excess += out[4]
                     elif len(out) > 1:
                         row.from_draft += out[1]
             done = ", ".join(f"{name} {table[temp, name].rate:.1f}" for name in group)
@@ -267,13 +292,23 @@ def summary(rows: list[Row], temps: list[float], pairs: list[str]) -> None:
 def report(rows: list[Row], temp: float) -> None:
     plain = next(r for r in rows if r.method == "plain (mlxd)").rate
     print(f"\ntemperature {temp}")
-    print(f"{'method':<16}{'tok/s':>9}{'vs plain':>10}{'acceptance':>12}{'from draft':>12}")
+    print(
+        f"{'method':<16}{'tok/s':>9}{'vs plain':>10}{'acceptance':>12}{'from draft':>12}"
+        f"{'slow steps':>12}{'their excess':>14}"
+    )
     for r in rows:
         acc = f"{r.acceptance:.3f}" if r.drafted else "-"
         share = f"{r.from_draft / r.tokens:.3f}" if r.from_draft else (
             f"{r.accepted / r.tokens:.3f}" if r.drafted else "-"
         )  # fmt: skip
-        print(f"{r.method:<16}{r.rate:>9.1f}{r.rate / plain:>9.2f}x{acc:>12}{share:>12}")
+        ours = r.method.startswith(("mlxd", "plain"))
+        slow = f"{r.slow_steps:>12}{r.slow_excess / r.seconds:>13.1%}" if ours else ""
+        print(f"{r.method:<16}{r.rate:>9.1f}{r.rate / plain:>9.2f}x{acc:>12}{share:>12}{slow}")
+    print(
+        f"(slow steps: mlxd steps over {SLOW:g}x what the measured costs say (a plain step, or k"
+        " draft steps and a (k+1)-token verify), e.g. a draft catching up or a shape's first"
+        " forward; their excess: the time beyond that, as a share of the method's)"
+    )
     ours = max((r for r in rows if r.method.startswith("mlxd")), key=lambda r: r.rate)
     spec = [r for r in rows if r.method.startswith("mlx-lm k=")]
     floor = min(r.rate for r in rows if r.method.startswith("mlxd")) / plain
