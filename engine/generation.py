@@ -339,6 +339,9 @@ class Generation:
             y = next_tokens(
                 logits, self.tokens, [], self.opts, self.rng, len(self.tokens), g.bias_of(bits)
             )[0]
+            # queued on its own, so the device can run the choice while the host builds the
+            # next forward: one evaluation for both ran grammar decoding at 0.85x plain on an
+            # H200 start (0.94-0.95x this way, on another)
             mx.async_eval(y)
             if self.produced + 1 < self.limit and ahead():
                 self._queued = self._feed(y)
