@@ -326,10 +326,10 @@ def main() -> int:
     model = args.model.resolve()
     context = context_of(model)
     registry = work / "models.yaml"
-    fits = [s for s in sizes if s < context]
-    entries = f"models:\n  bench:\n    target: {model}\n"
-    if fits:  # the default row context is 4k
-        entries += f"    options:\n      num_ctx: {min(context, max(fits) + 64)}\n"
+    # the model's whole context (a row's default is 4k): the sizes that fit it, and the chat
+    # replay's growing conversation, which a shorter one would truncate (then it hits only
+    # the kept head)
+    entries = f"models:\n  bench:\n    target: {model}\n    options:\n      num_ctx: {context}\n"
     long_dir: Path | None = None
     if any(s >= context for s in sizes):
         if args.long_model is not None:
