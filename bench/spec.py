@@ -258,7 +258,7 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
                     out = run(name, prompt, i, temp)
                     row.seconds += time.perf_counter() - t0
                     row.tokens += out[0]
-                    if name.startswith("mlxd") or name.startswith("plain"):
+                    if name.startswith(("mlxd", "plain")):
                         row.drafted += out[1]
                         row.accepted += out[2]
                         row.slow_steps += out[3]
