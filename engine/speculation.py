@@ -452,7 +452,7 @@ class DraftLengthController:
             return False
         if self.tries[0] + self.prior_tries[0] < KNOWN_TRIES:
             return False
-        return self._best()[1] * self.costs.v(1) < HOPELESS
+        return self._best()[1] * self.costs.plain < HOPELESS
 
     def skip_trial(self) -> None:
         """A trial `hopeless` says loses is not run: it counts as lost (a longer pause)."""
