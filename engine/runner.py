@@ -69,6 +69,22 @@ class TestStall:
 TEST_STALL = TestStall()
 
 
+FIRST_WAIT = 0.003  # the longest a step waits for a stream's first event to be written
+
+
+class FirstOut:
+    """A stream's first event: the caller sets `written` once it has passed it on.
+
+    The runner's thread goes on building the next forward after handing events over, and a
+    thread busy in Python keeps the GIL for up to the switch interval (5 ms) before the event
+    loop can write anything. For a stream's first event (time to first token) the thread waits
+    instead, up to FIRST_WAIT, releasing the GIL; the device runs the forward queued meanwhile."""
+
+    def __init__(self) -> None:
+        self.written = threading.Event()
+        self.awaited = False  # a flush waits for it once
+
+
 class Outbox:
     """Events bound for callers' event loops, handed over once per scheduler step.
 
@@ -78,34 +94,47 @@ class Outbox:
 
     def __init__(self) -> None:
         self._held: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue[Event], Event]] = []
+        self._first: list[FirstOut] = []  # first events among those held
         self._lock = threading.Lock()
         self._closed = False  # abandoned runner: what its thread still sends is dropped
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._held = []
+            self._held, self._first = [], []
 
     def sender(
-        self, loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]
+        self,
+        loop: asyncio.AbstractEventLoop,
+        events: asyncio.Queue[Event],
+        first: FirstOut | None = None,
     ) -> Callable[[Event], None]:
         def send(event: Event) -> None:
             with self._lock:
-                if not self._closed:
-                    self._held.append((loop, events, event))
+                if self._closed:
+                    return
+                self._held.append((loop, events, event))
+                if first is not None and not first.awaited:
+                    first.awaited = True
+                    self._first.append(first)
 
         return send
 
     def flush(self) -> int:
-        """Hand the held events over; returns how many."""
+        """Hand the held events over (and wait, briefly, for first events to be written);
+        returns how many."""
         with self._lock:
             held, self._held = self._held, []
+            first, self._first = self._first, []
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue[Event], Event]]] = {}
         for loop, events, event in held:
             by_loop.setdefault(loop, []).append((events, event))
         for loop, items in by_loop.items():
             with contextlib.suppress(RuntimeError):  # that caller's loop is gone
                 loop.call_soon_threadsafe(_deliver, items)
+        deadline = time.monotonic() + FIRST_WAIT
+        for out in first:
+            out.written.wait(max(0.0, deadline - time.monotonic()))
         return len(held)
 
 
@@ -228,7 +257,8 @@ class PairingRunner:
         """Stream events for one request; closing the iterator cancels the generation."""
         events: asyncio.Queue[Event] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        emit = self._outbox.sender(loop, events)
+        first = FirstOut()
+        emit = self._outbox.sender(loop, events, first)
         key = id(events)
         with self._lock:
             taken = not self.abandoned
@@ -244,7 +274,8 @@ class PairingRunner:
         try:
             while True:
                 event = await events.get()
-                yield event
+                yield event  # returns once the caller has passed it on
+                first.written.set()
                 if isinstance(event, Done | Failed):
                     return
         finally:
