@@ -31,6 +31,7 @@ class Row:
     ns: Namespace  # the target's prefix-cache namespace
     batched: bool = False  # its K/V sit in the scheduler's batch cache
     unoffered: bool = False  # its prompt is read but not yet offered to the prefix cache
+    offered: int = 0  # tokens of its prompt in the prefix cache since its first token
     draft_revision: str = ""  # the draft model's prefix-cache attachments (with its adapter)
     release: list[Callable[[], None]] = field(default_factory=list)  # adapters it holds
 

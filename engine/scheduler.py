@@ -328,6 +328,7 @@ class Scheduler:
         prompt_len = len(row.request.prompt_tokens)
         rate = self.pairing.costs.recompute_rate
         offer_prompt(self.prefix, row.ns, row.gen, prompt_len, row.draft_revision, rate)
+        row.offered = prompt_len - 1
 
     def _insert(self, joining: list[Joining]) -> None:
         """Rows start decoding; those joining in one step enter the batch together."""
@@ -494,8 +495,8 @@ class Scheduler:
         """Offer finished rows' state to the prefix cache, then close them. A request that
         arrived meanwhile is read first (the loop calls this again once its prompt is
         queued: the offer's syncs then wait on work that prompt needs done anyway), unless
-        it would hit what a finished row holds: that row offers first (`hits_only`), so a
-        prompt sent again is restored, not recomputed."""
+        it would hit what only a finished row's offer adds: that row offers first
+        (`hits_only`), so a prompt sent again is restored, not recomputed."""
         if not self.finished:
             return
         self.flush()  # the responses go out before the cache work (a draft may catch up)
@@ -503,7 +504,7 @@ class Scheduler:
         if hits_only:
             prompts = [job.request.prompt_tokens for job in self.waiting]
             block = self.prefix.block
-            rows = [r for r in self.finished if any(_shares(r, p, block) for p in prompts)]
+            rows = [r for r in self.finished if any(_gains(r, p, block) for p in prompts)]
         else:
             rows = list(self.finished)
         for row in rows:
@@ -543,11 +544,15 @@ class Scheduler:
             row.job.done()
 
 
-def _shares(row: Row, prompt: Sequence[int], block: int) -> bool:
-    """Whether `prompt` begins as what `row` holds does, over its first prefix-cache block
-    (or all of it, when shorter): whether it could hit the row's blocks."""
-    first = row.gen.tokens[:block]
-    return bool(first) and list(prompt[: len(first)]) == list(first)
+def _gains(row: Row, prompt: Sequence[int], block: int) -> bool:
+    """Whether `prompt` could hit blocks that only `row`'s final offer inserts: it begins as
+    what the row holds does, over a first prefix-cache block (or all of it, when shorter)
+    and past the prompt the row offered after its first token. A prompt sent again right
+    after its answer (an editor's retry) hits that offer already: it does not wait on the
+    final one's slicing and syncs."""
+    held, looked_up = row.gen.tokens, prompt[:-1]  # a lookup reads all but the last token
+    n = max(min(block, len(held)), row.offered + 1)
+    return 0 < n <= min(len(held), len(looked_up)) and list(looked_up[:n]) == list(held[:n])
 
 
 def _revision(target: Any) -> str:

@@ -34,6 +34,10 @@ class _LoggedCache(PrefixCache):
         self.log.append("insert")
         super().insert(key, block, through)
 
+    def insert_tail(self, parent: str, tail: Any, key: str, block: Any) -> None:
+        self.log.append("tail")
+        super().insert_tail(parent, tail, key, block)
+
 
 @pytest.fixture
 def pairing(tiny_pair: TinyPair, backend: Backend) -> Pairing:
@@ -213,3 +217,33 @@ def test_every_part_of_the_loop_runs_on_the_schedulers_stream(pairing: Pairing) 
         scheduler.run()
     assert set(seen) == {"admit", "offer", "prefill", "step"}
     assert all(streams == {str(scheduler.stream)} for streams in seen.values()), seen
+
+
+def test_a_prompt_sent_again_does_not_wait_for_the_final_offer_it_cannot_hit(
+    pairing: Pairing,
+) -> None:
+    """A row offers its prompt after its first token; a request for the same prompt that
+    waited meanwhile hits those blocks, so it is read before the row's final offer (which adds
+    only the answer's blocks). A prompt that goes on into the answer still waits for them."""
+    two = parse_options({"temperature": 0, "num_predict": 2, "draft_method": "off"})
+    log: list[str] = []
+    cache = _LoggedCache(log)
+    events = _run_one_at_a_time(
+        pairing, cache, log, [GenerationRequest(PROMPT, two), GenerationRequest(PROMPT, two)]
+    )
+    second = [i for i, e in enumerate(log) if e == "prefill"][1]
+    assert log[:second].count("tail") == 1  # the prompt's partial block; the answer's came after
+    assert _cached(events) == [0, len(PROMPT) - 1]
+
+    answer = next(e.output_tokens for e in events if isinstance(e, Done))
+    longer = [*PROMPT, *answer, 11]
+    log = []
+    events = _run_one_at_a_time(
+        pairing,
+        _LoggedCache(log),
+        log,
+        [GenerationRequest(PROMPT, two), GenerationRequest(longer, two)],
+    )
+    second = [i for i, e in enumerate(log) if e == "prefill"][1]
+    assert log[:second].count("tail") == 2  # the answer's partial block came before it was read
+    assert _cached(events) == [0, len(PROMPT) + 1]  # all the first row's cache held
