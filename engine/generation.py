@@ -337,7 +337,13 @@ class Generation:
             if self.opts.top_logprobs is not None:
                 self._step_logits = logits
             y = next_tokens(
-                logits, self.tokens, [], self.opts, self.rng, len(self.tokens), g.bias_of(bits)
+                logits,
+                self.tokens,
+                [],
+                self.opts,
+                self.rng,
+                len(self.tokens),
+                g.bias_of(bits, logits.dtype),
             )[0]
             # queued on its own, so the device can run the choice while the host builds the
             # next forward: one evaluation for both ran grammar decoding at 0.85x plain on an

@@ -297,10 +297,10 @@ class Matcher:
             self.masks_forced += 1
         return self._row, only
 
-    def bias_of(self, bits: np.ndarray) -> mx.array:
+    def bias_of(self, bits: np.ndarray, dtype: mx.Dtype = mx.float32) -> mx.array:
         """`bias_of` over this matcher's vocabulary, its host time counted."""
         t0 = time.perf_counter()
-        out = bias_of(bits, self.vocab)
+        out = bias_of(bits, self.vocab, dtype)
         self.bias_seconds += time.perf_counter() - t0
         return out
 
@@ -326,22 +326,61 @@ def single_token(row: np.ndarray) -> int | None:
 _SHIFTS = mx.array(np.arange(32, dtype=np.uint32))
 
 
-def _unpack(words: mx.array, vocab: int) -> mx.array:
+def _unpack(words: mx.array, vocab: int, dtype: mx.Dtype = mx.float32) -> mx.array:
     rows = words.shape[0]
     allowed = ((words[:, :, None] >> _SHIFTS) & 1).reshape(rows, -1)[:, :vocab]
-    return mx.where(allowed, 0.0, -mx.inf)
+    return mx.where(allowed, 0.0, -mx.inf).astype(dtype)
 
 
-def bias_of(bits: np.ndarray, vocab: int) -> mx.array:
-    """Bitmask rows (R, words) as an additive (R, vocab) float32 bias. On a GPU it is unpacked
-    there, lazily: only vocab/32 words cross from the host (not compiled: on an H200 the
-    compiled unpack made grammar decoding 3x slower). On the CPU the device is the host: numpy
-    unpacks it in two vectorized passes and the bias is one ready array (five small MLX
+_UNPACK_SOURCE = """
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const size_t vocab = out_shape[1];
+    if (i >= out_shape[0] * vocab) return;
+    const size_t row = i / vocab, token = i % vocab;
+    const unsigned int word = words[row * words_shape[1] + (token >> 5)];
+    const float bias = ((word >> (token & 31)) & 1u) ? 0.0f : __int_as_float(0xff800000);
+    out[i] = static_cast<T>(bias);
+"""
+_unpack_kernel: Any = None
+
+
+def _unpack_cuda(words: mx.array, vocab: int, dtype: mx.Dtype) -> mx.array:
+    """`_unpack` in one kernel: a masked step's choice is a handful of launches, each of which
+    costs the host more than the device (the operations took 6, with three scalar uploads)."""
+    global _unpack_kernel
+    if _unpack_kernel is None:
+        _unpack_kernel = mx.fast.cuda_kernel(
+            name="mlxd_grammar_bias", input_names=["words"], output_names=["out"],
+            source=_UNPACK_SOURCE,
+        )  # fmt: skip
+    rows = words.shape[0]
+    threads = 256
+    (out,) = _unpack_kernel(
+        inputs=[words], template=[("T", dtype)],
+        grid=(-(-rows * vocab // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(rows, vocab)], output_dtypes=[dtype],
+    )  # fmt: skip
+    return out
+
+
+def _cuda() -> bool:
+    cuda = getattr(mx, "cuda", None)
+    return bool(cuda is not None and cuda.is_available())
+
+
+def bias_of(bits: np.ndarray, vocab: int, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """Bitmask rows (R, words) as an additive (R, vocab) bias in `dtype` (the logits' own: no
+    cast when it is added). On a GPU it is unpacked there, lazily: only vocab/32 words cross
+    from the host; on MLX's CUDA build in one kernel (not `mx.compile`d operations: on an H200
+    the compiled unpack made grammar decoding 3x slower). On the CPU the device is the host:
+    numpy unpacks it in two vectorized passes and the bias is one ready array (five small MLX
     operations cost more there). No loop visits the vocabulary."""
     if mx.default_device().type == mx.DeviceType.gpu:
-        return _unpack(mx.array(bits.view(np.uint32)), vocab)
+        words = mx.array(bits.view(np.uint32))
+        return _unpack_cuda(words, vocab, dtype) if _cuda() else _unpack(words, vocab, dtype)
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
-    return mx.array(np.where(allowed, np.float32(0.0), np.float32(-np.inf)))
+    zero, masked = np.float32(0.0), np.float32(-np.inf)
+    return mx.array(np.where(allowed, zero, masked)).astype(dtype)
 
 
 @dataclass(frozen=True)

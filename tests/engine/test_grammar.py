@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxd.engine.attention import cuda_available
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.forced import ForcedDraftSource
 from mlxd.engine.generation import Generation
@@ -23,6 +24,7 @@ from mlxd.engine.grammar import (
     Matcher,
     _compiled,
     _unpack,
+    _unpack_cuda,
     bias_of,
     closed,
     compile_grammar,
@@ -219,7 +221,13 @@ def test_bias_unpacks_the_bitmask_on_either_path(vocab: int) -> None:
         for r in range(3)
     ]
     assert bias_of(bits, vocab).tolist() == want
-    assert _unpack(mx.array(bits.view(np.uint32)), vocab).tolist() == want
+    packed = mx.array(bits.view(np.uint32))
+    for dtype in (mx.float32, mx.bfloat16):
+        assert _unpack(packed, vocab, dtype).tolist() == want
+        if cuda_available():  # the one-kernel unpack
+            with mx.stream(mx.gpu):
+                got = _unpack_cuda(packed, vocab, dtype)
+            assert got.dtype == dtype and got.tolist() == want
     one = np.zeros(words, dtype=np.int32)
     one[(vocab - 1) >> 5] = np.int32(np.uint32(1 << ((vocab - 1) & 31)).view(np.int32))
     assert single_token(one) == vocab - 1
