@@ -334,8 +334,8 @@ def _unpack(words: mx.array, vocab: int, dtype: mx.Dtype = mx.float32) -> mx.arr
 
 _UNPACK_SOURCE = """
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    const size_t vocab = out_shape[1];
-    if (i >= out_shape[0] * vocab) return;
+    const size_t vocab = VOCAB;
+    if (i >= words_shape[0] * vocab) return;
     const size_t row = i / vocab, token = i % vocab;
     const unsigned int word = words[row * words_shape[1] + (token >> 5)];
     const float bias = ((word >> (token & 31)) & 1u) ? 0.0f : __int_as_float(0xff800000);
@@ -356,7 +356,7 @@ def _unpack_cuda(words: mx.array, vocab: int, dtype: mx.Dtype) -> mx.array:
     rows = words.shape[0]
     threads = 256
     (out,) = _unpack_kernel(
-        inputs=[words], template=[("T", dtype)],
+        inputs=[words], template=[("T", dtype), ("VOCAB", vocab)],
         grid=(-(-rows * vocab // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(rows, vocab)], output_dtypes=[dtype],
     )  # fmt: skip
