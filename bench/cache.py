@@ -16,7 +16,7 @@ What one run does:
    near 4 minutes; the target has 8).
 2. Per size: a raw prompt of exactly that many tokens (held-out code, tagged so it is new to
    the cache) is sent twice with `stream: true`: cold, then warm from RAM. TTFT is the time from
-   sending the request to the first NDJSON line, as a client sees it.
+   sending the request to the first NDJSON line, as a client in its own process sees it.
 3. A chat replay: `--turns` turns, each the previous conversation + the reply + a new user
    message; hit rate = cached prompt tokens / prompt tokens over turns 2..N.
 4. The daemon shuts down (which persists its RAM blocks), a second daemon opens the same cache
@@ -34,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 import threading
@@ -94,6 +95,7 @@ class Daemon:
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.url = f"http://127.0.0.1:{self.port}"
         self.lookups: list[tuple[int, float]] = []  # (bytes, seconds) of each prefix lookup
+        self.client: Client  # started with the daemon
         prefix = self.state.manager.prefix
         assert prefix is not None
         self.prefix = prefix
@@ -108,6 +110,7 @@ class Daemon:
         prefix.lookup_keyed = timed_lookup  # type: ignore[method-assign]
 
     def __enter__(self) -> Daemon:
+        self.client = Client()
         self.thread.start()
         deadline = time.monotonic() + 600
         while not self.server.started:
@@ -117,8 +120,65 @@ class Daemon:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.client.close()
         self.server.should_exit = True
         self.thread.join(600)
+
+
+# A user's client runs in its own process: one in this process would take the GIL from the
+# daemon's threads and read each line late (2-3 ms after it was written, on an H200's host).
+# It times the request itself and sends the raw lines back, parsed here, untimed.
+CLIENT = r"""
+import json, sys, time
+import httpx
+with httpx.Client(timeout=None) as client:
+    for job in sys.stdin:
+        job = json.loads(job)
+        lines, first = [], None
+        try:
+            t0 = time.perf_counter()
+            with client.stream("POST", job["url"], json=job["body"]) as r:
+                if r.status_code != 200:
+                    out = {"error": f"HTTP {r.status_code}: {r.read().decode()}"}
+                else:
+                    for line in r.iter_lines():
+                        if line:
+                            first = first or time.perf_counter()
+                            lines.append(line)
+                    done = time.perf_counter()
+                    out = {"ttft": first and first - t0, "total": done - t0, "lines": lines}
+        except Exception as exc:
+            out = {"error": repr(exc)}
+        print(json.dumps(out), flush=True)
+"""
+
+
+class Client:
+    """The HTTP client process: one streamed request at a time, as JSON lines over pipes."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", CLIENT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True,
+        )  # fmt: skip
+
+    def request(self, url: str, body: dict[str, Any]) -> dict[str, Any]:
+        """{"ttft", "total", "lines"} or {"error"}."""
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps({"url": url, "body": body}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the client process ended")
+        return dict(json.loads(line))
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
 
 
 # -- requests ----------------------------------------------------------------------------------
@@ -137,34 +197,24 @@ class Timed:
     final: dict[str, Any] = field(repr=False)
 
 
-def stream(daemon: Daemon, path: str, body: dict[str, Any], timeout: float = 1800.0) -> Timed:
-    import httpx
-
+def stream(daemon: Daemon, path: str, body: dict[str, Any]) -> Timed:
     daemon.lookups.clear()
+    got = daemon.client.request(daemon.url + path, {**body, "stream": True})
+    if "error" in got:
+        raise RuntimeError(f"{path}: {got['error']}")
     text: list[str] = []
-    first = None
     final: dict[str, Any] = {}
-    with httpx.Client(timeout=timeout) as client:  # built untimed: an SSL context costs ~50 ms
-        t0 = time.perf_counter()
-        with client.stream("POST", daemon.url + path, json={**body, "stream": True}) as r:
-            if r.status_code != 200:
-                raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.read().decode()}")
-            for line in r.iter_lines():
-                if not line:
-                    continue
-                if first is None:
-                    first = time.perf_counter()
-                obj = json.loads(line)
-                if "error" in obj:
-                    raise RuntimeError(f"{path}: {obj['error']}")
-                text.append(obj.get("response") or obj.get("message", {}).get("content", ""))
-                if obj.get("done"):
-                    final = obj
-    end = time.perf_counter()
-    assert first is not None and final, "empty stream"
+    for line in got["lines"]:
+        obj = json.loads(line)
+        if "error" in obj:
+            raise RuntimeError(f"{path}: {obj['error']}")
+        text.append(obj.get("response") or obj.get("message", {}).get("content", ""))
+        if obj.get("done"):
+            final = obj
+    assert got["ttft"] is not None and final, "empty stream"
     return Timed(
-        ttft=first - t0,
-        total=end - t0,
+        ttft=got["ttft"],
+        total=got["total"],
         prompt_tokens=int(final["prompt_eval_count"]),
         cached_tokens=int(final.get("prompt_cache_tokens", 0)),
         prefill=final["prompt_eval_duration"] / 1e9,
