@@ -25,6 +25,8 @@ import llguidance
 import mlx.core as mx
 import numpy as np
 
+from mlxd.engine.attention import cuda_available
+
 GrammarKind = Literal["json", "json_schema", "lark", "regex"]
 KINDS: tuple[str, ...] = ("json", "json_schema", "lark", "regex")
 
@@ -363,11 +365,6 @@ def _unpack_cuda(words: mx.array, vocab: int, dtype: mx.Dtype) -> mx.array:
     return out
 
 
-def _cuda() -> bool:
-    cuda = getattr(mx, "cuda", None)
-    return bool(cuda is not None and cuda.is_available())
-
-
 def bias_of(bits: np.ndarray, vocab: int, dtype: mx.Dtype = mx.float32) -> mx.array:
     """Bitmask rows (R, words) as an additive (R, vocab) bias in `dtype` (the logits' own: no
     cast when it is added). On a GPU it is unpacked there, lazily: only vocab/32 words cross
@@ -377,7 +374,7 @@ def bias_of(bits: np.ndarray, vocab: int, dtype: mx.Dtype = mx.float32) -> mx.ar
     operations cost more there). No loop visits the vocabulary."""
     if mx.default_device().type == mx.DeviceType.gpu:
         words = mx.array(bits.view(np.uint32))
-        return _unpack_cuda(words, vocab, dtype) if _cuda() else _unpack(words, vocab, dtype)
+        return (_unpack_cuda if cuda_available() else _unpack)(words, vocab, dtype)
     allowed = np.unpackbits(bits.view(np.uint8), axis=1, count=vocab, bitorder="little")
     zero, masked = np.float32(0.0), np.float32(-np.inf)
     return mx.array(np.where(allowed, zero, masked)).astype(dtype)
