@@ -12,6 +12,7 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 
+from mlxd.engine import generation
 from mlxd.engine.drafting import Draft, DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import SamplingOptions, parse_options
@@ -117,6 +118,37 @@ def test_rounds_only_where_lookup_has_a_draft(loaded: Loaded, opts: SamplingOpti
         asked += sum(1 for want, _ in source.proposals if want > 0)
         assert gen.stats.rounds == sum(1 for _, got in source.proposals if got > 0)
     assert asked > 0
+
+
+def test_a_fresh_step_reads_its_token_before_it_queues_the_next_forward(
+    loaded: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's first token (nothing in flight) is on the host before the next forward is
+    built: on a GPU, queued first, that forward ran before the token could be read. Later
+    steps stay pipelined, and the tokens are plain decoding's."""
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=12)
+    order: list[str] = []
+    evaluate, forward_one = generation.mx.eval, Generation._forward_one
+
+    def evaluated(*args: object) -> None:
+        order.append("read")
+        evaluate(*args)
+
+    def forward(self: Generation, tok: mx.array, position: int) -> mx.array:
+        order.append("next forward")
+        return forward_one(self, tok, position)
+
+    monkeypatch.setattr(generation.mx, "eval", evaluated)
+    monkeypatch.setattr(Generation, "_forward_one", forward)
+    gen = Generation(loaded.target, prompt, GREEDY, set(), 12, Rng(0))
+    gen.prefill()
+    order.clear()
+    first = gen.step()
+    assert order == ["read", "next forward"]
+    rest = [t for new in gen for t in new]
+    assert "read" not in order[2:]  # the steps after it read the token queued a step ahead
+    assert first + rest == plain
 
 
 def test_greedy_parity_with_penalties(loaded: Loaded) -> None:
