@@ -61,6 +61,11 @@ def _run(
     return events
 
 
+def _second_read(log: list[str]) -> int:
+    """Where in the log the second prompt was read."""
+    return [i for i, e in enumerate(log) if e == "prefill"][1]
+
+
 def _cached(events: list[Event]) -> list[int]:
     return [e.cached_tokens for e in events if isinstance(e, Done)]
 
@@ -161,7 +166,7 @@ def test_a_finished_row_offers_after_a_waiting_prompt_is_read_unless_it_would_hi
         [GenerationRequest(PROMPT, one), GenerationRequest(other, one)],
     )
     assert log.count("prefill") == 2 and "insert" in log
-    assert log.index("insert") > [i for i, e in enumerate(log) if e == "prefill"][1]
+    assert log.index("insert") > _second_read(log)
 
     log = []
     events = _run_one_at_a_time(
@@ -170,7 +175,7 @@ def test_a_finished_row_offers_after_a_waiting_prompt_is_read_unless_it_would_hi
         log,
         [GenerationRequest(PROMPT, one), GenerationRequest(PROMPT, one)],
     )
-    assert log.index("insert") < [i for i, e in enumerate(log) if e == "prefill"][1]
+    assert log.index("insert") < _second_read(log)
     assert _cached(events) == [0, len(PROMPT) - 1]
 
 
@@ -231,7 +236,7 @@ def test_a_prompt_sent_again_does_not_wait_for_the_final_offer_it_cannot_hit(
     events = _run_one_at_a_time(
         pairing, cache, log, [GenerationRequest(PROMPT, two), GenerationRequest(PROMPT, two)]
     )
-    second = [i for i, e in enumerate(log) if e == "prefill"][1]
+    second = _second_read(log)
     assert log[:second].count("tail") == 1  # the prompt's partial block; the answer's came after
     assert _cached(events) == [0, len(PROMPT) - 1]
 
@@ -244,6 +249,6 @@ def test_a_prompt_sent_again_does_not_wait_for_the_final_offer_it_cannot_hit(
         log,
         [GenerationRequest(PROMPT, two), GenerationRequest(longer, two)],
     )
-    second = [i for i, e in enumerate(log) if e == "prefill"][1]
+    second = _second_read(log)
     assert log[:second].count("tail") == 2  # the answer's partial block came before it was read
     assert _cached(events) == [0, len(PROMPT) + 1]  # all the first row's cache held
