@@ -86,11 +86,11 @@ def mlxd_run(
     controller = None
     draft_cost = costs.draft_step
     if method == "model":
-        source = ModelDraftSource(draft, opts, rng)
+        source = ModelDraftSource(draft, opts, rng, costs)
     elif method == "lookup":
         source, draft_cost = LookupDraftSource(), 0.0
     elif method == "auto":
-        source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft, opts, rng))
+        source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft, opts, rng, costs))
     if source is not None:
         controller = DraftLengthController(
             costs, max_k, draft_cost, history=history, source=source.name, regime=opts.regime

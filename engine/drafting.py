@@ -20,6 +20,7 @@ from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.prefill import feed
 from mlxd.engine.sampling import Rng, next_tokens, to_int, to_ints
+from mlxd.engine.speculation import Costs
 
 
 @dataclass
@@ -87,15 +88,47 @@ class DraftSource(ABC):
         """Release arrays and caches."""
 
 
+@dataclass(frozen=True)
+class DraftGate:
+    """Where a draft model's chain stops short of the k its controller asked for: the next
+    draft is worth a token only if it and every draft before it are accepted, so once the
+    chance that the drafts so far all are (`reach`, the product of the draft's own
+    probabilities of its tokens) times a plain step is less than what one more draft costs (a
+    draft step and one token more to verify), the chain ends there. The draft's probability
+    predicts acceptance well: greedy drafts of the code pair were accepted 37% of the time
+    below 0.2, 77% at 0.4-0.5 and 100% above 0.9."""
+
+    costs: Costs
+
+    def goes_on(self, reach: float, drafted: int) -> bool:
+        costs = self.costs
+        more = costs.draft_step + costs.v(drafted + 2) - costs.v(drafted + 1)
+        return reach * costs.plain >= more
+
+
+def confidence(logits: mx.array, tok: mx.array, opts: SamplingOptions) -> mx.array:
+    """The draft's probability of `tok` after `logits` (1, V), at the request's temperature
+    (greedy: the plain softmax): lazy, (1, 1)."""
+    scaled = logits.astype(mx.float32)
+    if not opts.greedy:
+        scaled = scaled / opts.temperature
+    probs = mx.softmax(scaled, axis=-1)
+    return mx.take_along_axis(probs, tok.reshape(1, 1).astype(mx.int32), axis=-1)
+
+
 class ModelDraftSource(DraftSource):
-    """A standalone draft model with its own KV cache, kept in step with committed tokens."""
+    """A standalone draft model with its own KV cache, kept in step with committed tokens.
+    With measured `costs`, a chain stops early where its next draft cannot pay (`DraftGate`)."""
 
     name = "model"
 
-    def __init__(self, model: nn.Module, opts: SamplingOptions, rng: Rng) -> None:
+    def __init__(
+        self, model: nn.Module, opts: SamplingOptions, rng: Rng, costs: Costs | None = None
+    ) -> None:
         self.model = model
         self.opts = opts
         self.rng = rng
+        self.gate = DraftGate(costs) if costs is not None and costs.draft_step > 0 else None
         self.cache: list[Any] = make_cache(model)
         self.cached: list[int] = []  # tokens whose K/V are in self.cache
         self._drafts: mx.array | None = None
@@ -135,19 +168,28 @@ class ModelDraftSource(DraftSource):
         eager = self.opts.has_penalties  # penalties need each draft on the host
         drafted: list[mx.array] = []
         host: list[int] = []
+        reach = 1.0
         for i in range(n):
             # the same position noise as the target's: where q is near p, the choices agree
             tok = next_tokens(logits, tokens, host, self.opts, self.rng, len(tokens) + i)
             drafted.append(tok)
+            last = i == n - 1
+            gate = self.gate if not last else None
+            sure = confidence(logits, tok, self.opts) if gate is not None else None
             if eager:
                 host.append(to_int(tok))
             else:  # the device runs this draft step while the host builds the next one
-                mx.async_eval(tok)
-            if i < n - 1:
-                logits = self.model(tok[None], cache=self.cache)[0, -1:, :]
-                self._fed += 1
+                mx.async_eval(tok, *([sure] if sure is not None else []))
+            if last:
+                break
+            if gate is not None and sure is not None:  # read once this step is done
+                reach *= float(sure.item())  # type: ignore[arg-type]
+                if not gate.goes_on(reach, i + 1):
+                    break
+            logits = self.model(tok[None], cache=self.cache)[0, -1:, :]
+            self._fed += 1
         self._drafts = mx.concatenate(drafted).astype(mx.uint32)
-        return Draft(self._drafts, n, self.name)
+        return Draft(self._drafts, len(drafted), self.name)
 
     def accept(self, tokens: Sequence[int]) -> None:
         fed = to_ints(self._drafts[: self._fed]) if self._drafts is not None and self._fed else []

@@ -17,7 +17,7 @@ from mlxd.engine import rowpad
 from mlxd.engine.adapters import DEFAULT_ADAPTER_BYTES, AdapterSet
 from mlxd.engine.backend import Backend
 from mlxd.engine.context import row_context
-from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
+from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource, confidence
 from mlxd.engine.fusedproj import fuse_gate_up
 from mlxd.engine.generation import Generation
 from mlxd.engine.kvcache import batch_type, make_cache, plain_kv, set_bucket
@@ -267,6 +267,9 @@ def warm_up(
     prompt = [0, 1, 2, 3] * 4
     for options in WARM_SAMPLING if bucketed(target) else WARM_SAMPLING[:2]:
         opts = parse_options({**options, "seed": 0})
+        if draft is not None:  # a draft chain's read of its probabilities (`DraftGate`)
+            logits = draft(mx.array([prompt]))[0, -1:, :]
+            mx.eval(confidence(logits, mx.argmax(logits, axis=-1), opts))
         for k in range(1, max_k + 1):
             sources: list[DraftSource] = [LookupDraftSource(4, 1)]
             if draft is not None:

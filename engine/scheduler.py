@@ -90,9 +90,10 @@ def make_draft_source(
     elif method == "lookup" or pairing.draft is None:
         source, draft_cost = LookupDraftSource(), 0.0
     elif method == "model":
-        source = ModelDraftSource(draft_model, opts, rng)
+        source = ModelDraftSource(draft_model, opts, rng, pairing.costs)
     else:
-        source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft_model, opts, rng))
+        model = ModelDraftSource(draft_model, opts, rng, pairing.costs)
+        source = HybridDraftSource(LookupDraftSource(), model)
     if grammar is not None and method != "forced":
         source = ForcedDraftSource(grammar, source)
     controller = DraftLengthController(

@@ -13,7 +13,13 @@ import pytest
 from mlx_lm.models import llama
 
 from mlxd.engine import generation
-from mlxd.engine.drafting import Draft, DraftSource, LookupDraftSource, ModelDraftSource
+from mlxd.engine.drafting import (
+    Draft,
+    DraftGate,
+    DraftSource,
+    LookupDraftSource,
+    ModelDraftSource,
+)
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.sampling import Rng
@@ -22,6 +28,9 @@ from tests.engine.conftest import Loaded
 
 # Costs that make speculation always look worthwhile, so the tests exercise it every round.
 CHEAP = Costs(verify={w: 1.0 for w in range(1, 10)}, draft_step=0.01)
+# A draft step half a target step: a chain goes on only while its drafts look at least 50%
+# likely to be accepted, all of them (`DraftGate`)
+DEAR = Costs(verify={w: 1.0 for w in range(1, 10)}, draft_step=0.5)
 
 
 def prompts(tokenizer: object, n: int = 50) -> list[list[int]]:
@@ -88,6 +97,50 @@ def test_greedy_parity_over_50_prompts(loaded: Loaded, method: str) -> None:
     assert rounds > 0
     if method == "self":
         assert accepted > 0.9 * rounds * 1  # a draft equal to the target is almost always right
+
+
+def test_a_draft_chain_goes_on_only_where_its_next_draft_can_pay() -> None:
+    """One more draft is worth a plain step times the chance that it and every draft before
+    it are accepted, and costs a draft step plus the verify's growth by one token."""
+    flat = DraftGate(DEAR)
+    assert flat.goes_on(0.5, 1) and flat.goes_on(0.9, 3)
+    assert not flat.goes_on(0.49, 1)
+    growing = DraftGate(Costs(verify={1: 1.0, 2: 1.1, 3: 1.4}, draft_step=0.5))
+    # a second draft widens the verify from 2 to 3 tokens, 0.3 more: 0.8 of a plain step
+    assert growing.goes_on(0.8, 1) and not growing.goes_on(0.79, 1)
+
+
+class _Recording(ModelDraftSource):
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.proposals: list[tuple[int, int]] = []  # (asked for, proposed)
+
+    def propose(self, tokens: Sequence[int], n: int) -> Draft:
+        draft = super().propose(tokens, n)
+        self.proposals.append((n, draft.count))
+        return draft
+
+
+@pytest.mark.parametrize("drafter", ["self", "weak"])
+def test_a_gated_draft_chain_stops_early_and_stays_lossless(loaded: Loaded, drafter: str) -> None:
+    """With a draft step half a target step, chains end where the draft doubts its tokens: the
+    output is still plain decoding's, and a draft equal to the target (its cache kept in step
+    with what it fed) has every draft accepted."""
+    model = loaded.target if drafter == "self" else loaded.draft
+    cut = rounds = drafted = accepted = 0
+    for prompt in prompts(loaded.tokenizer, 12):
+        plain, _ = generate(loaded.target, prompt, GREEDY, None)
+        source = _Recording(model, GREEDY, Rng(0), DEAR)
+        spec, gen = generate(loaded.target, prompt, GREEDY, source)
+        assert spec == plain
+        assert all(1 <= got <= asked for asked, got in source.proposals)
+        cut += sum(got < asked for asked, got in source.proposals)
+        rounds += gen.stats.rounds
+        drafted += gen.stats.drafted
+        accepted += gen.stats.accepted
+    assert rounds > 0 and cut > 0
+    if drafter == "self":
+        assert accepted == drafted
 
 
 class _RecordingLookup(LookupDraftSource):
@@ -286,7 +339,7 @@ def exact_pair_distribution(
     return out
 
 
-@pytest.mark.parametrize("method", ["model", "lookup"])
+@pytest.mark.parametrize("method", ["model", "gated", "lookup"])
 def test_sampled_distribution_matches_target(method: str) -> None:
     vocab = 5
     target = tiny_vocab_model(11, vocab)
@@ -301,7 +354,9 @@ def test_sampled_distribution_matches_target(method: str) -> None:
         opts = parse_options({**base, "seed": seed})
         rng = Rng(seed)
         source: DraftSource = (
-            ModelDraftSource(draft, opts, rng) if method == "model" else LookupDraftSource(2, 1)
+            LookupDraftSource(2, 1)
+            if method == "lookup"
+            else ModelDraftSource(draft, opts, rng, DEAR if method == "gated" else None)
         )
         controller = DraftLengthController(CHEAP, 2, 0.01)
         gen = Generation(target, prompt, opts, set(), 3, rng, source, controller)
@@ -310,7 +365,8 @@ def test_sampled_distribution_matches_target(method: str) -> None:
         drafted += gen.stats.drafted
         gen.close()
         counts[(out[0], out[1])] += 1
-    assert drafted >= 2 * trials  # two drafts in the first round of every trial
+    # two drafts in the first round of every trial; gated, the first draft at least
+    assert drafted >= (trials if method == "gated" else 2 * trials)
     stat, df = 0.0, 0
     for cell, p in expected.items():
         e = p * trials
