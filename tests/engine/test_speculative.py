@@ -110,15 +110,21 @@ def test_a_draft_chain_goes_on_only_where_its_next_draft_can_pay() -> None:
     assert growing.goes_on(0.8, 1) and not growing.goes_on(0.79, 1)
 
 
-class _Recording(ModelDraftSource):
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.proposals: list[tuple[int, int]] = []  # (asked for, proposed)
+class _Records(DraftSource):
+    """A source that keeps each round's (asked for, proposed) counts."""
+
+    def __init__(self, *args: object) -> None:
+        super().__init__(*args)
+        self.proposals: list[tuple[int, int]] = []
 
     def propose(self, tokens: Sequence[int], n: int) -> Draft:
         draft = super().propose(tokens, n)
         self.proposals.append((n, draft.count))
         return draft
+
+
+class _Recording(_Records, ModelDraftSource):
+    pass
 
 
 @pytest.mark.parametrize("drafter", ["self", "weak"])
@@ -143,15 +149,8 @@ def test_a_gated_draft_chain_stops_early_and_stays_lossless(loaded: Loaded, draf
         assert accepted == drafted
 
 
-class _RecordingLookup(LookupDraftSource):
-    def __init__(self) -> None:
-        super().__init__()
-        self.proposals: list[tuple[int, int]] = []  # (asked for, proposed)
-
-    def propose(self, tokens: Sequence[int], n: int) -> Draft:
-        draft = super().propose(tokens, n)
-        self.proposals.append((n, draft.count))
-        return draft
+class _RecordingLookup(_Records, LookupDraftSource):
+    pass
 
 
 PENALTIES = parse_options({"temperature": 0, "repeat_penalty": 1.3, "presence_penalty": 0.5})
