@@ -27,9 +27,9 @@ import mlx.nn as nn
 
 from mlxd.engine import kvcache
 from mlxd.engine.adapters import AdaptedModel, selecting
-from mlxd.engine.drafting import Draft, ModelDraftSource
+from mlxd.engine.drafting import Draft, ModelDraftSource, confidence
 from mlxd.engine.options import parse_options
-from mlxd.engine.sampling import Rng, choose, to_ints
+from mlxd.engine.sampling import Rng, choose, to_floats, to_ints
 
 COMPACT = 64  # positions of left padding shared by every row before the cache cuts them
 
@@ -148,31 +148,45 @@ class DraftBatch:
 
     def propose(self, tokens: Sequence[Sequence[int]], counts: Sequence[int]) -> list[Draft]:
         """Up to `counts[i]` drafts for row i after its committed `tokens[i]`, in one forward
-        per draft step for all rows (a row asking for 0 catches up and rides along)."""
+        per draft step for all rows (a row asking for 0 catches up and rides along). With the
+        rows' measured costs, the chain stops where one more step cannot pay for the rows
+        still drafting (`DraftGate`)."""
         rows = len(self.sources)
         steps = max(counts)
+        gate = next((s.gate for s in self.sources if s.gate is not None), None)
+        reach = [1.0] * rows
         logits = self._catch_up(tokens)
         columns: list[mx.array] = []
         for j in range(steps):
             tok = self._sample(logits, tokens, j)
             columns.append(tok)
-            mx.async_eval(tok)  # the device runs this step while the host builds the next
-            if j < steps - 1:
-                with selecting([s.model for s in self.sources]):
-                    logits = self.model(tok[:, None], cache=self.cache)[:, -1, :]
-                self.forwards += 1
-                self.held = [h + 1 for h in self.held]
-        drafted = mx.stack(columns, axis=1)  # (rows, steps)
+            last = j == steps - 1
+            opts = [s.opts for s in self.sources]
+            sure = confidence(logits, tok, opts) if gate is not None and not last else None
+            # the device runs this step while the host builds the next
+            mx.async_eval(tok, *([sure] if sure is not None else []))
+            if last:
+                break
+            if gate is not None and sure is not None:  # read once this step is done
+                reach = [r * p for r, p in zip(reach, to_floats(sure), strict=True)]
+                going = [r for r, n in zip(reach, counts, strict=True) if n > j + 1]
+                if not gate.goes_on(going, j + 1):
+                    break
+            with selecting([s.model for s in self.sources]):
+                logits = self.model(tok[:, None], cache=self.cache)[:, -1, :]
+            self.forwards += 1
+            self.held = [h + 1 for h in self.held]
+        drafted = mx.stack(columns, axis=1)  # (rows, steps run)
         out = []
         for i in range(rows):
-            s, n = self.sources[i], counts[i]
+            s, n = self.sources[i], min(counts[i], len(columns))
             s.cached = list(tokens[i])
             if n <= 0:
                 s._drafts, s._fed = None, 0
                 out.append(Draft.empty(s.name))
                 continue
             # every fed draft is in this row's cache: a bonus token equal to one keeps its K/V
-            s._drafts, s._fed = drafted[i], steps - 1
+            s._drafts, s._fed = drafted[i], len(columns) - 1
             out.append(Draft(drafted[i, :n], n, s.name))
         return out
 

@@ -19,7 +19,7 @@ from mlx_lm.models.cache import trim_prompt_cache
 from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.prefill import feed
-from mlxd.engine.sampling import Rng, next_tokens, to_int, to_ints
+from mlxd.engine.sampling import Rng, next_tokens, to_floats, to_int, to_ints
 from mlxd.engine.speculation import Costs
 
 
@@ -93,27 +93,32 @@ class DraftGate:
     """Where a draft model's chain stops short of the k its controller asked for: the next
     draft is worth a token only if it and every draft before it are accepted, so once the
     chance that the drafts so far all are (`reach`, the product of the draft's own
-    probabilities of its tokens) times a plain step is less than what one more draft costs (a
-    draft step and one token more to verify), the chain ends there. The draft's probability
-    predicts acceptance well: greedy drafts of the code pair were accepted 37% of the time
-    below 0.2, 77% at 0.4-0.5 and 100% above 0.9."""
+    probabilities of its tokens) times what a token is worth is less than what one more draft
+    costs (a draft step and one token more to verify, for every row), the chain ends there.
+    The draft's probability predicts acceptance well: greedy drafts of the code pair were
+    accepted 37% of the time below 0.2, 77% at 0.4-0.5 and 100% above 0.9."""
 
     costs: Costs
 
-    def goes_on(self, reach: float, drafted: int) -> bool:
-        costs = self.costs
-        more = costs.draft_step + costs.v(drafted + 2) - costs.v(drafted + 1)
-        return reach * costs.plain >= more
+    def goes_on(self, reaches: Sequence[float], drafted: int) -> bool:
+        """Whether the rows drafting together (one reach each; a lone row: one) draft once
+        more after `drafted` drafts: a token is worth its share of a plain round of as many
+        rows, one more draft step costs what a step of these rows does."""
+        costs, rows = self.costs, len(reaches)
+        worth = costs.plain * costs.v(rows) / costs.v(1) / rows
+        wider = costs.v(rows * (drafted + 2)) - costs.v(rows * (drafted + 1))
+        return sum(reaches) * worth >= costs.draft_rows(rows) + wider
 
 
-def confidence(logits: mx.array, tok: mx.array, opts: SamplingOptions) -> mx.array:
-    """The draft's probability of `tok` after `logits` (1, V), at the request's temperature
-    (greedy: the plain softmax): lazy, (1, 1)."""
+def confidence(logits: mx.array, tok: mx.array, opts: Sequence[SamplingOptions]) -> mx.array:
+    """Each row's draft probability of its token `tok[i]` after `logits[i]` (rows, V), at the
+    row's temperature (greedy: the plain softmax): lazy, (rows, 1)."""
     scaled = logits.astype(mx.float32)
-    if not opts.greedy:
-        scaled = scaled / opts.temperature
+    if not all(o.greedy for o in opts):
+        temps = [1.0 if o.greedy else o.temperature for o in opts]
+        scaled = scaled / mx.array(temps, dtype=mx.float32)[:, None]
     probs = mx.softmax(scaled, axis=-1)
-    return mx.take_along_axis(probs, tok.reshape(1, 1).astype(mx.int32), axis=-1)
+    return mx.take_along_axis(probs, tok.reshape(-1, 1).astype(mx.int32), axis=-1)
 
 
 class ModelDraftSource(DraftSource):
@@ -175,7 +180,7 @@ class ModelDraftSource(DraftSource):
             drafted.append(tok)
             last = i == n - 1
             gate = self.gate if not last else None
-            sure = confidence(logits, tok, self.opts) if gate is not None else None
+            sure = confidence(logits, tok, [self.opts]) if gate is not None else None
             if eager:
                 host.append(to_int(tok))
             else:  # the device runs this draft step while the host builds the next one
@@ -183,8 +188,8 @@ class ModelDraftSource(DraftSource):
             if last:
                 break
             if gate is not None and sure is not None:  # read once this step is done
-                reach *= float(sure.item())  # type: ignore[arg-type]
-                if not gate.goes_on(reach, i + 1):
+                reach *= to_floats(sure)[0]
+                if not gate.goes_on([reach], i + 1):
                     break
             logits = self.model(tok[None], cache=self.cache)[0, -1:, :]
             self._fed += 1

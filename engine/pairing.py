@@ -269,7 +269,7 @@ def warm_up(
         opts = parse_options({**options, "seed": 0})
         if draft is not None:  # a draft chain's read of its probabilities (`DraftGate`)
             logits = draft(mx.array([prompt]))[0, -1:, :]
-            mx.eval(confidence(logits, mx.argmax(logits, axis=-1), opts))
+            mx.eval(confidence(logits, mx.argmax(logits, axis=-1), [opts]))
         for k in range(1, max_k + 1):
             sources: list[DraftSource] = [LookupDraftSource(4, 1)]
             if draft is not None:

@@ -90,6 +90,11 @@ def to_ints(a: mx.array) -> list[int]:
     return [int(t) for t in a.reshape(-1).tolist()]  # type: ignore[union-attr, arg-type]
 
 
+def to_floats(a: mx.array) -> list[float]:
+    """An array's values on the host, flat."""
+    return [float(t) for t in a.reshape(-1).tolist()]  # type: ignore[union-attr, arg-type]
+
+
 def to_int(a: mx.array) -> int:
     return int(a.item())  # type: ignore[arg-type]
 

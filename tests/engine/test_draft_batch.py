@@ -105,6 +105,50 @@ def _batched_drafts_equal_solo(loaded: Loaded, temperature: float) -> list[int]:
     return widths
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_gated_draft_batch_drafts_a_prefix_of_the_full_chain(
+    loaded: Loaded, temperature: float
+) -> None:
+    """With measured costs, the rows' chain stops where one more step cannot pay: each row's
+    draft is the start of what the batch drafts without the gate, one forward per step run,
+    and rounds after a cut still draft what the ungated batch does (each row's draft K/V kept
+    in step with what it fed)."""
+    step_costs = {2: 0.3, 3: 0.4, 4: 0.5}  # a draft batch step by rows, in plain steps
+    costs = Costs(verify={w: 1.0 for w in range(1, 33)}, draft_step=0.2, draft_batch=step_costs)
+    prompts = [[9, 10, 11], [20 + i % 7 for i in range(30)], [5, 6, 7, 8, 5, 6, 7], [44, 45]]
+    model = Counted(loaded.draft)
+    batches = []
+    for gated in (False, True):
+        sources = []
+        for i, p in enumerate(prompts):
+            opts = parse_options({"temperature": temperature, "seed": 100 + i})
+            sources.append(ModelDraftSource(model, opts, Rng(opts.seed), costs if gated else None))
+            sources[-1].prefill(p)
+        batch = DraftBatch(model)  # type: ignore[arg-type]
+        batch.join(sources)
+        batches.append((batch, sources))
+    tokens = [list(p) for p in prompts]
+    cut = 0
+    for r in range(6):
+        ks = [3, 4, 2, 4]
+        full = batches[0][0].propose(tokens, ks)
+        before = len(model.calls)
+        short = batches[1][0].propose(tokens, ks)
+        steps = max(d.count for d in short)
+        assert len(model.calls) - before == steps  # the catch-up, then one per step run
+        for i, k in enumerate(ks):
+            assert 1 <= short[i].count <= k
+            drafted = to_ints(short[i].tokens)
+            assert drafted == to_ints(full[i].tokens)[: short[i].count], (r, i)
+            cut += short[i].count < k
+            accepted = (r + i) % (short[i].count + 1)
+            bonus = (drafted[accepted] + 1) % 100 if accepted < short[i].count else 7
+            tokens[i] += [*drafted[:accepted], bonus]
+            for _, sources in batches:
+                sources[i].accept(tokens[i])
+    assert cut > 0
+
+
 def rows_of(target: nn.Module, draft: Any, methods: list[str], temperature: float) -> list[Any]:
     gens = []
     for i, m in enumerate(methods):

@@ -6,6 +6,7 @@ import math
 import random
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -103,11 +104,15 @@ def test_a_draft_chain_goes_on_only_where_its_next_draft_can_pay() -> None:
     """One more draft is worth a plain step times the chance that it and every draft before
     it are accepted, and costs a draft step plus the verify's growth by one token."""
     flat = DraftGate(DEAR)
-    assert flat.goes_on(0.5, 1) and flat.goes_on(0.9, 3)
-    assert not flat.goes_on(0.49, 1)
+    assert flat.goes_on([0.5], 1) and flat.goes_on([0.9], 3)
+    assert not flat.goes_on([0.49], 1)
     growing = DraftGate(Costs(verify={1: 1.0, 2: 1.1, 3: 1.4}, draft_step=0.5))
     # a second draft widens the verify from 2 to 3 tokens, 0.3 more: 0.8 of a plain step
-    assert growing.goes_on(0.8, 1) and not growing.goes_on(0.79, 1)
+    assert growing.goes_on([0.8], 1) and not growing.goes_on([0.79], 1)
+    # two rows drafting together: a token is worth half a plain round of two rows (0.5 here),
+    # a step of both costs 0.6; the verify grows from 4 to 6 tokens at no cost
+    together = DraftGate(replace(DEAR, draft_batch={2: 0.6}))
+    assert together.goes_on([0.9, 0.3], 1) and not together.goes_on([0.3, 0.29], 1)
 
 
 class _Records(DraftSource):
