@@ -65,6 +65,7 @@ class Row:
     from_draft: int = 0
     slow_steps: int = 0  # mlxd steps over SLOW x their measured cost (catch-ups, compiles)
     slow_excess: float = 0.0  # seconds those steps took beyond that cost
+    cut: int = 0  # draft-model chains ended short of the length asked (`DraftGate`)
 
     @property
     def rate(self) -> float:
@@ -78,9 +79,10 @@ class Row:
 def mlxd_run(
     target: nn.Module, draft: nn.Module, prompt: list[int], opts: SamplingOptions,
     method: str, tokens: int, costs: Costs, max_k: int, seed: int, history: SpecHistory,
-) -> tuple[int, int, int, int, float]:  # fmt: skip
-    """Tokens, drafted, accepted, and the steps that took over `SLOW` times what the measured
-    costs say they should (a trial's catch-up, a shape's first forward) with their excess."""
+) -> tuple[int, int, int, int, float, int]:  # fmt: skip
+    """Tokens, drafted, accepted, the steps that took over `SLOW` times what the measured
+    costs say they should (a trial's catch-up, a shape's first forward) with their excess, and
+    the draft model's chains its gate ended early."""
     rng = Rng(seed)
     source: DraftSource | None = None
     controller = None
@@ -113,7 +115,9 @@ def mlxd_run(
             if took > SLOW * expected:
                 slow += 1
                 excess += took - expected
-        return n, gen.stats.drafted, gen.stats.accepted, slow, excess
+        model = source.model_part() if source is not None else None
+        cut = model.cut if model is not None else 0
+        return n, gen.stats.drafted, gen.stats.accepted, slow, excess, cut
     finally:
         gen.close()
 
@@ -263,6 +267,7 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
                         row.accepted += out[2]
                         row.slow_steps += out[3]
                         row.slow_excess += out[4]
+                        row.cut += int(out[5])
                     elif len(out) > 1:
                         row.from_draft += out[1]
             done = ", ".join(f"{name} {table[temp, name].rate:.1f}" for name in group)
@@ -294,7 +299,7 @@ def report(rows: list[Row], temp: float) -> None:
     print(f"\ntemperature {temp}")
     print(
         f"{'method':<16}{'tok/s':>9}{'vs plain':>10}{'acceptance':>12}{'from draft':>12}"
-        f"{'slow steps':>12}{'their excess':>14}"
+        f"{'slow steps':>12}{'their excess':>14}{'cut chains':>12}"
     )
     for r in rows:
         acc = f"{r.acceptance:.3f}" if r.drafted else "-"
@@ -302,12 +307,13 @@ def report(rows: list[Row], temp: float) -> None:
             f"{r.accepted / r.tokens:.3f}" if r.drafted else "-"
         )  # fmt: skip
         ours = r.method.startswith(("mlxd", "plain"))
-        slow = f"{r.slow_steps:>12}{r.slow_excess / r.seconds:>13.1%}" if ours else ""
+        slow = f"{r.slow_steps:>12}{r.slow_excess / r.seconds:>13.1%}{r.cut:>12}" if ours else ""
         print(f"{r.method:<16}{r.rate:>9.1f}{r.rate / plain:>9.2f}x{acc:>12}{share:>12}{slow}")
     print(
         f"(slow steps: mlxd steps over {SLOW:g}x what the measured costs say (a plain step, or k"
         " draft steps and a (k+1)-token verify), e.g. a draft catching up or a shape's first"
-        " forward; their excess: the time beyond that, as a share of the method's)"
+        " forward; their excess: the time beyond that, as a share of the method's; cut chains:"
+        " draft-model chains ended short of the length asked, where one more draft could not pay)"
     )
     ours = max((r for r in rows if r.method.startswith("mlxd")), key=lambda r: r.rate)
     spec = [r for r in rows if r.method.startswith("mlx-lm k=")]

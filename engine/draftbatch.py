@@ -169,8 +169,10 @@ class DraftBatch:
                 break
             if gate is not None and sure is not None:  # read once this step is done
                 reach = [r * p for r, p in zip(reach, to_floats(sure), strict=True)]
-                going = [r for r, n in zip(reach, counts, strict=True) if n > j + 1]
-                if not gate.goes_on(going, j + 1):
+                going = [i for i, n in enumerate(counts) if n > j + 1]
+                if not gate.goes_on([reach[i] for i in going], j + 1):
+                    for i in going:
+                        self.sources[i].cut += 1
                     break
             with selecting([s.model for s in self.sources]):
                 logits = self.model(tok[:, None], cache=self.cache)[:, -1, :]

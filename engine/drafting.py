@@ -134,6 +134,7 @@ class ModelDraftSource(DraftSource):
         self.opts = opts
         self.rng = rng
         self.gate = DraftGate(costs) if costs is not None and costs.draft_step > 0 else None
+        self.cut = 0  # chains the gate ended short of what was asked
         self.cache: list[Any] = make_cache(model)
         self.cached: list[int] = []  # tokens whose K/V are in self.cache
         self._drafts: mx.array | None = None
@@ -190,6 +191,7 @@ class ModelDraftSource(DraftSource):
             if gate is not None and sure is not None:  # read once this step is done
                 reach *= to_floats(sure)[0]
                 if not gate.goes_on([reach], i + 1):
+                    self.cut += 1
                     break
             logits = self.model(tok[None], cache=self.cache)[0, -1:, :]
             self._fed += 1
