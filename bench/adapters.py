@@ -11,7 +11,8 @@ four adapter entries from one `mlxd serve`, and for each client count runs, alte
 either all to the base or rotating over the four adapters (so rows of different adapters share
 every batch). Each client count's first burst of each arm is run before those and printed
 apart ("first"): what a new batch shape costs once (on MLX's CUDA build, traces and kernels a
-row count has not run) stays out of the ratio and still shows. Prints the steady bursts'
+row count has not run) stays out of the ratio and still shows; those bursts also read the
+prompts that later bursts find in the prefix cache. Prints the steady bursts'
 aggregate tokens/s of each, their ratio (goal >= 0.9), the base loads counted by `/metrics`
 (goal: 1, i.e. zero reloads), and resident memory: the server's RSS and the bytes of its MLX
 arrays (the RAM cache tier left out) with only the base loaded and after the adapters are
