@@ -154,6 +154,7 @@ class DraftBatch:
         rows = len(self.sources)
         steps = max(counts)
         gate = next((s.gate for s in self.sources if s.gate is not None), None)
+        opts = [s.opts for s in self.sources]
         reach = [1.0] * rows
         logits = self._catch_up(tokens)
         columns: list[mx.array] = []
@@ -161,7 +162,6 @@ class DraftBatch:
             tok = self._sample(logits, tokens, j)
             columns.append(tok)
             last = j == steps - 1
-            opts = [s.opts for s in self.sources]
             sure = confidence(logits, tok, opts) if gate is not None and not last else None
             # the device runs this step while the host builds the next
             mx.async_eval(tok, *([sure] if sure is not None else []))

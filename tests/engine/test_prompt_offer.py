@@ -11,7 +11,7 @@ import pytest
 
 from mlxd.engine.backend import Backend
 from mlxd.engine.events import Done, Event, GenerationRequest, TextChunk
-from mlxd.engine.options import parse_options
+from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import Pairing, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.scheduler import Job, Scheduler
@@ -139,15 +139,17 @@ class _LoggedScheduler(Scheduler):
 
 
 def _run_one_at_a_time(
-    pairing: Any, cache: PrefixCache, log: list[str], requests: list[GenerationRequest]
-) -> list[Event]:
+    pairing: Any, prompts: list[list[int]], opts: SamplingOptions
+) -> tuple[list[str], list[Event]]:
+    """The requests' events, one row at a time, and what the scheduler and cache did."""
+    log: list[str] = []
     events: list[Event] = []
     jobs: queue.Queue[Job | None] = queue.Queue()
-    for request in requests:
-        jobs.put(Job(request, events.append, lambda: None))
+    for prompt in prompts:
+        jobs.put(Job(GenerationRequest(prompt, opts), events.append, lambda: None))
     jobs.put(None)
-    _LoggedScheduler(log, pairing, jobs, cache, num_parallel=1).run()
-    return events
+    _LoggedScheduler(log, pairing, jobs, _LoggedCache(log), num_parallel=1).run()
+    return log, events
 
 
 def test_a_finished_row_offers_after_a_waiting_prompt_is_read_unless_it_would_hit(
@@ -158,23 +160,11 @@ def test_a_finished_row_offers_after_a_waiting_prompt_is_read_unless_it_would_hi
     the row's did: then the row offers first, and the prompt is restored, not recomputed."""
     one = parse_options({"temperature": 0, "num_predict": 1, "draft_method": "off"})
     other = [7 + i % 80 for i in range(120)]
-    log: list[str] = []
-    _run_one_at_a_time(
-        pairing,
-        _LoggedCache(log),
-        log,
-        [GenerationRequest(PROMPT, one), GenerationRequest(other, one)],
-    )
+    log, _ = _run_one_at_a_time(pairing, [PROMPT, other], one)
     assert log.count("prefill") == 2 and "insert" in log
     assert log.index("insert") > _second_read(log)
 
-    log = []
-    events = _run_one_at_a_time(
-        pairing,
-        _LoggedCache(log),
-        log,
-        [GenerationRequest(PROMPT, one), GenerationRequest(PROMPT, one)],
-    )
+    log, events = _run_one_at_a_time(pairing, [PROMPT, PROMPT], one)
     assert log.index("insert") < _second_read(log)
     assert _cached(events) == [0, len(PROMPT) - 1]
 
@@ -231,24 +221,14 @@ def test_a_prompt_sent_again_does_not_wait_for_the_final_offer_it_cannot_hit(
     waited meanwhile hits those blocks, so it is read before the row's final offer (which adds
     only the answer's blocks). A prompt that goes on into the answer still waits for them."""
     two = parse_options({"temperature": 0, "num_predict": 2, "draft_method": "off"})
-    log: list[str] = []
-    cache = _LoggedCache(log)
-    events = _run_one_at_a_time(
-        pairing, cache, log, [GenerationRequest(PROMPT, two), GenerationRequest(PROMPT, two)]
-    )
+    log, events = _run_one_at_a_time(pairing, [PROMPT, PROMPT], two)
     second = _second_read(log)
     assert log[:second].count("tail") == 1  # the prompt's partial block; the answer's came after
     assert _cached(events) == [0, len(PROMPT) - 1]
 
     answer = next(e.output_tokens for e in events if isinstance(e, Done))
     longer = [*PROMPT, *answer, 11]
-    log = []
-    events = _run_one_at_a_time(
-        pairing,
-        _LoggedCache(log),
-        log,
-        [GenerationRequest(PROMPT, two), GenerationRequest(longer, two)],
-    )
+    log, events = _run_one_at_a_time(pairing, [PROMPT, longer], two)
     second = _second_read(log)
     assert log[:second].count("tail") == 2  # the answer's partial block came before it was read
     assert _cached(events) == [0, len(PROMPT) + 1]  # all the first row's cache held
