@@ -50,7 +50,7 @@ from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import GrammarSpec, Matcher, logits_width
 from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions, parse_options
-from mlxd.engine.pairing import load_model, measure_costs, warm_up
+from mlxd.engine.pairing import draft_cap, load_model, measure_costs, warm_up
 from mlxd.engine.prefill import feed
 from mlxd.engine.prompt import render_chat
 from mlxd.engine.sampling import Rng
@@ -170,7 +170,7 @@ def source_for(
 
 def run_one(
     method: str, target: nn.Module, draft: nn.Module, tokenizer: Any, prompt: list[int],
-    schema: dict[str, Any], opts: SamplingOptions, limit: int, costs: Costs, max_k: int,
+    schema: dict[str, Any], opts: SamplingOptions, limit: int, costs: Costs, max_k: int | None,
     history: SpecHistory, vocab: int, eos: set[int],
 ) -> tuple[list[int], Generation, Matcher | None, float, float]:  # fmt: skip
     m = None
@@ -181,8 +181,9 @@ def run_one(
     controller = None
     if source is not None:
         draft_cost = costs.draft_step if cost < 0 else 0.0
+        cap = draft_cap(max_k, None, free=draft_cost == 0)  # as the server caps it
         controller = DraftLengthController(
-            costs, max_k, draft_cost, history=history, source=source.name, regime=opts.regime
+            costs, cap, draft_cost, history=history, source=source.name, regime=opts.regime
         )
     stops = eos if m is not None else set()  # unconstrained: exactly `limit` tokens
     gen = Generation(target, prompt, opts, stops, limit, rng, source, controller, grammar=m)
@@ -203,7 +204,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=160, help="the most new tokens per request")
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--schemas", type=int, default=len(SCHEMAS))
-    ap.add_argument("--max-k", type=int, default=6, help="draft_num_predict")
+    ap.add_argument(
+        "--max-k", type=int, default=None, help="draft_num_predict (default: the server's)"
+    )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--tiny", action="store_true", help="the random-weight test models instead")
     ap.add_argument("--methods", default=",".join(METHODS), help="a subset, in this order")

@@ -48,7 +48,7 @@ from mlx_lm.sample_utils import make_sampler
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import SamplingOptions, parse_options
-from mlxd.engine.pairing import load_model, measure_costs, warm_up
+from mlxd.engine.pairing import draft_cap, load_model, measure_costs, warm_up
 from mlxd.engine.sampling import Rng
 from mlxd.engine.speculation import Costs, DraftLengthController, SpecHistory
 
@@ -78,7 +78,7 @@ class Row:
 
 def mlxd_run(
     target: nn.Module, draft: nn.Module, prompt: list[int], opts: SamplingOptions,
-    method: str, tokens: int, costs: Costs, max_k: int, seed: int, history: SpecHistory,
+    method: str, tokens: int, costs: Costs, max_k: int | None, seed: int, history: SpecHistory,
 ) -> tuple[int, int, int, int, float, int]:  # fmt: skip
     """Tokens, drafted, accepted, the steps that took over `SLOW` times what the measured
     costs say they should (a trial's catch-up, a shape's first forward) with their excess, and
@@ -94,8 +94,9 @@ def mlxd_run(
     elif method == "auto":
         source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft, opts, rng, costs))
     if source is not None:
+        cap = draft_cap(max_k, None, free=draft_cost == 0)  # as the server caps it
         controller = DraftLengthController(
-            costs, max_k, draft_cost, history=history, source=source.name, regime=opts.regime
+            costs, cap, draft_cost, history=history, source=source.name, regime=opts.regime
         )
     gen = Generation(target, prompt, opts, set(), tokens, rng, source, controller)
     try:
@@ -186,7 +187,10 @@ def main() -> None:
     ap.add_argument("--temps", default="0,0.7")
     ap.add_argument("--ks", default="2,3,4,5,6", help="mlx-lm's draft lengths ('' for none)")
     ap.add_argument(
-        "--max-k", type=int, default=6, help="mlxd's draft_num_predict (the adaptive maximum)"
+        "--max-k",
+        type=int,
+        default=None,
+        help="mlxd's draft_num_predict (the adaptive maximum; default: the server's, by method)",
     )
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()

@@ -119,6 +119,11 @@ def draft_seconds(gens: Sequence[Generation], ks: Sequence[int], costs: Costs) -
     return alone + max(shared, default=0) * costs.draft_rows(len(shared))
 
 
+def _drafts_free(gen: Generation) -> bool:
+    """Whether the row's drafts cost no draft step (prompt lookup, forced tokens)."""
+    return gen.controller is not None and gen.controller.draft_cost == 0
+
+
 ROUND_DECAY = 0.7  # weight of the estimate so far when a plain round's time is added
 ROUND_CAP = 4.0  # a round timed past this many times its modelled cost counts as this many
 RETRY_ROUNDS = 2048  # plain rounds after which verify rounds' records are dropped (re-tried)
@@ -220,11 +225,16 @@ def plan_widths(
     times: RoundTimes | None = None,
 ) -> list[int]:
     """Drafts per row for this round: the batch-wide width with the best expected rate, each
-    round priced as the batch measured it (`times`) or else by the probe's costs."""
+    round priced as the batch measured it (`times`) or else by the probe's costs. The widths
+    tried are the rows' own and, below the widest free one, the powers of two: a row's free
+    drafts (prompt lookup) run long where a lone row's verify costs little, and may still pay
+    cut shorter in a batch, whose verify grows with every row's width."""
     rows = len(gens)
     times = times if times is not None else RoundTimes(costs)
     best, best_rate = 0, rows / times.plain_round(rows)
-    for k in sorted({w for w in wants if w > 0}):
+    free = max((w for g, w in zip(gens, wants, strict=True) if _drafts_free(g)), default=0)
+    shorter = {1 << i for i in range(free.bit_length()) if 1 << i < free}
+    for k in sorted({w for w in wants if w > 0} | shorter):
         ks = [min(w, k) for w in wants]
         expected = sum(expected_tokens(g, n) for g, n in zip(gens, ks, strict=True))
         rate = expected / times.verify_round(rows, k + 1, draft_seconds(gens, ks, costs))

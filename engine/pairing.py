@@ -44,7 +44,23 @@ WARM_SAMPLING: tuple[dict[str, float], ...] = (
     {"temperature": 0.7, "top_p": 1.0},
     {"temperature": 0.7, "top_k": 0, "top_p": 1.0},
 )
-DEFAULT_DRAFT_TOKENS = 4
+DEFAULT_DRAFT_TOKENS = 4  # the most drafts per round from a draft model (each costs a step)
+# The most per round from sources that cost nothing to draft (prompt lookup, a grammar's forced
+# tokens): the cost model then picks the length, and where a wide verify costs about what a
+# narrow one does (a bf16 7B on an H200: 16 tokens 1.34 of one, 5 tokens 1.30) it verifies a
+# long copied span in one round. 16 tokens is the widest verify the load measures (`VERIFY_WIDTHS`).
+FREE_DRAFT_TOKENS = 15
+WARM_DRAFT_TOKENS = 8  # the draft lengths whose rounds load runs by default (`warm_up`)
+
+
+def draft_cap(requested: int | None, configured: int | None, free: bool) -> int:
+    """The most drafts per round: the request's `draft_num_predict`, else the entry's
+    `draft_tokens`, else the default of the source (`free`: it drafts at no cost)."""
+    if requested is not None:
+        return requested
+    if configured is not None:
+        return configured
+    return FREE_DRAFT_TOKENS if free else DEFAULT_DRAFT_TOKENS
 
 
 class ModelUnavailable(RuntimeError):
@@ -96,9 +112,8 @@ class Pairing:
 
     @property
     def default_draft_tokens(self) -> int:
-        if self.entry.draft_tokens is not None:
-            return self.entry.draft_tokens
-        return DEFAULT_DRAFT_TOKENS
+        """The most drafts per round from the draft model (the entry's or the default)."""
+        return draft_cap(None, self.entry.draft_tokens, free=False)
 
     def row_context(self, opts: SamplingOptions) -> int:
         """Tokens a request's row may hold (`context.row_context`)."""
@@ -255,29 +270,34 @@ def warm_up(
     target: nn.Module,
     draft: nn.Module | None,
     costs: Costs,
-    max_k: int = 8,
+    max_k: int | None = None,
     context: int = CHUNK,
 ) -> None:
     """Run every round shape once (each k, greedy and sampled, each draft source), and every
     prompt chunk shape up to `context` tokens, so kernels are compiled at probe-open rather
-    than inside a user's first requests."""
+    than inside a user's first requests. Where shapes compile (bucketed caches), prompt lookup
+    runs every k up to `FREE_DRAFT_TOKENS` (its rounds reach that width), from a prompt whose
+    repeated span it can continue that far."""
     for model in (target, draft):
         if model is not None:
             warm_shapes(model, context)
+    max_k = WARM_DRAFT_TOKENS if max_k is None else max_k
+    free_k = max(max_k, FREE_DRAFT_TOKENS) if bucketed(target) else max_k
     prompt = [0, 1, 2, 3] * 4
+    copied = list(range(free_k + 1)) * 2
     for options in WARM_SAMPLING if bucketed(target) else WARM_SAMPLING[:2]:
         opts = parse_options({**options, "seed": 0})
         if draft is not None:  # a draft chain's read of its probabilities (`DraftGate`)
             logits = draft(mx.array([prompt]))[0, -1:, :]
             mx.eval(confidence(logits, mx.argmax(logits, axis=-1), [opts]))
-        for k in range(1, max_k + 1):
-            sources: list[DraftSource] = [LookupDraftSource(4, 1)]
-            if draft is not None:
-                sources.append(ModelDraftSource(draft, opts, Rng(0)))
-            for source in sources:
+        for k in range(1, free_k + 1):
+            sources: list[tuple[DraftSource, list[int]]] = [(LookupDraftSource(4, 1), copied)]
+            if draft is not None and k <= max_k:
+                sources.append((ModelDraftSource(draft, opts, Rng(0)), prompt))
+            for source, text in sources:
                 rng = Rng(0)
                 gen = Generation(
-                    target, prompt, opts, set(), 2 * k + 2, rng, source, FixedDraftLength(costs, k)
+                    target, text, opts, set(), 2 * k + 2, rng, source, FixedDraftLength(costs, k)
                 )
                 try:
                     gen.prefill()

@@ -32,7 +32,7 @@ from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import Matcher, row_grammar
 from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions, parse_options
-from mlxd.engine.pairing import Pairing, warm_up
+from mlxd.engine.pairing import Pairing, draft_cap, warm_up
 from mlxd.engine.prefill import batchable, bucketed, feed, feed_rows, row_shape
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.row import Job, Row
@@ -76,10 +76,9 @@ def make_draft_source(
     `draft_model`: the draft as this request sees it (with its adapter), default the draft;
     `adapter`: the target adapter's revision, whose speculation history the row shares."""
     draft_model = pairing.draft if draft_model is None else draft_model
-    max_k = opts.draft_num_predict
-    if max_k is None:
-        max_k = pairing.default_draft_tokens
     method = opts.draft_method
+    free = method in ("lookup", "forced") or pairing.draft is None  # no draft model runs
+    max_k = draft_cap(opts.draft_num_predict, pairing.entry.draft_tokens, free)
     if max_k <= 0 or method == "off" or (method == "forced" and grammar is None):
         return None, None
     source: DraftSource

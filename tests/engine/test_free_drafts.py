@@ -1,0 +1,127 @@
+"""Free drafts (prompt lookup, forced tokens) may run past a draft model's length: the cost model
+picks how far, up to `FREE_DRAFT_TOKENS` unless the request or the entry caps it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from mlxd.engine.backend import configure_backend
+from mlxd.engine.batch import plan_widths
+from mlxd.engine.drafting import Draft, LookupDraftSource
+from mlxd.engine.generation import Generation
+from mlxd.engine.options import parse_options
+from mlxd.engine.pairing import (
+    DEFAULT_DRAFT_TOKENS,
+    FREE_DRAFT_TOKENS,
+    Pairing,
+    load_pairing,
+    warm_up,
+)
+from mlxd.engine.sampling import Rng
+from mlxd.engine.scheduler import make_draft_source
+from mlxd.engine.speculation import Costs, DraftLengthController
+from mlxd.registry.schema import ModelEntry
+from tests.engine.test_speculative import tiny_vocab_model
+from tests.fixtures.scripted_models import Script, build_scripted
+from tests.fixtures.tiny_models import TinyPair
+
+FLAT = Costs(verify={w: 1.0 for w in range(1, 40)}, draft_step=0.01)  # every width costs alike
+PIECES = tuple(f"w{i:02d}" for i in range(40))  # what the copier writes after "@"
+
+
+@pytest.fixture(scope="module")
+def copier(tmp_path_factory: pytest.TempPathFactory) -> Pairing:
+    """A model that writes PIECES after "@" and nothing else (no draft model)."""
+    path = build_scripted(tmp_path_factory.mktemp("copier"), "generic", Script("@", PIECES))
+    return load_pairing(ModelEntry("copier", str(path)), configure_backend(), costs=FLAT)
+
+
+def steps_of(pairing: Pairing, prompt: list[int], **options: object) -> list[list[int]]:
+    """The tokens each step of a lone row committed, the request's own draft source deciding."""
+    opts = parse_options({"temperature": 0, **options})
+    source, controller = make_draft_source(pairing, opts, Rng(0))
+    limit = len(PIECES) + 1
+    gen = Generation(
+        pairing.target, prompt, opts, pairing.eos_ids, limit, Rng(0), source, controller
+    )
+    try:
+        gen.prefill()
+        return [new for new in gen if new]
+    finally:
+        gen.close()
+
+
+def test_lookup_verifies_a_long_copied_span_in_one_round(copier: Pairing) -> None:
+    tokenizer = copier.tokenizer
+    prompt = list(tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
+    written = prompt[1:-1]
+    assert len(written) == len(PIECES)
+
+    plain = steps_of(copier, prompt, draft_method="off")
+    looked = steps_of(copier, prompt, draft_method="lookup")
+    capped = steps_of(copier, prompt, draft_method="lookup", draft_num_predict=DEFAULT_DRAFT_TOKENS)
+
+    def text(steps: list[list[int]]) -> list[int]:
+        return [t for new in steps for t in new if t not in copier.eos_ids]
+
+    assert text(plain) == text(looked) == text(capped) == written
+    # one round commits FREE_DRAFT_TOKENS accepted drafts and the target's own next token
+    assert max(len(new) for new in looked) == FREE_DRAFT_TOKENS + 1
+    assert max(len(new) for new in capped) == DEFAULT_DRAFT_TOKENS + 1
+    assert len(looked) < len(capped) < len(plain)
+
+
+def test_the_cap_follows_the_source_the_request_and_the_entry(tiny_pair: TinyPair) -> None:
+    backend = configure_backend()
+    entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft))
+    pairing = load_pairing(entry, backend, costs=FLAT)
+
+    def cap(p: Pairing, **options: object) -> int:
+        source, controller = make_draft_source(p, parse_options(options), Rng(0))
+        assert source is not None and controller is not None
+        return controller.max_k
+
+    assert cap(pairing, draft_method="lookup") == FREE_DRAFT_TOKENS
+    assert cap(pairing, draft_method="model") == DEFAULT_DRAFT_TOKENS
+    assert cap(pairing, draft_method="auto") == DEFAULT_DRAFT_TOKENS  # its model arm runs too
+    assert cap(pairing, draft_method="lookup", draft_num_predict=2) == 2
+
+    alone = load_pairing(ModelEntry("q", str(tiny_pair.target)), backend, costs=FLAT)
+    source, _ = make_draft_source(alone, parse_options({}), Rng(0))
+    assert isinstance(source, LookupDraftSource)  # no draft model: `auto` is prompt lookup
+    assert cap(alone) == FREE_DRAFT_TOKENS
+
+    capped = ModelEntry("r", str(tiny_pair.target), draft_tokens=3)
+    assert cap(load_pairing(capped, backend, costs=FLAT), draft_method="lookup") == 3
+
+
+def test_warm_up_reaches_every_free_width(copier: Pairing, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Prompt lookup's warm-up prompt holds a span it continues for as many drafts as asked."""
+    seen: list[int] = []
+    propose = LookupDraftSource.propose
+
+    def recorded(self: LookupDraftSource, tokens: Sequence[int], n: int) -> Draft:
+        draft = propose(self, tokens, n)
+        seen.append(draft.count)
+        return draft
+
+    monkeypatch.setattr(LookupDraftSource, "propose", recorded)
+    warm_up(copier.target, None, FLAT, max_k=FREE_DRAFT_TOKENS)
+    assert max(seen) == FREE_DRAFT_TOKENS
+
+
+def test_a_batch_cuts_long_free_drafts_to_a_width_that_pays() -> None:
+    """Lone rows would verify 16 tokens (flat costs there); four of them in a batch would verify
+    64, which costs eight plain rounds here: the batch verifies two tokens a row instead of
+    none."""
+    costs = Costs(verify={w: max(1.0, w / 8) for w in range(1, 80)})
+    target = tiny_vocab_model(3, 8)
+    greedy = parse_options({"temperature": 0})
+    gens = [
+        Generation(target, [1, 2, 3], greedy, set(), 40, Rng(i), LookupDraftSource(),
+                   DraftLengthController(costs, FREE_DRAFT_TOKENS, 0.0))
+        for i in range(4)
+    ]  # fmt: skip
+    assert plan_widths(gens, [FREE_DRAFT_TOKENS] * 4, costs) == [1] * 4
