@@ -183,8 +183,9 @@ def run_one(
         draft_cost = costs.draft_step if cost < 0 else 0.0
         cap = draft_cap(max_k, None, free=draft_cost == 0)  # as the server caps it
         controller = DraftLengthController(
-            costs, cap, draft_cost, history=history, source=source.name, regime=opts.regime
-        )
+            costs, cap, draft_cost, history=history, source=source.name, regime=opts.regime,
+            free_k=draft_cap(max_k, None, free=True),
+        )  # fmt: skip
     stops = eos if m is not None else set()  # unconstrained: exactly `limit` tokens
     gen = Generation(target, prompt, opts, stops, limit, rng, source, controller, grammar=m)
     try:

@@ -96,8 +96,9 @@ def mlxd_run(
     if source is not None:
         cap = draft_cap(max_k, None, free=draft_cost == 0)  # as the server caps it
         controller = DraftLengthController(
-            costs, cap, draft_cost, history=history, source=source.name, regime=opts.regime
-        )
+            costs, cap, draft_cost, history=history, source=source.name, regime=opts.regime,
+            free_k=draft_cap(max_k, None, free=True),
+        )  # fmt: skip
     gen = Generation(target, prompt, opts, set(), tokens, rng, source, controller)
     try:
         gen.prefill()

@@ -98,6 +98,7 @@ def make_draft_source(
     controller = DraftLengthController(
         pairing.costs, max_k, draft_cost, history=pairing.history_of(adapter), source=source.name,
         regime=opts.regime,
+        free_k=draft_cap(opts.draft_num_predict, pairing.entry.draft_tokens, free=True),
     )  # fmt: skip
     return source, controller
 

@@ -282,14 +282,18 @@ class DraftLengthController:
         history: SpecHistory | None = None,
         source: str = "",
         regime: str = "",
+        free_k: int | None = None,
     ) -> None:
-        """With a `history` in which `source` did not pay lately (in this sampling `regime`),
+        """`free_k`: the most drafts per round once the source drafts at no cost (`auto`
+        continuing with prompt lookup, `restart`); None: `max_k`.
+        With a `history` in which `source` did not pay lately (in this sampling `regime`),
         the request waits out the pairing's pause clock first (`off` at once; a source with a
         cheaper arm runs that). A source that runs a draft model (`draft_cost` > 0) pauses for
         at least `model_pause` tokens, and up to 4x `max_pause`: each of its trials pays for
         the draft reading the prompt, which only a long pause amortizes."""
         self.costs = costs
         self.max_k = max_k = min(max_k, MAX_DRAFT_TOKENS)
+        self.free_k = max_k if free_k is None else free_k
         self.draft_cost = draft_cost
         self.explore = explore
         self.a0 = prior * prior_weight
@@ -378,11 +382,13 @@ class DraftLengthController:
             self.history.clear(self.key)
 
     def restart(self, draft_cost: float, source: str) -> DraftLengthController:
-        """A fresh controller for a cheaper draft source on the same target."""
+        """A fresh controller for a cheaper draft source on the same target (one that drafts
+        at no cost may draft up to `free_k`)."""
         self.conclude()
+        max_k = self.free_k if draft_cost == 0 else self.max_k
         return DraftLengthController(
-            self.costs, self.max_k, draft_cost, patience=self.patience,
-            history=self.history, source=source, regime=self.regime,
+            self.costs, max_k, draft_cost, patience=self.patience,
+            history=self.history, source=source, regime=self.regime, free_k=self.free_k,
         )  # fmt: skip
 
     def conclude(self) -> None:

@@ -88,6 +88,15 @@ def test_the_cap_follows_the_source_the_request_and_the_entry(tiny_pair: TinyPai
     assert cap(pairing, draft_method="auto") == DEFAULT_DRAFT_TOKENS  # its model arm runs too
     assert cap(pairing, draft_method="lookup", draft_num_predict=2) == 2
 
+    def after_model_arm(**options: object) -> int:
+        """The cap once `auto` drops its draft model and continues with prompt lookup."""
+        _, controller = make_draft_source(pairing, parse_options(options), Rng(0))
+        assert controller is not None
+        return controller.restart(draft_cost=0.0, source="lookup").max_k
+
+    assert after_model_arm(draft_method="auto") == FREE_DRAFT_TOKENS
+    assert after_model_arm(draft_method="auto", draft_num_predict=3) == 3
+
     alone = load_pairing(ModelEntry("q", str(tiny_pair.target)), backend, costs=FLAT)
     source, _ = make_draft_source(alone, parse_options({}), Rng(0))
     assert isinstance(source, LookupDraftSource)  # no draft model: `auto` is prompt lookup
