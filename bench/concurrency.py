@@ -259,8 +259,9 @@ def pairing_main(pair: Path, counts: list[int], tokens: int, parallel: int, roun
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "MLXD_HOME": str(home),
            "MLXD_HOST": f"127.0.0.1:{port}", "MLXD_NUM_PARALLEL": str(parallel)}  # fmt: skip
     cmd = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(registry)]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    daemon_log = home / "daemon.log"  # its slow rounds are reported below
+    with daemon_log.open("wb") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     rows = []
     try:
         wait_up(f"{base}/api/tags", proc)
@@ -287,6 +288,11 @@ def pairing_main(pair: Path, counts: list[int], tokens: int, parallel: int, roun
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+    slow = [line for line in daemon_log.read_text(errors="replace").splitlines()
+            if "slow round" in line]  # fmt: skip
+    print(f"daemon rounds logged as slow: {len(slow)}")
+    for line in slow[:20]:
+        print("  " + line.split("slow round: ", 1)[-1])
     print(f"pairing {pair}  tokens per stream {tokens}  rounds {rounds}")
     print(f"{'temp':>5} {'clients':>8} | {'spec agg':>9} {'plain agg':>9} | {'spec/plain':>10} | "
           f"{'drafted':>8} {'accepted':>8} {'rate':>6}")  # fmt: skip

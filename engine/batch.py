@@ -53,6 +53,7 @@ dropped now and then, so that a width once timed as losing is tried again).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -124,10 +125,33 @@ def _drafts_free(gen: Generation) -> bool:
     return gen.controller is not None and gen.controller.draft_cost == 0
 
 
+log = logging.getLogger(__name__)
+
 ROUND_DECAY = 0.7  # weight of the estimate so far when a plain round's time is added
 ROUND_CAP = 4.0  # a round timed past this many times its modelled cost counts as this many
 RETRY_ROUNDS = 2048  # plain rounds after which verify rounds' records are dropped (re-tried)
 VERIFY_SAMPLES = 5  # the recent verify rounds of a shape whose median prices it
+SLOW_ROUND = 0.25  # seconds: a round this slow, and SLOW_RATIO times its modelled cost, is logged
+SLOW_RATIO = 10.0
+
+
+def round_widths(draft_tokens: int, free_tokens: int) -> tuple[int, ...]:
+    """The verify widths a batch runs where shapes compile (a GPU): every width up to a draft
+    model's default round (`draft_tokens` + 1), each power of two plus one (free drafts cut
+    shorter, `plan_widths`) and the longest free round (`free_tokens` + 1). Load runs each of
+    them for every row count (`warm_rounds`), and a round of another width is padded up to the
+    next of them, so no round meets a shape the serving thread has not run."""
+    widths = set(range(1, draft_tokens + 2)) | {free_tokens + 1}
+    widths |= {(1 << i) + 1 for i in range(free_tokens.bit_length()) if 1 << i < free_tokens}
+    return tuple(sorted(widths))
+
+
+def padded_width(width: int, widths: Sequence[int] | None) -> int:
+    """The narrowest of `widths` (sorted) that holds `width` tokens; `width` itself where any
+    width runs (None) or none holds it."""
+    if widths is None:
+        return width
+    return next((w for w in widths if w >= width), width)
 
 
 @dataclass
@@ -223,21 +247,27 @@ def plan_widths(
     wants: Sequence[int],
     costs: Costs,
     times: RoundTimes | None = None,
+    widths: Sequence[int] | None = None,
 ) -> list[int]:
     """Drafts per row for this round: the batch-wide width with the best expected rate, each
-    round priced as the batch measured it (`times`) or else by the probe's costs. The widths
-    tried are the rows' own and, below the widest free one, the powers of two: a row's free
-    drafts (prompt lookup) run long where a lone row's verify costs little, and may still pay
-    cut shorter in a batch, whose verify grows with every row's width."""
+    round priced as the batch measured it (`times`) or else by the probe's costs, at the width
+    it runs as (`padded_width` of the batch's `widths`). The widths tried are the rows' own
+    and, below the widest free one, the powers of two: a row's free drafts (prompt lookup) run
+    long where a lone row's verify costs little, and may still pay cut shorter in a batch,
+    whose verify grows with every row's width."""
     rows = len(gens)
     times = times if times is not None else RoundTimes(costs)
     best, best_rate = 0, rows / times.plain_round(rows)
     free = max((w for g, w in zip(gens, wants, strict=True) if _drafts_free(g)), default=0)
     shorter = {1 << i for i in range(free.bit_length()) if 1 << i < free}
-    for k in sorted({w for w in wants if w > 0} | shorter):
+    tried = {w for w in wants if w > 0} | shorter
+    if widths:  # no wider than the widest width run
+        tried = {min(k, widths[-1] - 1) for k in tried}
+    for k in sorted(tried):
         ks = [min(w, k) for w in wants]
         expected = sum(expected_tokens(g, n) for g, n in zip(gens, ks, strict=True))
-        rate = expected / times.verify_round(rows, k + 1, draft_seconds(gens, ks, costs))
+        width = padded_width(k + 1, widths)
+        rate = expected / times.verify_round(rows, width, draft_seconds(gens, ks, costs))
         if rate > best_rate:
             best, best_rate = k, rate
     return [min(w, best) for w in wants]
@@ -254,6 +284,7 @@ class RowBatch:
         self.ahead: Ahead | None = None  # the next plain round, queued (its position written)
         self.drafts: DraftBatch | None = None  # the rows' draft-model K/V, drafting together
         self.times = RoundTimes(costs)
+        self.widths: tuple[int, ...] | None = None  # the verify widths run (`round_widths`)
         self._returned: tuple[float, list[Generation]] | None = None  # last round's end, rows
 
     def __len__(self) -> int:
@@ -317,7 +348,7 @@ class RowBatch:
         if not any(maybe):
             return True
         wants = [g.next_want() if m else 0 for g, m in zip(gens, maybe, strict=True)]
-        if any(plan_widths(gens, wants, self.costs, self.times)):
+        if any(plan_widths(gens, wants, self.costs, self.times, self.widths)):
             return False
         for g, want in zip(gens, wants, strict=True):
             if bench and want and g.spec.on and g.controller is not None:
@@ -373,7 +404,8 @@ class RowBatch:
             return self._plain_round(since)  # computed already: a draft found since waits a round
         wants = [g.draft_length(ready=False) for g in gens]
         t0 = time.perf_counter()
-        ks = plan_widths(gens, wants, self.costs, self.times) if any(wants) else wants
+        plan = plan_widths(gens, wants, self.costs, self.times, self.widths)
+        ks = plan if any(wants) else wants
         for i, (g, want, k) in enumerate(zip(gens, wants, ks, strict=True)):
             if want and not k and g.controller is not None:
                 g.controller.benched()
@@ -386,7 +418,7 @@ class RowBatch:
             return self._plain_round(since)  # no draft wanted, or every one declined: no verify
         self.drop_ahead()
         drafts = self._propose(ks)
-        width = 1 + max(d.count for d in drafts)
+        width = padded_width(1 + max(d.count for d in drafts), self.widths)
         rows = []
         for g, d in zip(gens, drafts, strict=True):
             pending = mx.array([g.tokens[-1]], dtype=mx.uint32)
@@ -420,6 +452,7 @@ class RowBatch:
         drafting = draft_seconds(gens, paid, self.costs)
         if width > 1:
             self.times.add_verify(len(gens), width, seconds, drafting)
+        self._note_slow(len(gens), width, seconds, self.costs.v(len(gens) * width) + drafting)
         self._judge(drafts, committed, seconds, width, drafting)
         self._queue_after_verify()
         return committed
@@ -438,6 +471,15 @@ class RowBatch:
         tokens = self._choose(self._forward(last), [0] * len(gens))
         mx.async_eval(tokens)
         self.ahead = Ahead(list(gens), tokens, steady=False)
+
+    def _note_slow(self, rows: int, width: int, seconds: float, modelled: float) -> None:
+        """Log a round far slower than its shape costs (a stall: a shape compiled inside the
+        round, another thread's work), with its shape, so a slow spell can be traced."""
+        if seconds > SLOW_ROUND and seconds > SLOW_RATIO * modelled:
+            log.warning(
+                "slow round: %d rows x %d tokens took %.0f ms (its shape costs %.1f ms)",
+                rows, width, seconds * 1e3, modelled * 1e3,
+            )  # fmt: skip
 
     def untimed(self) -> None:
         """Work other than rounds runs before the next round: that round is not timed."""
@@ -519,6 +561,8 @@ class RowBatch:
         end = self._ended(gens)
         if pipelined and since is not None:
             self.times.add_plain(len(gens), end - since)
+        if since is not None:
+            self._note_slow(len(gens), 1, end - since, self.costs.v(len(gens)))
         return committed
 
     def _forward(self, inputs: mx.array) -> mx.array:
@@ -616,8 +660,8 @@ def _leads(a: list[Generation], b: list[Generation]) -> bool:
     return len(a) <= len(b) and all(x is y for x, y in zip(a, b[: len(a)], strict=True))
 
 
-def warm_rounds(target: nn.Module, rows: int, widths: int) -> None:
-    """Run a batch of `rows` through every round width up to `widths`, with rows keeping
+def warm_rounds(target: nn.Module, rows: int, widths: Sequence[int]) -> None:
+    """Run a batch of `rows` through every round width of `widths`, with rows keeping
     different lengths (the roll), then let them leave: the shapes a GPU compiles once."""
     greedy = parse_options({"temperature": 0})
     gens = [Generation(target, [0, 0, 0], greedy, set(), 4, Rng(0)) for _ in range(rows)]
@@ -628,7 +672,7 @@ def warm_rounds(target: nn.Module, rows: int, widths: int) -> None:
     for _ in range(2):  # plain rounds: one fresh, one from the round queued ahead
         batch.round()
     batch.drop_ahead()
-    for width in range(1, widths + 1):
+    for width in widths:
         mx.eval(target(mx.zeros((rows, width), dtype=mx.uint32), cache=batch.cache))
         batch.keep([1] + [0] * (rows - 1), width)
         mx.eval([c.state for c in batch.cache])

@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from mlxd.engine.adapters import AdaptedModel, selecting
 from mlxd.engine.attention import warming
-from mlxd.engine.batch import RowBatch, warm_rounds
+from mlxd.engine.batch import RowBatch, round_widths, warm_rounds
 from mlxd.engine.cache_use import namespace_for, offer_final, offer_prompt, restore
 from mlxd.engine.draftbatch import warm_drafts
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
@@ -32,7 +32,7 @@ from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import Matcher, row_grammar
 from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions, parse_options
-from mlxd.engine.pairing import Pairing, draft_cap, warm_up
+from mlxd.engine.pairing import FREE_DRAFT_TOKENS, Pairing, draft_cap, warm_up
 from mlxd.engine.prefill import batchable, bucketed, feed, feed_rows, row_shape
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.row import Job, Row
@@ -139,7 +139,7 @@ class Scheduler:
         what it compiled per thread, so a probe's warm-up on another thread leaves this one
         cold (a first request paid 1.5-3.9x a later one). The solo round shapes and every
         prompt chunk within the row context (`warm_up`), prompts read together, then for
-        every row count up to `num_parallel` each round width up to the default draft length,
+        every row count up to `num_parallel` each round width a batch verifies (`round_widths`),
         and a round whose rows keep different lengths (the roll). Multi-token attention at
         shapes not run here then takes MLX's plain operations (`attention.unwarmed`) rather
         than build a graph inside a round. Where nothing compiles (the CPU) there is nothing
@@ -151,8 +151,11 @@ class Scheduler:
             context = pairing.row_context(parse_options({}))
             warm_up(pairing.target, pairing.draft, pairing.costs, context=context)
             self._warm_row_groups()
+            # a batch verifies only the widths warmed here: others are padded up to one
+            widths = round_widths(pairing.default_draft_tokens, FREE_DRAFT_TOKENS)
+            self.batch.widths = widths
             for rows in range(2, self.num_parallel + 1):
-                warm_rounds(self.pairing.target, rows, self.pairing.default_draft_tokens + 1)
+                warm_rounds(self.pairing.target, rows, widths)
                 if pairing.draft is not None:
                     warm_drafts(pairing.draft, rows, self.pairing.default_draft_tokens + 1)
 

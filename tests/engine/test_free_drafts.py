@@ -4,11 +4,13 @@ picks how far, up to `FREE_DRAFT_TOKENS` unless the request or the entry caps it
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
+import mlx.core as mx
 import pytest
 
 from mlxd.engine.backend import configure_backend
-from mlxd.engine.batch import plan_widths
+from mlxd.engine.batch import RowBatch, padded_width, plan_widths, round_widths
 from mlxd.engine.drafting import Draft, LookupDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
@@ -134,3 +136,47 @@ def test_a_batch_cuts_long_free_drafts_to_a_width_that_pays() -> None:
         for i in range(4)
     ]  # fmt: skip
     assert plan_widths(gens, [FREE_DRAFT_TOKENS] * 4, costs) == [1] * 4
+
+
+def test_a_batch_runs_only_the_widths_its_load_warmed(copier: Pairing) -> None:
+    """Where shapes compile, a batch verifies only `round_widths` (what load runs for each row
+    count): rows whose lookup drafts would make another width are padded up to one, and
+    commit what they would have alone."""
+    widths = round_widths(DEFAULT_DRAFT_TOKENS, FREE_DRAFT_TOKENS)
+    assert widths == (1, 2, 3, 4, 5, 9, 16)
+    assert [padded_width(w, widths) for w in (1, 5, 6, 9, 10, 16)] == [1, 5, 9, 9, 16, 16]
+    assert padded_width(7, None) == 7
+
+    tokenizer = copier.tokenizer
+    greedy = parse_options({"temperature": 0})
+    prompt = list(tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
+    limits = (12, 23, 37)  # rows leave at different rounds
+    gens = [
+        Generation(copier.target, prompt, greedy, copier.eos_ids, n, Rng(i),
+                   LookupDraftSource(), DraftLengthController(FLAT, FREE_DRAFT_TOKENS, 0.0))
+        for i, n in enumerate(limits)
+    ]  # fmt: skip
+    for g in gens:
+        g.prefill()
+    batch = RowBatch(copier.target, FLAT)
+    batch.widths = widths
+    seen: list[int] = []
+    forward = batch.target
+
+    def recorded(x: mx.array, cache: Any) -> mx.array:
+        seen.append(int(x.shape[1]))
+        return forward(x, cache=cache)
+
+    batch.target = recorded  # type: ignore[assignment]
+    batch.join(gens)
+    out: list[list[int]] = [[] for _ in gens]
+    while any(not g.done for g in gens):
+        for c in batch.round():
+            out[next(i for i, g in enumerate(gens) if g is c.gen)] += c.tokens
+        for g in [g for g in gens if g.done and g in batch]:
+            batch.leave(g)
+    for g in gens:
+        g.close()
+    assert max(seen) > 5 and set(seen) <= set(widths), seen
+    for i, n in enumerate(limits):
+        assert out[i] == prompt[1 : 1 + n], i  # the copier's own text, as plain decoding
