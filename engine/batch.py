@@ -168,7 +168,9 @@ class RoundTimes:
     probe's curve times how this batch's verify rounds of every shape measured against it
     (`excess`, robust as a shape's record is), so that once verify rounds are known to cost
     more than the probe says (on a CPU, served 8x5 verify rounds cost 4.3 plain rounds), each
-    other shape is not tried at a loss to learn it again. Every
+    other shape is not tried at a loss to learn it again. A verify round that queued nothing
+    after it is also charged what the plain round after it, run fresh, took beyond a queued
+    one (`hold_verify`, `add_fresh`): that is what the verify round cost the pipeline. Every
     `RETRY_ROUNDS` plain rounds the verify records are dropped and the widths tried anew."""
 
     costs: Costs
@@ -180,6 +182,8 @@ class RoundTimes:
     )
     _tried: set[tuple[int, int]] = field(default_factory=set, repr=False)
     _plain_rounds: int = field(default=0, repr=False)
+    # a verify round (rows, width, seconds, drafting) whose next round may run fresh
+    _held: tuple[int, int, float, float] | None = field(default=None, repr=False)
 
     def plain_round(self, rows: int) -> float:
         """A plain round of `rows` rows: as measured, else the probe's `rows`-token forward."""
@@ -218,6 +222,29 @@ class RoundTimes:
             self._samples.clear()
             self._excess.clear()
             self._tried.clear()
+
+    def hold_verify(self, rows: int, width: int, seconds: float, drafting: float) -> None:
+        """A verify round that queued nothing after it: recorded once the next round says
+        whether it ran fresh (`add_fresh`), else as it is."""
+        self.flush()
+        self._held = (rows, width, seconds, drafting)
+
+    def add_fresh(self, rows: int, seconds: float) -> None:
+        """A plain round of `rows` computed fresh, not queued: right after a held verify round
+        of the same rows, what it took beyond a pipelined round is that verify round's (it
+        broke the pipeline; on an H200, 4 rows of a 7B: 22.9 ms fresh against 9.1 queued), so
+        a verify round is priced with the plain round it unpipelines."""
+        held, self._held = self._held, None
+        if held is not None:
+            r, width, spent, drafting = held
+            extra = max(0.0, seconds - self.plain_round(rows)) if r == rows else 0.0
+            self.add_verify(r, width, spent + extra, drafting)
+
+    def flush(self) -> None:
+        """Record a held verify round as it is (the next round was no fresh plain round)."""
+        held, self._held = self._held, None
+        if held is not None:
+            self.add_verify(*held)
 
     def add_verify(self, rows: int, width: int, seconds: float, drafting: float) -> None:
         if (rows, width) not in self._tried:
@@ -417,6 +444,7 @@ class RowBatch:
         if not any(ks) and all(g.plain_only for g in gens):
             return self._plain_round(since)  # no draft wanted, or every one declined: no verify
         self.drop_ahead()
+        self.times.flush()  # a verify round follows: the one held ran no fresh plain round
         drafts = self._propose(ks)
         width = padded_width(1 + max(d.count for d in drafts), self.widths)
         rows = []
@@ -450,11 +478,13 @@ class RowBatch:
         seconds = end - (since if since is not None else t0)
         paid = [0 if d.source in FREE_SOURCES else d.count for d in drafts]
         drafting = draft_seconds(gens, paid, self.costs)
-        if width > 1:
-            self.times.add_verify(len(gens), width, seconds, drafting)
         self._note_slow(len(gens), width, seconds, self.costs.v(len(gens) * width) + drafting)
         self._judge(drafts, committed, seconds, width, drafting)
         self._queue_after_verify()
+        if width > 1 and self.ahead is None:  # the next round may run fresh: it says
+            self.times.hold_verify(len(gens), width, seconds, drafting)
+        elif width > 1:
+            self.times.add_verify(len(gens), width, seconds, drafting)
         return committed
 
     def _queue_after_verify(self) -> None:
@@ -561,6 +591,10 @@ class RowBatch:
         end = self._ended(gens)
         if pipelined and since is not None:
             self.times.add_plain(len(gens), end - since)
+        if ahead is None and since is not None:
+            self.times.add_fresh(len(gens), end - since)
+        else:
+            self.times.flush()
         if since is not None:
             self._note_slow(len(gens), 1, end - since, self.costs.v(len(gens)))
         return committed

@@ -464,6 +464,39 @@ def test_one_slow_verify_round_does_not_stop_a_width_that_pays() -> None:
     assert plan_widths(gens, [4] * 6, costs, times) == [0] * 6
 
 
+def test_a_verify_round_is_priced_with_the_plain_round_it_unpipelines() -> None:
+    """A verify round after which nothing was queued makes the next plain round run fresh:
+    what that round took beyond a queued one is charged to the verify round's shape, so a
+    width whose rounds pay only without that charge is declined. A verify round followed by
+    a queued round, or by rounds of other rows, is recorded as it was."""
+    costs = Costs(
+        verify=dict.fromkeys(range(1, 40), 1.0), draft_step=0.3, draft_batch={1: 0.3, 8: 0.3}
+    )
+    gens = _model_drafting_rows(costs)
+    times = RoundTimes(costs)
+    times.add_plain(6, 0.01)
+    times.hold_verify(6, 5, 0.015, 1.2)  # the trial, not recorded
+    times.add_fresh(6, 0.012)
+    for _ in range(2):
+        times.hold_verify(6, 5, 0.015, 1.2)
+        assert (6, 5) not in times.verify or times.verify[(6, 5)] == pytest.approx(0.035)
+        times.add_fresh(6, 0.03)  # 0.02 beyond a queued plain round
+    assert times.verify[(6, 5)] == pytest.approx(0.035)
+    assert plan_widths(gens, [4] * 6, costs, times) == [0] * 6  # 0.015 alone pays (below)
+
+    times = RoundTimes(costs)
+    times.add_plain(6, 0.01)
+    times.hold_verify(6, 5, 0.015, 1.2)  # the trial
+    times.flush()
+    times.hold_verify(6, 5, 0.015, 1.2)
+    times.flush()  # the next round was queued: as it was
+    assert times.verify[(6, 5)] == pytest.approx(0.015)
+    times.hold_verify(6, 5, 0.015, 1.2)
+    times.add_fresh(5, 0.5)  # a row left: another batch's round
+    assert times.verify[(6, 5)] == pytest.approx(0.015)
+    assert plan_widths(gens, [4] * 6, costs, times) == [4] * 6
+
+
 def test_shapes_not_yet_run_are_priced_as_the_verify_rounds_run_so_far_measured() -> None:
     """Verify rounds of one shape cost 3.5 times what the probe's forwards say: a shape
     not yet run (fewer rows) is priced so too, and declined without a losing trial."""
