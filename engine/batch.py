@@ -73,6 +73,8 @@ from mlxd.engine.sampling import Rng, choose, to_ints
 from mlxd.engine.speculation import FREE_SOURCES, Costs
 from mlxd.engine.verify import Verdict, choices, decide
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class Ahead:
@@ -124,8 +126,6 @@ def _drafts_free(gen: Generation) -> bool:
     """Whether the row's drafts cost no draft step (prompt lookup, forced tokens)."""
     return gen.controller is not None and gen.controller.draft_cost == 0
 
-
-log = logging.getLogger(__name__)
 
 ROUND_DECAY = 0.7  # weight of the estimate so far when a plain round's time is added
 ROUND_CAP = 4.0  # a round timed past this many times its modelled cost counts as this many
@@ -431,8 +431,9 @@ class RowBatch:
             return self._plain_round(since)  # computed already: a draft found since waits a round
         wants = [g.draft_length(ready=False) for g in gens]
         t0 = time.perf_counter()
-        plan = plan_widths(gens, wants, self.costs, self.times, self.widths)
-        ks = plan if any(wants) else wants
+        ks = list(wants)
+        if any(wants):
+            ks = plan_widths(gens, wants, self.costs, self.times, self.widths)
         for i, (g, want, k) in enumerate(zip(gens, wants, ks, strict=True)):
             if want and not k and g.controller is not None:
                 g.controller.benched()
