@@ -3,12 +3,14 @@ picks how far, up to `FREE_DRAFT_TOKENS` unless the request or the entry caps it
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import pytest
 
+from mlxd.engine import batch as batch_module
 from mlxd.engine.backend import configure_backend
 from mlxd.engine.batch import RowBatch, padded_width, plan_widths, round_widths
 from mlxd.engine.drafting import Draft, LookupDraftSource
@@ -180,3 +182,31 @@ def test_a_batch_runs_only_the_widths_its_load_warmed(copier: Pairing) -> None:
     assert max(seen) > 5 and set(seen) <= set(widths), seen
     for i, n in enumerate(limits):
         assert out[i] == prompt[1 : 1 + n], i  # the copier's own text, as plain decoding
+
+
+def test_rounds_far_slower_than_their_shape_are_logged_with_it(
+    copier: Pairing, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A round over `SLOW_ROUND` and `SLOW_RATIO` times what its shape costs is a stall worth
+    tracing: it is logged with its rows and width. Here every round is, against costs of a
+    microsecond a forward."""
+    monkeypatch.setattr(batch_module, "SLOW_ROUND", 0.0)
+    tiny = Costs(verify=dict.fromkeys(range(1, 80), 1e-6))
+    greedy = parse_options({"temperature": 0})
+    prompt = list(copier.tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
+    gens = [
+        Generation(copier.target, prompt, greedy, copier.eos_ids, 8, Rng(i), LookupDraftSource(),
+                   DraftLengthController(tiny, FREE_DRAFT_TOKENS, 0.0))
+        for i in range(2)
+    ]  # fmt: skip
+    for g in gens:
+        g.prefill()
+    batch = RowBatch(copier.target, tiny)
+    batch.join(gens)
+    with caplog.at_level(logging.WARNING, logger="mlxd.engine.batch"):
+        while not all(g.done for g in gens):
+            batch.round()
+    for g in gens:
+        g.close()
+    slow = [r.getMessage() for r in caplog.records if "slow round" in r.getMessage()]
+    assert slow and all(m.startswith("slow round: 2 rows x ") for m in slow), slow
