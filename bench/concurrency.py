@@ -2,13 +2,15 @@
 
     python bench/concurrency.py [--model DIR | --shape 8b] [--clients 1,2,4,8,16] [--tokens 128]
                                 [--servers mlxd,mlx_lm.server] [--draft-method off]
-    python bench/concurrency.py --pairing [DIR] [--clients 1,2,4,8] [--tokens 64]
+    python bench/concurrency.py --pairing [DIR] [--clients 1,2,4,8] [--tokens 64] [--control]
 
 `--pairing` (default: the code pair; DIR: any folder with `target/` and `draft/`, such as a
 pair fattened by shared/models/fatten.py) serves a target/draft pairing and compares, in one mlxd
 run, batched speculation (`draft_method` auto) with batched plain decoding (`off`) at each
 client count, greedy and at temperature 0.7, through Ollama's `/api/generate`: aggregate
-tokens/s of each, their ratio, and the drafts the final responses report accepted.
+tokens/s of each, their ratio (and its range over the bursts), and the drafts the final
+responses report accepted. `--control` adds a second plain arm: on this repository's 2-core CPU
+two identical arms read 0.92-1.11x of each other over 2 bursts a cell, wider than the floor.
 
 Both servers are started by the bench on loopback ports and driven through the same OpenAI
 `/v1/completions` streaming endpoint (temperature 0, fixed token count, no stop). For each
@@ -235,8 +237,12 @@ def code_pair() -> Path:
     return ROOT.parent / "shared/models/code-pair"
 
 
-def pairing_main(pair: Path, counts: list[int], tokens: int, parallel: int, rounds: int) -> None:
-    """Batched speculation vs batched plain decoding on one pairing, side by side."""
+def pairing_main(
+    pair: Path, counts: list[int], tokens: int, parallel: int, rounds: int, control: bool = False
+) -> None:
+    """Batched speculation vs batched plain decoding on one pairing, side by side. Each round's
+    ratio is printed as a range too; `control` adds a second plain arm, whose ratio to the
+    first says how far two identical arms drift apart on this machine."""
     missing = [d for d in ("target", "draft") if not (pair / d / "config.json").is_file()]
     if missing:
         raise SystemExit(f"{pair}: a pairing folder holds target/ and draft/ (no {missing})")
@@ -270,17 +276,22 @@ def pairing_main(pair: Path, counts: list[int], tokens: int, parallel: int, roun
         for temperature in (0.0, 0.7):
             for n in counts:
                 spec = {"aggregate": 0.0, "drafted": 0.0, "accepted": 0.0}
-                plain = dict(spec)
+                plain, again = dict(spec), dict(spec)
+                arms = [("auto", spec), ("off", plain)] + ([("off", again)] if control else [])
+                per_round: list[float] = []
                 for _ in range(rounds):  # alternate, so a slow spell hits both sides
-                    for method, into in (("auto", spec), ("off", plain)):
+                    got = []
+                    for method, into in arms:
                         opts = {"temperature": temperature, "num_predict": tokens,
                                 "draft_method": method, "seed": 7}  # fmt: skip
                         r = pairing_burst(base, prompts, n, opts)
                         if not r["aggregate"]:
                             raise SystemExit(f"mlxd streamed nothing ({method}, {n} clients)")
+                        got.append(r["aggregate"])
                         for key in into:
                             into[key] += r[key] / rounds
-                rows.append((temperature, n, spec, plain))
+                    per_round.append(got[0] / got[1])
+                rows.append((temperature, n, spec, plain, again, per_round))
                 print(f"T={temperature} {n} clients: spec {spec} plain {plain}", flush=True)
     finally:
         proc.terminate()
@@ -294,14 +305,17 @@ def pairing_main(pair: Path, counts: list[int], tokens: int, parallel: int, roun
     for line in slow[:20]:
         print("  " + line.split("slow round: ", 1)[-1])
     print(f"pairing {pair}  tokens per stream {tokens}  rounds {rounds}")
-    print(f"{'temp':>5} {'clients':>8} | {'spec agg':>9} {'plain agg':>9} | {'spec/plain':>10} | "
-          f"{'drafted':>8} {'accepted':>8} {'rate':>6}")  # fmt: skip
-    for temperature, n, spec, plain in rows:
+    print(f"{'temp':>5} {'clients':>8} | {'spec agg':>9} {'plain agg':>9} | {'spec/plain':>10} "
+          f"{'by round':>12} | {'drafted':>8} {'accepted':>8} {'rate':>6}"
+          + (f" | {'plain/plain':>11}" if control else ""))  # fmt: skip
+    for temperature, n, spec, plain, again, per_round in rows:
         rate = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
+        spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
+        aa = f" | {ratio(again['aggregate'], plain['aggregate']):>11}" if control else ""
         print(
             f"{temperature:>5} {n:>8} | {spec['aggregate']:>9.1f} {plain['aggregate']:>9.1f} | "
-            f"{ratio(spec['aggregate'], plain['aggregate']):>10} | "
-            f"{spec['drafted']:>8.0f} {spec['accepted']:>8.0f} {rate:>6.2f}"
+            f"{ratio(spec['aggregate'], plain['aggregate']):>10} {spread:>12} | "
+            f"{spec['drafted']:>8.0f} {spec['accepted']:>8.0f} {rate:>6.2f}{aa}"
         )
 
 
@@ -327,6 +341,10 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=3, help="bursts per cell, averaged (--pairing)")
     ap.add_argument(
+        "--control", action="store_true",
+        help="a second plain arm per cell (--pairing): how far identical arms drift apart",
+    )  # fmt: skip
+    ap.add_argument(
         "--servers", default="mlxd,mlx_lm.server", help="which servers to run (comma-separated)"
     )
     ap.add_argument(
@@ -339,7 +357,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.pairing is not None:
         counts = [int(c) for c in args.clients.split(",")]
-        pairing_main(args.pairing, counts, args.tokens, args.parallel, args.rounds)
+        pairing_main(args.pairing, counts, args.tokens, args.parallel, args.rounds, args.control)
         return
 
     model = args.model
