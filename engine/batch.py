@@ -479,7 +479,7 @@ class RowBatch:
         seconds = end - (since if since is not None else t0)
         paid = [0 if d.source in FREE_SOURCES else d.count for d in drafts]
         drafting = draft_seconds(gens, paid, self.costs)
-        self._note_slow(len(gens), width, seconds, self.costs.v(len(gens) * width) + drafting)
+        self._note_slow(len(gens), width, seconds, drafting)
         self._judge(drafts, committed, seconds, width, drafting)
         self._queue_after_verify()
         if width > 1 and self.ahead is None:  # the next round may run fresh: it says
@@ -503,10 +503,13 @@ class RowBatch:
         mx.async_eval(tokens)
         self.ahead = Ahead(list(gens), tokens, steady=False)
 
-    def _note_slow(self, rows: int, width: int, seconds: float, modelled: float) -> None:
+    def _note_slow(self, rows: int, width: int, seconds: float, drafting: float = 0.0) -> None:
         """Log a round far slower than its shape costs (a stall: a shape compiled inside the
         round, another thread's work), with its shape, so a slow spell can be traced."""
-        if seconds > SLOW_ROUND and seconds > SLOW_RATIO * modelled:
+        if seconds <= SLOW_ROUND:
+            return
+        modelled = self.costs.v(rows * width) + drafting
+        if seconds > SLOW_RATIO * modelled:
             log.warning(
                 "slow round: %d rows x %d tokens took %.0f ms (its shape costs %.1f ms)",
                 rows, width, seconds * 1e3, modelled * 1e3,
@@ -597,7 +600,7 @@ class RowBatch:
         else:
             self.times.flush()
         if since is not None:
-            self._note_slow(len(gens), 1, end - since, self.costs.v(len(gens)))
+            self._note_slow(len(gens), 1, end - since)
         return committed
 
     def _forward(self, inputs: mx.array) -> mx.array:

@@ -28,6 +28,7 @@ from mlxd.engine.scheduler import make_draft_source
 from mlxd.engine.speculation import Costs, DraftLengthController
 from mlxd.registry.schema import ModelEntry
 from tests.engine.test_speculative import tiny_vocab_model
+from tests.fixtures.batches import decode_together
 from tests.fixtures.scripted_models import Script, build_scripted
 from tests.fixtures.tiny_models import TinyPair
 
@@ -170,13 +171,7 @@ def test_a_batch_runs_only_the_widths_its_load_warmed(copier: Pairing) -> None:
         return forward(x, cache=cache)
 
     batch.target = recorded  # type: ignore[assignment]
-    batch.join(gens)
-    out: list[list[int]] = [[] for _ in gens]
-    while any(not g.done for g in gens):
-        for c in batch.round():
-            out[next(i for i, g in enumerate(gens) if g is c.gen)] += c.tokens
-        for g in [g for g in gens if g.done and g in batch]:
-            batch.leave(g)
+    out = decode_together(batch, gens)
     for g in gens:
         g.close()
     assert max(seen) > 5 and set(seen) <= set(widths), seen
@@ -201,11 +196,8 @@ def test_rounds_far_slower_than_their_shape_are_logged_with_it(
     ]  # fmt: skip
     for g in gens:
         g.prefill()
-    batch = RowBatch(copier.target, tiny)
-    batch.join(gens)
     with caplog.at_level(logging.WARNING, logger="mlxd.engine.batch"):
-        while not all(g.done for g in gens):
-            batch.round()
+        decode_together(RowBatch(copier.target, tiny), gens)
     for g in gens:
         g.close()
     slow = [r.getMessage() for r in caplog.records if "slow round" in r.getMessage()]

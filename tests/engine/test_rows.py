@@ -32,6 +32,7 @@ from tests.engine.test_speculative import (
     exact_pair_distribution,
     tiny_vocab_model,
 )
+from tests.fixtures.batches import decode_together
 from tests.fixtures.tiny_models import TinyPair
 
 # Flat verify costs: speculation always looks worthwhile, in a batch too (up to width 9).
@@ -234,13 +235,7 @@ def test_batched_speculative_rows_sample_the_targets_distribution(method: str) -
         for g in gens:
             g.prefill()
         batch = RowBatch(target, FLAT)
-        batch.join(gens)
-        out: list[list[int]] = [[] for _ in gens]
-        while any(not g.done for g in gens):
-            for c in batch.round():
-                out[next(i for i, g in enumerate(gens) if g is c.gen)] += c.tokens
-            for g in [g for g in gens if g.done and g in batch]:
-                batch.leave(g)
+        out = decode_together(batch, gens)
         for g in gens:
             drafted += g.stats.drafted
             g.close()
