@@ -1,7 +1,7 @@
 """Where a served round's time goes: the daemon in this process, timed inside its runner.
 
     python bench/served_rounds.py [--model DIR | --shape 8b] [--draft DIR] [--method auto]
-                                  [--clients 1,8] [--tokens 128]
+                                  [--adapter DIR] [--clients 1,8] [--tokens 128]
 
 `bench/concurrency.py` says how fast streams are served; this says why. The daemon serves the
 model here (`mlxd serve`, real uvicorn on loopback) with timers on its runner thread, while a
@@ -132,6 +132,9 @@ def install() -> None:
     encode = timed("mx.async_eval (encoding)", mx.async_eval)
     settle = timed("mx.eval (verify: encoding and device wait)", mx.eval)
     batch.mx = _Shim(mx, async_eval=encode, eval=settle)  # the batch module's MLX, timed
+    generation.mx = batch.mx  # and a lone row's: its step's encoding apart from building
+    generation.to_int = timed("to_int (device wait)", generation.to_int)
+    generation.to_ints = batch.to_ints
 
     round_, plain, propose = (
         batch.RowBatch.round,
@@ -281,6 +284,7 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mlxd-bench")
     ap.add_argument("--draft", type=Path, default=None)
     ap.add_argument("--method", default="off", help="the entry's draft_method")
+    ap.add_argument("--adapter", type=Path, default=None, help="serve the entry on this adapter")
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
@@ -291,6 +295,8 @@ def main() -> None:
     entry = f"models:\n  bench:\n    target: {model.resolve()}\n"
     if args.draft:
         entry += f"    draft: {args.draft.resolve()}\n"
+    if args.adapter:
+        entry += f"    adapters: [{args.adapter.resolve()}]\n"
     (home / "models.yaml").write_text(entry + f"    options: {{draft_method: {args.method}}}\n")
     port = free_port()
     os.environ.update(HF_HUB_OFFLINE="1", MLXD_HOME=str(home), MLXD_HOST=f"127.0.0.1:{port}",
