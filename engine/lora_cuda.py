@@ -238,8 +238,10 @@ def _up_source(count: int) -> str:
 def _term_source(count: int, shared: bool) -> str:
     """out_i = y_i + (x A_i[slot]) sB_i[slot]^T for `count` projections' matmul outputs y_i
     (M, N_i), in one launch: a block per (row, TILE outputs of one projection) first reduces
-    h = x A[slot] (R values; A's rows are read from L2 by each of the row's blocks), then adds
-    h sB^T to its outputs. A row on no adapter (slot 0) copies y. `shared`: the y_i are
+    h = x A[slot] (R values; A's rows are read from L2 by each of the row's blocks) in one pass
+    over K with every rank's loads in flight at once (rank by rank, a block waits out its
+    loads' latency R times over, which a few blocks with K up to 18,944 cannot hide), then
+    adds h sB^T to its outputs. A row on no adapter (slot 0) copies y. `shared`: the y_i are
     columns offsets[i].. of one output y (M, sum N_i) of a fused matmul (`engine.fusedproj`)."""
     source = "y + (size_t)m * y_shape[2] + offsets[{i}]" if shared else "y{i} + (size_t)m * N"
     pick = "".join(
@@ -278,18 +280,32 @@ def _term_source(count: int, shared: bool) -> str:
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const T* xr = x + (size_t)m * K;
     const T* ar = at + (size_t)s * R * K;
-    for (int j = 0; j < R; ++j) {{
-        float acc = 0.0f;
-        for (int k = threadIdx.x * 8; k < K; k += blockDim.x * 8) {{
-            uint4 xv = *reinterpret_cast<const uint4*>(xr + k);
-            uint4 av = *reinterpret_cast<const uint4*>(ar + (size_t)j * K + k);
-            const T* xp = reinterpret_cast<const T*>(&xv);
-            const T* ap = reinterpret_cast<const T*>(&av);
-            #pragma unroll
-            for (int i = 0; i < 8; ++i) acc += static_cast<float>(xp[i]) * static_cast<float>(ap[i]);
+    float acc[MAX_R];
+    #pragma unroll
+    for (int j = 0; j < MAX_R; ++j) acc[j] = 0.0f;
+    for (int k = threadIdx.x * 8; k < K; k += blockDim.x * 8) {{
+        uint4 xv = *reinterpret_cast<const uint4*>(xr + k);
+        const T* xp = reinterpret_cast<const T*>(&xv);
+        float xf[8];
+        #pragma unroll
+        for (int i = 0; i < 8; ++i) xf[i] = static_cast<float>(xp[i]);
+        #pragma unroll
+        for (int j = 0; j < MAX_R; ++j) {{
+            if (j < R) {{
+                uint4 av = *reinterpret_cast<const uint4*>(ar + (size_t)j * K + k);
+                const T* ap = reinterpret_cast<const T*>(&av);
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) acc[j] += xf[i] * static_cast<float>(ap[i]);
+            }}
         }}
-        for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
-        if (lane == 0) parts[warp * MAX_R + j] = acc;
+    }}
+    #pragma unroll
+    for (int j = 0; j < MAX_R; ++j) {{
+        if (j < R) {{
+            float a = acc[j];
+            for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffff, a, off);
+            if (lane == 0) parts[warp * MAX_R + j] = a;
+        }}
     }}
     __syncthreads();
     if (threadIdx.x < R) {{
