@@ -53,9 +53,16 @@ def trim_rows(cache: list[Any], amounts: Sequence[int], rows: int) -> None:
         if any(rest):
             c.prepare(right_padding=rest)
             c.finalize()
+    if any(rest):
+        cut_padding(cache, rows)
+
+
+def cut_padding(cache: list[Any], rows: int) -> None:
+    """Cut the left padding every row shares once it is worth a copy (a bucketed cache: whole
+    buckets of it): rows that dropped different amounts keep them as left padding."""
     first = cache[0]
     bucketed = isinstance(first, kvcache.BucketedBatchKVCache)
-    if not any(rest) or (bucketed and not first.may_cut()):
+    if bucketed and not first.may_cut():
         return
     least = min(to_ints(first.left_padding))
     if least >= (first.step if bucketed else COMPACT):

@@ -171,6 +171,13 @@ class BucketedBatchKVCache(BatchKVCache):
         cache.offset = cache.keys.shape[2]
         return cache
 
+    def drop_unread(self, dropped: mx.array) -> None:
+        """Drop the last `dropped[i]` positions of row i, `dropped` being counts the host has
+        not read (a verify round's rejected drafts, computed on the device): rolled into each
+        row's left padding as `prepare(right_padding=...)` and `finalize` do with counts read."""
+        self._right_padding = dropped  # type: ignore[assignment]  # mlx-lm inits it None
+        self.finalize()
+
     def may_cut(self) -> bool:
         """Whether a whole bucket of left padding could be cut: the buffer holds more than one
         (left padding stays below the write position)."""

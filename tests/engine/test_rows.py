@@ -372,7 +372,9 @@ def test_bucketed_rows_joining_and_leaving_match_solo_decoding(
     tiny_pair: TinyPair, gpu_layout: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The GPU's layout, where a leaving row's padding comes from its tokens, not the device:
-    rows speculating (verify rounds roll padding per row) and plain, joining and leaving."""
+    rows speculating (verify rounds roll padding per row, by counts the host has not read
+    where the next plain round is queued before the verdicts) and plain, joining and
+    leaving."""
     monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
     # the target drafting for itself: every draft accepted, so limits cut commits mid-round
     entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.target))
@@ -394,6 +396,14 @@ def test_bucketed_rows_joining_and_leaving_match_solo_decoding(
         return keys, values
 
     monkeypatch.setattr(BucketedBatchKVCache, "update_and_fetch", counted)
+    settled: list[bool] = []  # per verify round queued unread: whether a row cut its commit
+    settle = RowBatch._settle_unread
+
+    def noted(self: RowBatch, kept: list[int], accepted: list[int], width: int) -> None:
+        settled.append(kept != accepted)
+        settle(self, kept, accepted, width)
+
+    monkeypatch.setattr(RowBatch, "_settle_unread", noted)
     methods = ["model", "off", "model", "lookup", "model"]
     lengths = [26, 9, 31, 17, 13]
     specs = [
@@ -410,6 +420,9 @@ def test_bucketed_rows_joining_and_leaving_match_solo_decoding(
     for (prompt, opts), final in zip(specs, done, strict=True):
         assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
     assert done[0].done_reason == "stop" and done[0].speculation.accepted > 0
+    # greedy verify rounds queued the next plain round before reading their verdicts, and
+    # the round where row 0's end of sequence cut its commit took it back
+    assert False in settled and True in settled
     # verify rounds and draft catch-ups over the batches (target and draft) attend over whole
     # buckets of keys, so their shapes recur on a GPU however rows join and leave
     assert any(width > 1 for width, _ in widths)
