@@ -69,7 +69,7 @@ from mlxd.engine.draftbatch import DraftBatch, base_of, cut_padding, trim_rows
 from mlxd.engine.drafting import Draft, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
-from mlxd.engine.sampling import Rng, choose, to_ints
+from mlxd.engine.sampling import Rng, choose, sampler, shaping, to_ints
 from mlxd.engine.speculation import FREE_SOURCES, Costs
 from mlxd.engine.verify import Verdict, choices, decide
 
@@ -80,11 +80,13 @@ log = logging.getLogger(__name__)
 class Ahead:
     """The next plain round, queued: its rows and their chosen tokens, still lazy. `steady`:
     queued by a plain round, so its round times the batch's pipelined steady state (one queued
-    by a verify round started early and is not timed)."""
+    by a verify round started early and is not timed as one; queued `unread`, what it takes
+    beyond or short of a steady round is that verify round's)."""
 
     gens: list[Generation]
     tokens: mx.array
     steady: bool = True
+    unread: bool = False  # queued by a verify round before its verdicts were read
 
 
 @dataclass
@@ -182,8 +184,8 @@ class RoundTimes:
     )
     _tried: set[tuple[int, int]] = field(default_factory=set, repr=False)
     _plain_rounds: int = field(default=0, repr=False)
-    # a verify round (rows, width, seconds, drafting) whose next round may run fresh
-    _held: tuple[int, int, float, float] | None = field(default=None, repr=False)
+    # a verify round (rows, width, seconds, drafting, queueing) whose next round says its cost
+    _held: tuple[int, int, float, float, float] | None = field(default=None, repr=False)
 
     def plain_round(self, rows: int) -> float:
         """A plain round of `rows` rows: as measured, else the probe's `rows`-token forward."""
@@ -223,28 +225,38 @@ class RoundTimes:
             self._excess.clear()
             self._tried.clear()
 
-    def hold_verify(self, rows: int, width: int, seconds: float, drafting: float) -> None:
-        """A verify round that queued nothing after it: recorded once the next round says
-        whether it ran fresh (`add_fresh`), else as it is."""
+    def hold_verify(
+        self, rows: int, width: int, seconds: float, drafting: float, queueing: float = 0.0
+    ) -> None:
+        """A verify round that queued nothing after it, or (`queueing` seconds spent on it)
+        queued the next round before reading its verdicts: recorded once that round says what
+        it cost (`add_fresh`), else as it is."""
         self.flush()
-        self._held = (rows, width, seconds, drafting)
+        self._held = (rows, width, seconds, drafting, queueing)
 
-    def add_fresh(self, rows: int, seconds: float) -> None:
+    def add_fresh(self, rows: int, seconds: float, queued: bool = False) -> None:
         """A plain round of `rows` computed fresh, not queued: right after a held verify round
         of the same rows, what it took beyond a pipelined round is that verify round's (it
         broke the pipeline; on an H200, 4 rows of a 7B: 22.9 ms fresh against 9.1 queued), so
-        a verify round is priced with the plain round it unpipelines."""
+        a verify round is priced with the plain round it unpipelines. `queued`: the round was
+        queued by the verify round itself, before its verdicts were read, and that round's
+        time holds building it: what it took short of a pipelined round is taken off too, down
+        to the verify round's own time."""
         held, self._held = self._held, None
         if held is not None:
-            r, width, spent, drafting = held
-            extra = max(0.0, seconds - self.plain_round(rows)) if r == rows else 0.0
-            self.add_verify(r, width, spent + extra, drafting)
+            r, width, spent, drafting, queueing = held
+            extra = seconds - self.plain_round(rows) if r == rows else 0.0
+            if queued:
+                spent = max(spent + extra, spent - queueing)
+            else:
+                spent += max(extra, 0.0)
+            self.add_verify(r, width, spent, drafting)
 
     def flush(self) -> None:
         """Record a held verify round as it is (the next round was no fresh plain round)."""
         held, self._held = self._held, None
         if held is not None:
-            self.add_verify(*held)
+            self.add_verify(*held[:4])
 
     def add_verify(self, rows: int, width: int, seconds: float, drafting: float) -> None:
         if (rows, width) not in self._tried:
@@ -294,7 +306,8 @@ def plan_widths(
         ks = [min(w, k) for w in wants]
         expected = sum(expected_tokens(g, n) for g, n in zip(gens, ks, strict=True))
         width = padded_width(k + 1, widths)
-        rate = expected / times.verify_round(rows, width, draft_seconds(gens, ks, costs))
+        cost = times.verify_round(rows, width, draft_seconds(gens, ks, costs))
+        rate = expected / max(cost, 1e-12)
         if rate > best_rate:
             best, best_rate = k, rate
     return [min(w, best) for w in wants]
@@ -421,7 +434,7 @@ class RowBatch:
             else:
                 c.filter(rows)
         if kept_ahead and ahead is not None:
-            self.ahead = Ahead(list(self.gens), ahead.tokens[rows], ahead.steady)
+            self.ahead = Ahead(list(self.gens), ahead.tokens[rows], ahead.steady, ahead.unread)
 
     def round(self) -> list[Committed]:
         """One round for every row: drafts, one verify forward, per-row acceptance and trim."""
@@ -465,7 +478,7 @@ class RowBatch:
             chosen.append(choices(logits[i, : 1 + d.count], host, g.tokens, g.opts, g.rng, bias))
         q0 = time.perf_counter()
         unread = self._queue_unread(drafts, chosen, width) if not any(walks) else False
-        queueing = time.perf_counter() - q0  # the next round's work, not this round's
+        queueing = time.perf_counter() - q0  # the next round's work (its time is charged here)
         mx.eval(chosen, [d.tokens for d in drafts])  # one host sync for the whole batch
         verdicts = [
             decide(to_ints(d.tokens) if d.count else [], to_ints(c))
@@ -483,15 +496,16 @@ class RowBatch:
         else:
             self.keep(kept, width)
         end = self._ended(gens)
-        seconds = end - (since if since is not None else t0) - queueing
+        seconds = end - (since if since is not None else t0)
         paid = [0 if d.source in FREE_SOURCES else d.count for d in drafts]
         drafting = draft_seconds(gens, paid, self.costs)
         self._note_slow(len(gens), width, seconds, drafting)
-        self._judge(drafts, committed, seconds, width, drafting)
+        self._judge(drafts, committed, seconds - queueing, width, drafting)
         if not unread:
             self._queue_after_verify()
-        if width > 1 and self.ahead is None:  # the next round may run fresh: it says
-            self.times.hold_verify(len(gens), width, seconds, drafting)
+        queued = self.ahead is not None and self.ahead.unread
+        if width > 1 and (self.ahead is None or queued):  # the next round says what it cost
+            self.times.hold_verify(len(gens), width, seconds, drafting, queueing)
         elif width > 1:
             self.times.add_verify(len(gens), width, seconds, drafting)
         return committed
@@ -504,13 +518,13 @@ class RowBatch:
         queued 4-row plain round took 9.5 and a fresh one 24. Each row's accepted count is
         found on the device as `decide` finds it on the host (drafts equal to the target's
         choices, up to the first that differs), the next input is the choice after them and
-        what the rows rejected rolls into their left padding (`drop_unread`). Greedy rows
-        only (a sampled row's next choice is keyed by a position not yet read); whether the
-        round qualifies (nothing queued where it does not)."""
+        what the rows rejected rolls into their left padding (`drop_unread`); a sampled row's
+        next choice takes the noise of the position it lands on (`_choose_unread`). Whether
+        the round qualifies (nothing queued where it does not)."""
         gens = self.gens
         if not (
             isinstance(self.cache[0], kvcache.BucketedBatchKVCache)
-            and all(g.opts.greedy and g.plain_only for g in gens)
+            and all(g.plain_only for g in gens)
             and any(g.produced + 1 < g.limit for g in gens)
         ):
             return False
@@ -522,22 +536,42 @@ class RowBatch:
         dropped = width - mx.stack(kept)
         for layer in self.cache:
             layer.drop_unread(dropped)
-        queued = self._choose(self._forward(mx.stack(nexts)[:, None]), [0] * len(gens))
+        queued = self._choose_unread(self._forward(mx.stack(nexts)[:, None]), kept, width)
         mx.async_eval(queued)
-        self.ahead = Ahead(list(gens), queued, steady=False)
+        self.ahead = Ahead(list(gens), queued, steady=False, unread=True)
         return True
+
+    def _choose_unread(self, logits: mx.array, kept: list[mx.array], width: int) -> mx.array:
+        """Each row's token (B,) after a verify round of `width` whose commits `kept` the host
+        has not read: a sampled row's noise is the key of the position it lands on, picked on
+        the device from the keys of every position the round could have left it at."""
+        gens = self.gens
+        if all(g.opts.greedy for g in gens):
+            return mx.argmax(logits, axis=-1).astype(mx.uint32)
+        on_gpu = mx.default_device().type == mx.DeviceType.gpu
+        rows = []
+        for i, (g, k) in enumerate(zip(gens, kept, strict=True)):
+            if g.opts.greedy:
+                rows.append(mx.argmax(logits[i : i + 1], axis=-1).astype(mx.uint32))
+                continue
+            keys = mx.take(g.rng.keys(len(g.tokens) + 1, width), k - 1, axis=0)
+            rows.append(sampler(shaping(g.opts), on_gpu)(logits[i : i + 1], keys[None]))
+        return mx.concatenate(rows)
 
     def _settle_unread(self, kept: list[int], accepted: list[int], width: int) -> None:
         """After `_queue_unread`, once the verdicts are read: where a row committed less than
         it accepted (an end of sequence or its limit among the drafts), the queued round is
         taken back and the row's surplus trimmed, leaving the cache as `keep` leaves it; else
-        the rows' shared left padding is cut as `keep` cuts it."""
+        the rows' shared left padding is cut as `keep` cuts it, reckoned from their tokens (a
+        read of the device would wait for the queued round)."""
         surplus = [a - k for a, k in zip(accepted, kept, strict=True)]
         if any(surplus):
             self.drop_ahead()
             trim_rows(self.cache, surplus, len(self.gens))
         elif any(k < width for k in kept):
-            cut_padding(self.cache, len(self.gens))
+            # each row holds every committed token but the last, and the queued round's
+            least = self.cache[0]._idx - max(len(g.tokens) for g in self.gens)
+            cut_padding(self.cache, len(self.gens), least)
 
     def _queue_after_verify(self) -> None:
         """Queue the round after a verify round where every row decodes it plainly, as a plain
@@ -648,6 +682,8 @@ class RowBatch:
             self.times.add_plain(len(gens), end - since)
         if ahead is None and since is not None:
             self.times.add_fresh(len(gens), end - since)
+        elif ahead is not None and ahead.unread and since is not None:
+            self.times.add_fresh(len(gens), end - since, queued=True)
         else:
             self.times.flush()
         if since is not None:

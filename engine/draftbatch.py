@@ -57,14 +57,16 @@ def trim_rows(cache: list[Any], amounts: Sequence[int], rows: int) -> None:
         cut_padding(cache, rows)
 
 
-def cut_padding(cache: list[Any], rows: int) -> None:
+def cut_padding(cache: list[Any], rows: int, least: int | None = None) -> None:
     """Cut the left padding every row shares once it is worth a copy (a bucketed cache: whole
-    buckets of it): rows that dropped different amounts keep them as left padding."""
+    buckets of it): rows that dropped different amounts keep them as left padding. `least`:
+    that shared padding, known to the caller (else read from the device)."""
     first = cache[0]
     bucketed = isinstance(first, kvcache.BucketedBatchKVCache)
     if bucketed and not first.may_cut():
         return
-    least = min(to_ints(first.left_padding))
+    if least is None:
+        least = min(to_ints(first.left_padding))
     if least >= (first.step if bucketed else COMPACT):
         for c in cache:
             if bucketed:

@@ -5,11 +5,14 @@ from __future__ import annotations
 import queue
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
 
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import BatchKVCache
 
+from mlxd.engine import batch as batch_module
 from mlxd.engine.backend import Backend, configure_backend
 from mlxd.engine.batch import Committed, RowBatch
 from mlxd.engine.cache_use import namespace_for, restore
@@ -21,7 +24,7 @@ from mlxd.engine.kvcache import BucketedBatchKVCache, make_cache, set_bucket
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import Pairing, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
-from mlxd.engine.sampling import Rng
+from mlxd.engine.sampling import Rng, to_ints
 from mlxd.engine.scheduler import Job, Scheduler, make_draft_source
 from mlxd.engine.speculation import Costs, DraftLengthController
 from mlxd.registry.schema import ModelEntry
@@ -287,6 +290,65 @@ def test_solo_and_batched_rows_hit_each_others_blocks(
     assert later[0].cached_tokens == len(second) - 1
     assert later[0].output_tokens == alone[0].output_tokens
     assert later[0].speculation.rounds > 0
+
+
+@pytest.mark.parametrize("method", ["model", "lookup"])
+def test_seeded_rows_on_the_gpu_layout_give_their_solo_tokens(
+    tiny_pair: TinyPair, gpu_layout: Backend, monkeypatch: pytest.MonkeyPatch, method: str
+) -> None:
+    """Where a verify round queues the next plain round before its verdicts are read, a
+    sampled row's next token takes the noise of the position it really lands on: a seeded
+    request gives its solo plain tokens beside others, greedy and sampled."""
+    monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
+    entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.target))
+    pairing = load_pairing(entry, gpu_layout, costs=FLAT)
+    unread: list[bool] = []  # per verify round: whether it queued the next round unread
+    queue_unread = RowBatch._queue_unread
+
+    def noted(self: RowBatch, *args: object) -> bool:
+        unread.append(queue_unread(self, *args))  # type: ignore[arg-type]
+        return unread[-1]
+
+    monkeypatch.setattr(RowBatch, "_queue_unread", noted)
+    mine = (PROMPTS[1], opts_of(temperature=0.9, seed=42, num_predict=24, draft_method=method))
+    others = [
+        (PROMPTS[i], opts_of(temperature=t, seed=i, num_predict=10 + 5 * i, draft_method=m))
+        for i, t, m in ((0, 0.7, "model"), (3, 0.0, "lookup"), (5, 0.7, "off"))
+    ]
+    together = serve(pairing, [mine, *others])
+    for (prompt, opts), final in zip([mine, *others], together, strict=True):
+        assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
+    assert together[0].speculation.accepted > 0 and True in unread
+
+
+def test_rows_cut_shared_padding_after_rounds_queued_unread(
+    tiny_pair: TinyPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Small buckets: verify rounds whose next round was queued before their verdicts were
+    read leave whole buckets of left padding every row shares, and cut them by what the rows'
+    tokens say (no device read), as a read of the device would; the rows decode on exactly."""
+    monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
+    small = replace(configure_backend(), kv_bucket=16)
+    entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft))
+    pairing = load_pairing(entry, small, costs=FLAT)
+    cuts: list[tuple[int, int]] = []  # (shared padding reckoned from tokens, read back)
+    cut = batch_module.cut_padding
+
+    def checked(cache: list[Any], rows: int, least: int | None = None) -> None:
+        if least is not None and cache[0].may_cut():
+            cuts.append((least, min(to_ints(cache[0].left_padding))))
+        cut(cache, rows, least)
+
+    monkeypatch.setattr(batch_module, "cut_padding", checked)
+    specs = [
+        (p, opts_of(temperature=0, num_predict=60, draft_method=m))
+        for p, m in zip(PROMPTS[:3], ("model", "lookup", "model"), strict=True)
+    ]
+    done = serve(pairing, specs)
+    for (prompt, opts), final in zip(specs, done, strict=True):
+        assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
+    assert cuts and all(mine == read for mine, read in cuts)
+    assert any(mine >= 16 for mine, _ in cuts)
 
 
 @pytest.mark.parametrize("bucket", [None, 64], ids=["exact", "bucketed"])

@@ -496,6 +496,32 @@ def test_a_verify_round_is_priced_with_the_plain_round_it_unpipelines() -> None:
     assert plan_widths(gens, [4] * 6, costs, times) == [4] * 6
 
 
+def test_a_verify_round_that_queued_the_next_round_unread_is_priced_with_it() -> None:
+    """A verify round that queued the plain round after it before reading its verdicts spent
+    part of its time building that round: what the round then took short of a pipelined one
+    comes off the verify round's record (beyond one is added), never below the verify
+    round's own time."""
+    costs = Costs(
+        verify=dict.fromkeys(range(1, 40), 1.0), draft_step=0.3, draft_batch={1: 0.3, 8: 0.3}
+    )
+    times = RoundTimes(costs)
+    times.add_plain(6, 0.01)
+    for taken in (0.002, 0.002, 0.002):  # the trial, then two on record
+        times.hold_verify(6, 5, 0.02, 1.2, queueing=0.008)
+        times.add_fresh(6, taken, queued=True)
+    assert times.verify[(6, 5)] == pytest.approx(0.012)  # 0.02 + 0.002 - 0.01
+    times = RoundTimes(costs)
+    times.add_plain(6, 0.01)
+    for _ in range(3):  # the queued round came almost free: the verify round's own time
+        times.hold_verify(6, 5, 0.02, 1.2, queueing=0.004)
+        times.add_fresh(6, 0.0, queued=True)
+    assert times.verify[(6, 5)] == pytest.approx(0.016)
+    for _ in range(3):  # it took longer than a pipelined round: the excess is added
+        times.hold_verify(6, 5, 0.02, 1.2, queueing=0.004)
+        times.add_fresh(6, 0.03, queued=True)
+    assert times.verify[(6, 5)] == pytest.approx(0.04)
+
+
 def test_shapes_not_yet_run_are_priced_as_the_verify_rounds_run_so_far_measured() -> None:
     """Verify rounds of one shape cost 3.5 times what the probe's forwards say: a shape
     not yet run (fewer rows) is priced so too, and declined without a losing trial."""
