@@ -13,7 +13,8 @@ once). For each client count it prints the burst's aggregate and per-stream rate
   (`to_ints`), a verify round's sampling (`choices`, grammar walks) and its one sync
   (`mx.eval`: encoding and waiting), drafting, streaming (`Scheduler._push`), the hand-over to
   the event loop;
-- the rounds by kind (plain, queued ahead or fresh; verify, by rows x width) and their mean,
+- the rounds by kind (plain: queued ahead, queued by a verify round before its verdicts were
+  read, or fresh; verify, by rows x width) and their mean,
   and the slowest rounds with what they spent;
 - how many batch rows asked to draft (and whether their speculation was on), and how many
   drafts the batch's plan let them make;
@@ -158,7 +159,9 @@ def install() -> None:
                 T.slow.append(f"{T.kind} {took * 1e3:.0f} ms {parts}")
 
     def kind_plain(self: batch.RowBatch, since: float | None = None) -> Any:
-        T.kind = f"plain {len(self.gens)} rows " + ("ahead" if self.ahead is not None else "fresh")
+        ahead = self.ahead
+        how = "fresh" if ahead is None else "queued unread" if ahead.unread else "ahead"
+        T.kind = f"plain {len(self.gens)} rows {how}"
         return plain(self, since)
 
     def kind_verify(self: batch.RowBatch, ks: list[int]) -> Any:
