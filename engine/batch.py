@@ -534,8 +534,7 @@ class RowBatch:
             kept.append(accepted + 1)
             nexts.append(mx.take(c, accepted).astype(mx.uint32))
         dropped = width - mx.stack(kept)
-        for layer in self.cache:
-            layer.drop_unread(dropped)
+        kvcache.BucketedBatchKVCache.drop_unread(self.cache, dropped)
         queued = self._choose_unread(self._forward(mx.stack(nexts)[:, None]), kept, width)
         mx.async_eval(queued)
         self.ahead = Ahead(list(gens), queued, steady=False, unread=True)

@@ -10,6 +10,7 @@ shapes change only when the buffer grows. Single-token decoding keeps mlx-lm's e
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -171,12 +172,24 @@ class BucketedBatchKVCache(BatchKVCache):
         cache.offset = cache.keys.shape[2]
         return cache
 
-    def drop_unread(self, dropped: mx.array) -> None:
-        """Drop the last `dropped[i]` positions of row i, `dropped` being counts the host has
-        not read (a verify round's rejected drafts, computed on the device): rolled into each
-        row's left padding as `prepare(right_padding=...)` and `finalize` do with counts read."""
-        self._right_padding = dropped  # type: ignore[assignment]  # mlx-lm inits it None
-        self.finalize()
+    @staticmethod
+    def drop_unread(layers: Sequence[BucketedBatchKVCache], dropped: mx.array) -> None:
+        """Drop the last `dropped[i]` positions of row i in every layer, `dropped` being counts
+        the host has not read (a verify round's rejected drafts, computed on the device):
+        rolled into each row's left padding as `prepare(right_padding=...)` and `finalize`
+        roll counts read. The layers hold the same positions, so the roll's order, offsets and
+        padding are computed once for all of them (per layer, a round would encode some 300
+        more operations on a 28-layer model)."""
+        first = layers[0]
+        assert first.keys is not None
+        n = int(first.keys.shape[2])
+        order = (mx.arange(n)[:, None] - dropped[:, None, None, None]) % n
+        offset, left = first.offset - dropped, first.left_padding + dropped
+        for layer in layers:
+            assert layer.keys is not None and layer.values is not None
+            layer.keys = mx.take_along_axis(layer.keys, order, axis=2)
+            layer.values = mx.take_along_axis(layer.values, order, axis=2)
+            layer.offset, layer.left_padding = offset, left
 
     def may_cut(self) -> bool:
         """Whether a whole bucket of left padding could be cut: the buffer holds more than one
