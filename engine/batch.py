@@ -477,7 +477,7 @@ class RowBatch:
             bias = w.bias if w is not None else None
             chosen.append(choices(logits[i, : 1 + d.count], host, g.tokens, g.opts, g.rng, bias))
         q0 = time.perf_counter()
-        unread = self._queue_unread(drafts, chosen, width) if not any(walks) else False
+        unread = self._queue_unread(drafts, chosen, width)
         queueing = time.perf_counter() - q0  # the next round's work (its time is charged here)
         mx.eval(chosen, [d.tokens for d in drafts])  # one host sync for the whole batch
         verdicts = [
@@ -501,7 +501,7 @@ class RowBatch:
         drafting = draft_seconds(gens, paid, self.costs)
         self._note_slow(len(gens), width, seconds, drafting)
         self._judge(drafts, committed, seconds - queueing, width, drafting)
-        if not unread:
+        if self.ahead is None:  # none queued unread (or taken back): queue one now
             self._queue_after_verify()
         queued = self.ahead is not None and self.ahead.unread
         if width > 1 and (self.ahead is None or queued):  # the next round says what it cost
