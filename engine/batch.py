@@ -777,9 +777,11 @@ class RowBatch:
 
 def _accepted(drafts: mx.array, chosen: mx.array) -> mx.array:
     """How many of `drafts` the target's `chosen` accept, on the device: up to the first
-    that differs, as `decide` counts on the host."""
-    same = mx.equal(drafts.astype(mx.uint32), chosen[: drafts.size].astype(mx.uint32))
-    return mx.cumprod(same.astype(mx.int32)).sum()
+    that differs, as `decide` counts on the host (the least index that differs; a min, not
+    a scan, whose kernels not every backend has)."""
+    n = drafts.size
+    differs = mx.not_equal(drafts.astype(mx.uint32), chosen[:n].astype(mx.uint32))
+    return mx.min(mx.where(differs, mx.arange(n, dtype=mx.int32), n))
 
 
 def _same(a: list[Generation], b: list[Generation]) -> bool:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
@@ -27,6 +28,7 @@ from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.sampling import Rng, to_ints
 from mlxd.engine.scheduler import Job, Scheduler, make_draft_source
 from mlxd.engine.speculation import Costs, DraftLengthController
+from mlxd.engine.verify import decide
 from mlxd.registry.schema import ModelEntry
 from tests.engine.conftest import GPU_TEST_BUCKET, Loaded
 from tests.engine.test_speculative import (
@@ -319,6 +321,16 @@ def test_seeded_rows_on_the_gpu_layout_give_their_solo_tokens(
     for (prompt, opts), final in zip([mine, *others], together, strict=True):
         assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
     assert together[0].speculation.accepted > 0 and True in unread
+
+
+def test_accepted_drafts_counted_on_the_device_are_the_hosts_count() -> None:
+    rng = random.Random(0)
+    for _ in range(200):
+        n = rng.randint(1, 16)
+        drafts = [rng.randint(0, 2) for _ in range(n)]
+        chosen = [rng.randint(0, 2) for _ in range(n + 1)]
+        on_device = batch_module._accepted(mx.array(drafts), mx.array(chosen)).item()
+        assert on_device == decide(drafts, chosen).accepted
 
 
 def test_rows_cut_shared_padding_after_rounds_queued_unread(
