@@ -177,19 +177,20 @@ class BucketedBatchKVCache(BatchKVCache):
         """Drop the last `dropped[i]` positions of row i in every layer, `dropped` being counts
         the host has not read (a verify round's rejected drafts, computed on the device):
         rolled into each row's left padding as `prepare(right_padding=...)` and `finalize`
-        roll counts read. The layers hold the same positions, so the roll's order, offsets and
-        padding are computed once for all of them (per layer, a round would encode some 300
-        more operations on a 28-layer model)."""
+        roll counts read. The layers hold the same positions, so the roll's order is computed
+        once for all of them (per layer, a round would encode some 200 more operations on a
+        28-layer model). Each layer keeps offsets and padding of its own: mlx-lm adds to them
+        in place (`+=`), which would reach every layer sharing one array."""
         first = layers[0]
         assert first.keys is not None
         n = int(first.keys.shape[2])
         order = (mx.arange(n)[:, None] - dropped[:, None, None, None]) % n
-        offset, left = first.offset - dropped, first.left_padding + dropped
         for layer in layers:
             assert layer.keys is not None and layer.values is not None
             layer.keys = mx.take_along_axis(layer.keys, order, axis=2)
             layer.values = mx.take_along_axis(layer.values, order, axis=2)
-            layer.offset, layer.left_padding = offset, left
+            layer.offset = layer.offset - dropped
+            layer.left_padding = layer.left_padding + dropped
 
     def may_cut(self) -> bool:
         """Whether a whole bucket of left padding could be cut: the buffer holds more than one

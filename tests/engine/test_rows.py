@@ -323,6 +323,35 @@ def test_seeded_rows_on_the_gpu_layout_give_their_solo_tokens(
     assert together[0].speculation.accepted > 0 and True in unread
 
 
+def test_rounds_read_first_after_rounds_queued_unread_decode_exactly(
+    tiny_pair: TinyPair, gpu_layout: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Verify rounds queued unread, then (a row with penalties joined: its choices need the
+    host) verify rounds that read first and roll rows by counts read: the rows decode
+    exactly across the change."""
+    monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
+    entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.target))
+    pairing = load_pairing(entry, gpu_layout, costs=FLAT)
+    kinds: list[bool] = []  # per verify round: queued unread or not
+    queue_unread = RowBatch._queue_unread
+
+    def noted(self: RowBatch, *args: object) -> bool:
+        kinds.append(queue_unread(self, *args))  # type: ignore[arg-type]
+        return kinds[-1]
+
+    monkeypatch.setattr(RowBatch, "_queue_unread", noted)
+    specs = [
+        (PROMPTS[0], opts_of(temperature=0, num_predict=40, draft_method="model")),
+        (PROMPTS[3], opts_of(temperature=0, num_predict=40, draft_method="lookup")),
+        (PROMPTS[2], opts_of(temperature=0, num_predict=12, repeat_penalty=1.3)),
+    ]
+    done = serve(pairing, specs, start_after={2: (0, 6)})
+    for (prompt, opts), final in zip(specs, done, strict=True):
+        assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
+    first_read = kinds.index(False, kinds.index(True))
+    assert True in kinds[:first_read] and False in kinds[first_read:]
+
+
 def test_accepted_drafts_counted_on_the_device_are_the_hosts_count() -> None:
     rng = random.Random(0)
     for _ in range(200):
