@@ -515,7 +515,7 @@ class RowBatch:
         keep each row's accepted K/V and queue the plain round after this verify round before
         the host reads the verdicts, so the device computes that round while the host reads,
         streams and plans: on an H200, fat 7B pair, a 4-row verify round took 25 ms where a
-        queued 4-row plain round took 9.5 and a fresh one 24. Each row's accepted count is
+        queued 4-row plain round took 9.5 and a fresh 3-row one 24. Each row's accepted count is
         found on the device as `decide` finds it on the host (drafts equal to the target's
         choices, up to the first that differs), the next input is the choice after them and
         what the rows rejected rolls into their left padding (`drop_unread`); a sampled row's
