@@ -679,12 +679,10 @@ class RowBatch:
         end = self._ended(gens)
         if pipelined and since is not None:
             self.times.add_plain(len(gens), end - since)
-        if ahead is None and since is not None:
-            self.times.add_fresh(len(gens), end - since)
-        elif ahead is not None and ahead.unread and since is not None:
-            self.times.add_fresh(len(gens), end - since, queued=True)
-        else:
+        if since is None or (ahead is not None and not ahead.unread):
             self.times.flush()
+        else:  # fresh, or queued by the verify round before its verdicts were read
+            self.times.add_fresh(len(gens), end - since, queued=ahead is not None)
         if since is not None:
             self._note_slow(len(gens), 1, end - since)
         return committed
@@ -809,8 +807,14 @@ def warm_rounds(target: nn.Module, rows: int, widths: Sequence[int]) -> None:
         mx.eval(target(mx.zeros((rows, width), dtype=mx.uint32), cache=batch.cache))
         batch.keep([1] + [0] * (rows - 1), width)
         mx.eval([c.state for c in batch.cache])
-        if width > 1:  # a verify round's accepted drafts counted on the device
-            chosen = mx.zeros((width,), dtype=mx.uint32)
-            mx.eval(mx.take(chosen, _accepted(chosen[1:], chosen)))
     while len(batch):
         batch.leave(batch.gens[-1])
+
+
+def warm_accepts(widths: Sequence[int]) -> None:
+    """Count accepted drafts on the device (`_accepted`) once for every verify width: the
+    shapes a round queued unread runs, whatever its rows."""
+    for width in widths:
+        if width > 1:
+            chosen = mx.zeros((width,), dtype=mx.uint32)
+            mx.eval(mx.take(chosen, _accepted(chosen[1:], chosen)))

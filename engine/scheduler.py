@@ -22,7 +22,7 @@ import mlx.core as mx
 
 from mlxd.engine.adapters import AdaptedModel, selecting
 from mlxd.engine.attention import warming
-from mlxd.engine.batch import RowBatch, round_widths, warm_rounds
+from mlxd.engine.batch import RowBatch, round_widths, warm_accepts, warm_rounds
 from mlxd.engine.cache_use import namespace_for, offer_final, offer_prompt, restore
 from mlxd.engine.draftbatch import warm_drafts
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
@@ -154,6 +154,7 @@ class Scheduler:
             # a batch verifies only the widths warmed here: others are padded up to one
             widths = round_widths(pairing.default_draft_tokens, FREE_DRAFT_TOKENS)
             self.batch.widths = widths
+            warm_accepts(widths)
             for rows in range(2, self.num_parallel + 1):
                 warm_rounds(self.pairing.target, rows, widths)
                 if pairing.draft is not None:
