@@ -14,7 +14,7 @@ different adapters), by route:
 - `matmul+term`: MLX's matmuls, then one `term` launch per group.
 
 Prints milliseconds per step, the host's share of it and each route's ratio to `base`. `lora_cuda` sends a lone row
-through `project` and several through `matmul+term` (`MATMUL_ROWS`): those should be the
+through `project` and several through `matmul+down+up` (`MATMUL_ROWS`): those should be the
 cheapest at their row counts.
 """
 
@@ -135,7 +135,7 @@ def main() -> None:
     routes: dict[str, Route] = {
         "base": base, "gather": gather, "project": kernels(matmul_rows=99),
         "matmul+down+up": kernels(matmul_rows=1, fused=False),
-        "matmul+term": kernels(matmul_rows=1),
+        "matmul+term": kernels(matmul_rows=1, fused=True),
     }  # fmt: skip
     print(f"{args.blocks} blocks, 7B-shaped bf16, rank {RANK}; ms per pipelined step (host ms)")
     print(f"{'rows':>5} | " + " ".join(f"{n:>23}" for n in routes))

@@ -17,15 +17,16 @@ launches two kernels:
 
 So a lone row's block of seven adapted projections launches 8 kernels where the base launches
 7. Several adapted rows (a batch) take `mma_cuda`'s tensor-core kernel for x W_i^T instead (MLX's
-matmul where it is off), then one `term` launch per group adding every row's term (h = x
-A[slot] reduced per block, then h sB^T): with 8 rows `project` reads W at about half cuBLAS's
-speed, which a batch's device-bound step pays in full. An H200, 16 blocks of a 7B-shaped bf16
-model, every projection adapted (`bench/lora_kernels.py`): with cuBLAS for the base, 8 rows
-cost 1.33x the base's step this way, 1.62x with separate `down` and `up` launches (kept for
-ranks above MAX_TERM_RANK) and 3.15x through `project`; a lone row 1.6-1.8x every way, where
-`project` launches fewest kernels. Rows on the base can take the kernels too, one launch for q,
-k and v (`pays`). A call is traced by `mx.compile`, so a step replays it without
-building its kernels' calls in Python.
+matmul where it is off), then a `down` and an `up` launch per group (h = x A[slot] once per row
+and rank, then y + h sB^T): with 8 rows `project` reads W at about half cuBLAS's speed, which a
+batch's device-bound step pays in full. An H200, 16 blocks of a 7B-shaped bf16 model, every
+projection adapted (`bench/lora_kernels.py`), 8 rows: 1.25x the base's step this way with the
+tensor-core base, 1.88x with one `term` launch per group instead (each of its blocks reduces
+its row's x A again; with cuBLAS for the base it had measured 1.33x against down and up's
+1.62x, so the two were timed again with the tensor-core base) and 3.15x through `project`; a
+lone row 1.6-1.8x every way, where `project` launches fewest kernels. Rows on the base can take
+the kernels too, one launch for q, k and v (`pays`). A call is traced by `mx.compile`, so a
+step replays it without building its kernels' calls in Python.
 Forwards of more than `MAX_ROWS` rows x tokens (prefill, wide verifies) are compute-bound and
 take the MLX ops. The kernels read K in 16-byte pieces: K a multiple of 8 and a 2-byte dtype
 (bf16, fp16), which `serves` checks.
@@ -425,7 +426,7 @@ def _project(
     bias: bool,
     term: bool,
     matmul_rows: int = MATMUL_ROWS,
-    fused: bool = True,
+    fused: bool = False,
 ) -> list[mx.array]:
     """`project` on flat arguments: (idx,) if term, then per part weight, (at, bt), (bias).
     From `matmul_rows` rows x tokens, adapted rows take `_matmul_then_terms` (`fused`)."""
@@ -462,8 +463,10 @@ def _matmul_then_terms(
 ) -> list[mx.array]:
     """x W_i^T by `mma_cuda`'s kernel (else MLX's matmul), which read W near the memory's
     speed where `project` with 8 rows reads it at about half (an H200, 7B-shaped MLP: 88 and
-    147 us against cuBLAS's 41 and 46), then every term: in one `term` launch (`fused`, ranks
-    up to MAX_TERM_RANK), else a `down` and an `up` launch."""
+    147 us against cuBLAS's 41 and 46), then every term: a `down` launch reducing each row's
+    x A once, and an `up` launch adding it; or one `term` launch (`fused`, ranks up to
+    MAX_TERM_RANK), whose every block reduces its row's x A again (an H200, 8 adapted rows of
+    16 7B-shaped blocks: 1.25x the base's step with down and up, 1.88x with term)."""
     if _takes_mma(x, parts):
         ys = mma_cuda.flat_matmul(x, *(a for p in parts for a in (p[0], *p[3:])), bias=bias)
     else:
@@ -574,7 +577,7 @@ def pays(rows: int, nbytes: int) -> bool:
 def project(x: mx.array, idx: mx.array | None, parts: Sequence[Part]) -> list[mx.array]:
     """x W_i^T (+ (x A_i[idx]) sB_i[idx]^T) (+ bias_i) for projections i of one input x
     (batch rows, tokens, K), idx (rows x tokens,) uint32 (0: no term): one kernel launch, two
-    with terms for a lone row (several rows: the matmuls, then one launch). The parts all have
+    with terms for a lone row (several rows: the matmuls, then down and up). The parts all have
     terms (and idx is given) or none do; a bias, or none do."""
     term, bias = parts[0].at is not None, parts[0].bias is not None
     flat = [a for p in parts for a in (p.weight, p.at, p.bt, p.bias) if a is not None]

@@ -197,11 +197,11 @@ def test_kernels_match_mlx_ops() -> None:
                     plain = [p._replace(at=None, bt=None) for p in parts]
                 want_all = project_by_ops(x, idx, parts if term else plain)
                 routes = [lora_cuda.project(x, idx if term else None, parts if term else plain)]
-                if term:  # the project kernel's own terms, and down + up
+                if term:  # the project kernel's own terms, and the term kernel
                     flat = [
                         a for p in parts for a in (p.weight, p.at, p.bt, p.bias) if a is not None
                     ]
-                    for extra in ({"matmul_rows": 99}, {"fused": False}):
+                    for extra in ({"matmul_rows": 99}, {"fused": True}):
                         routes.append(
                             lora_cuda._project(x, idx, *flat, bias=biased, term=True, **extra)
                         )
