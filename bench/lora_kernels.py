@@ -1,6 +1,6 @@
 """Adapted projections of a decode step, by route: how each way of adding the terms costs.
 
-    python bench/lora_kernels.py [--blocks 16] [--rows 1,8] [--steps 60]
+    python bench/lora_kernels.py [--blocks 16] [--rows 1,8] [--steps 60] [--shapes 2x2,4x2]
 
 On MLX's CUDA build, for a 7B-shaped bf16 block (q, k, v; o; gate, up; down) with four rank-8
 adapters, times pipelined steps of `--blocks` blocks' projections (each step's outputs evaluated
@@ -12,6 +12,10 @@ different adapters), by route:
 - `project`: `lora_cuda`'s down and project kernels, one call per group of one input;
 - `matmul+down+up`: MLX's matmuls for x W^T, then a `down` and an `up` launch per group;
 - `matmul+term`: MLX's matmuls, then one `term` launch per group.
+
+`--shapes CxU,...` adds a `project CxU` route per shape: the project kernel with C columns a
+warp and U 16-byte pieces a column in flight, in place of `lora_cuda.SHAPES` (which a lone
+row's reading of W at about half the memory's speed is tuned by; C x rows <= 32).
 
 Prints milliseconds per step, the host's share of it and each route's ratio to `base`. `lora_cuda` sends a lone row
 through `project` and several through `matmul+down+up` (`MATMUL_ROWS`): those should be the
@@ -126,6 +130,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, default=16)
     ap.add_argument("--rows", default="1,8")
     ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--shapes", default="", help="project kernel shapes CxU to time too")
     args = ap.parse_args()
     if not cuda_available():
         raise SystemExit("the kernels run on MLX's CUDA build")
@@ -137,12 +142,25 @@ def main() -> None:
         "matmul+down+up": kernels(matmul_rows=1, fused=False),
         "matmul+term": kernels(matmul_rows=1, fused=True),
     }  # fmt: skip
+    widths: dict[str, int] = {}  # a shape's columns a warp: its kernel takes C x rows <= 32
+    for text in filter(None, args.shapes.split(",")):
+        cols, unroll = (int(v) for v in text.split("x"))
+        routes[f"project {text}"] = kernels(matmul_rows=99, shape=(cols, unroll))
+        widths[f"project {text}"] = cols
     print(f"{args.blocks} blocks, 7B-shaped bf16, rank {RANK}; ms per pipelined step (host ms)")
     print(f"{'rows':>5} | " + " ".join(f"{n:>23}" for n in routes))
     for rows in (int(r) for r in args.rows.split(",")):
-        ms = {name: timed(route, blocks, rows, args.steps) for name, route in routes.items()}
-        base_ms = ms["base"][0]
-        cells = [f"{t:>6.2f} ({h:5.2f}; {t / base_ms:.2f}x)" for t, h in ms.values()]
+        kernel_rows = 1 if rows == 1 else lora_cuda.MAX_ROWS
+        ms = {
+            name: timed(route, blocks, rows, args.steps)
+            if widths.get(name, 1) * kernel_rows <= 32 else None
+            for name, route in routes.items()
+        }  # fmt: skip
+        base_ms = ms["base"][0] if ms["base"] else 1.0
+        cells = [
+            "-" if m is None else f"{m[0]:>6.2f} ({m[1]:5.2f}; {m[0] / base_ms:.2f}x)"
+            for m in ms.values()
+        ]
         print(f"{rows:>5} | " + " ".join(f"{c:>23}" for c in cells), flush=True)
 
 

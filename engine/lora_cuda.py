@@ -427,9 +427,11 @@ def _project(
     term: bool,
     matmul_rows: int = MATMUL_ROWS,
     fused: bool = False,
+    shape: tuple[int, int] | None = None,
 ) -> list[mx.array]:
     """`project` on flat arguments: (idx,) if term, then per part weight, (at, bt), (bias).
-    From `matmul_rows` rows x tokens, adapted rows take `_matmul_then_terms` (`fused`)."""
+    From `matmul_rows` rows x tokens, adapted rows take `_matmul_then_terms` (`fused`); the
+    project kernel takes `shape` (C, U) in place of SHAPES' (`bench/lora_kernels.py --shapes`)."""
     width = 1 + 2 * term + bias
     parts = [flat[i : i + width] for i in range(int(term), len(flat), width)]
     if term and x.shape[0] * x.shape[1] >= matmul_rows:
@@ -446,7 +448,7 @@ def _project(
     else:
         inputs += [a for part in parts for a in part]
     max_m = 1 if x.shape[0] * x.shape[1] == 1 else MAX_ROWS
-    cols, unroll = SHAPES[max_m]
+    cols, unroll = shape or SHAPES[max_m]
     per_block = WARPS * cols
     blocks = sum(-(-part[0].shape[0] // per_block) for part in parts)
     ys = _project_kernel(len(parts), bias, term)(
