@@ -3,11 +3,14 @@ nothing while it is, and never changes a token."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
 
+from mlxd.engine import batch as batch_module
 from mlxd.engine.batch import (
     RETRY_ROUNDS,
     Committed,
@@ -386,6 +389,62 @@ def test_a_verify_round_queues_the_plain_round_after_it(
     assert len(verifies) >= 3 and unqueued and not any(unqueued[1:])
     for g in gens:
         assert g.stats.accepted > 0
+        g.close()
+
+
+class _SlowToRead(ReferenceDrafts):
+    """Reference drafts from `first` tokens on, whose reading of the prompt takes `READING`
+    seconds on the batch's clock."""
+
+    READING = 1000.0
+
+    def __init__(self, reference: list[int], start: int, first: int, clock: list[float]) -> None:
+        super().__init__(reference, start, gap=5)
+        self.next_at, self.clock = first, clock
+
+    def prefill(self, tokens: Sequence[int]) -> None:
+        self.clock[0] += self.READING
+
+
+def test_a_drafts_reading_of_its_prompt_is_no_rounds_time(
+    loaded: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows that decode plainly a few rounds, then draft: the round in which a row's draft
+    reads its prompt (once, paid by its trial) is timed without that reading, whether it is
+    timed from the previous round's return or from its own start."""
+    flat = Costs(verify=dict.fromkeys(range(1, 40), 1.0), plain_step=1.0)
+    texts = prompts(loaded.tokenizer, 3)
+    plains = [generate(loaded.target, p, GREEDY, None, limit=24)[0] for p in texts]
+    shift = [0.0]  # seconds the batch's clock runs ahead of the real one
+    monkeypatch.setattr(
+        batch_module, "time", SimpleNamespace(perf_counter=lambda: time.perf_counter() + shift[0])
+    )
+    gens = []
+    for prompt, plain in zip(texts, plains, strict=True):
+        source = _SlowToRead(plain, len(prompt), len(prompt) + 3, shift)
+        gen = Generation(
+            loaded.target, prompt, GREEDY, set(), 24, Rng(0), source, FixedDraftLength(flat, 3)
+        )
+        gen.prefill()
+        gens.append(gen)
+    timed: list[float] = []  # every round's seconds as the batch records and judges them
+    monkeypatch.setattr(RoundTimes, "add_plain", lambda self, rows, s: timed.append(s))
+    monkeypatch.setattr(RoundTimes, "hold_verify", lambda self, r, w, s, *a: timed.append(s))
+    monkeypatch.setattr(RoundTimes, "add_verify", lambda self, r, w, s, d: timed.append(s))
+    judge = RowBatch._judge
+
+    def judged(self: RowBatch, drafts: list[Draft], committed: list[Committed], seconds: float,
+               width: int, drafting: float) -> None:  # fmt: skip
+        timed.append(seconds)
+        judge(self, drafts, committed, seconds, width, drafting)
+
+    monkeypatch.setattr(RowBatch, "_judge", judged)
+    out, _ = _batched(loaded, flat, gens)
+    assert out == plains
+    assert shift[0] == 3 * _SlowToRead.READING  # each row's draft read its prompt once
+    assert all(g.stats.rounds > 0 for g in gens)  # after plain rounds of the same rows
+    assert timed and max(timed) < _SlowToRead.READING
+    for g in gens:
         g.close()
 
 
