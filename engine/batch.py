@@ -69,7 +69,7 @@ from mlxd.engine.draftbatch import DraftBatch, base_of, cut_padding, trim_rows
 from mlxd.engine.drafting import Draft, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
-from mlxd.engine.sampling import Rng, choose, sampler, shaping, to_ints
+from mlxd.engine.sampling import Rng, choose, sample_keyed, to_ints
 from mlxd.engine.speculation import FREE_SOURCES, Costs
 from mlxd.engine.verify import Verdict, choices, decide
 
@@ -552,14 +552,13 @@ class RowBatch:
         gens = self.gens
         if all(g.opts.greedy for g in gens):
             return mx.argmax(logits, axis=-1).astype(mx.uint32)
-        on_gpu = mx.default_device().type == mx.DeviceType.gpu
         rows = []
         for i, (g, k) in enumerate(zip(gens, kept, strict=True)):
             if g.opts.greedy:
                 rows.append(mx.argmax(logits[i : i + 1], axis=-1).astype(mx.uint32))
                 continue
             keys = mx.take(g.rng.keys(len(g.tokens) + 1, width), k - 1, axis=0)
-            rows.append(sampler(shaping(g.opts), on_gpu)(logits[i : i + 1], keys[None]))
+            rows.append(sample_keyed(logits[i : i + 1], g.opts, keys[None]))
         return mx.concatenate(rows)
 
     def _settle_unread(self, kept: list[int], accepted: list[int], width: int) -> None:

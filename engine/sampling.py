@@ -249,8 +249,14 @@ def choose(
         logits = logits + bias.astype(logits.dtype)
     if opts.greedy:
         return mx.argmax(logits, axis=-1).astype(mx.uint32)
+    return sample_keyed(logits, opts, rng.keys(position, int(logits.shape[0])))
+
+
+def sample_keyed(logits: mx.array, opts: SamplingOptions, keys: mx.array) -> mx.array:
+    """The sample of each row of `logits` (L, V) under its noise key (`keys`, L rows of
+    `Rng.keys`), which the caller may have picked on the device. Lazy."""
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
-    return sampler(shaping(opts), on_gpu)(logits, rng.keys(position, int(logits.shape[0])))
+    return sampler(shaping(opts), on_gpu)(logits, keys)
 
 
 def next_tokens(
