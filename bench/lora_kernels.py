@@ -9,7 +9,11 @@ different adapters), by route:
 
 - `base`: MLX's matmuls alone, no terms (what a step on the base costs);
 - `gather`: the base matmuls plus two `gather_mm`s and an add per projection (the MLX ops);
+- `bare`: `lora_cuda`'s project kernel (a lone row) or tensor-core kernel (several rows)
+  without terms: how fast the kernels read W against MLX's matmuls;
 - `project`: `lora_cuda`'s down and project kernels, one call per group of one input;
+- `project, idx pooled`: the same with the rows' slot index where MLX's CUDA allocator puts
+  arrays of 8 bytes or less (`engine.smallarrays`);
 - `matmul+down+up`: MLX's matmuls for x W^T, then a `down` and an `up` launch per group;
 - `matmul+term`: MLX's matmuls, then one `term` launch per group.
 
@@ -44,6 +48,7 @@ import mlx.core as mx
 
 from mlxd.engine import lora_cuda
 from mlxd.engine.attention import cuda_available
+from mlxd.engine.smallarrays import kernel_array
 
 HIDDEN, KV, MLP, RANK, SLOTS = 3584, 512, 18944, 8, 5
 GROUPS = {"qkv": (HIDDEN, (HIDDEN, KV, KV)), "o": (HIDDEN, (HIDDEN,)),
@@ -80,14 +85,30 @@ def gather(x: mx.array, idx: mx.array, parts: list[lora_cuda.Part]) -> list[mx.a
     return out
 
 
-def kernels(**choice: Any) -> Route:
-    compiled = mx.compile(partial(lora_cuda._project, bias=False, term=True, **choice))
+def kernels(term: bool = True, **choice: Any) -> Route:
+    compiled = mx.compile(partial(lora_cuda._project, bias=False, term=term, **choice))
 
     def route(x: mx.array, idx: mx.array, parts: list[lora_cuda.Part]) -> list[mx.array]:
+        if not term:
+            return list(compiled(x, *(p.weight for p in parts)))
         flat = [a for p in parts for a in (p.weight, p.at, p.bt) if a is not None]
         return list(compiled(x, idx, *flat))
 
     return route
+
+
+def pooled(route: Route) -> Route:
+    """`route` given idx as a plain array: of one or two rows, MLX's CUDA allocator places it
+    in its pool of read-mostly managed memory, which `smallarrays.kernel_array` avoids."""
+    held: dict[int, mx.array] = {}
+
+    def call(x: mx.array, idx: mx.array, parts: list[lora_cuda.Part]) -> list[mx.array]:
+        if idx.size not in held:
+            held[idx.size] = mx.array(idx.tolist(), dtype=mx.uint32)
+            mx.eval(held[idx.size])
+        return route(x, held[idx.size], parts)
+
+    return call
 
 
 def step(route: Route, blocks: list[dict[str, list[lora_cuda.Part]]], xs: dict[str, mx.array],
@@ -100,7 +121,7 @@ def timed(
 ) -> tuple[float, float]:
     """(ms per pipelined step, host ms per step: building it and `async_eval`)."""
     xs = {name: rand(rows, 1, k) for name, (k, _) in GROUPS.items()}
-    idx = mx.array([1 + i % (SLOTS - 1) for i in range(rows)], dtype=mx.uint32)
+    idx = kernel_array([1 + i % (SLOTS - 1) for i in range(rows)], mx.uint32)
     return pipelined(lambda: step(route, blocks, xs, idx), steps)
 
 
@@ -138,7 +159,9 @@ def main() -> None:
     blocks = [block() for _ in range(args.blocks)]
     mx.eval(blocks)
     routes: dict[str, Route] = {
-        "base": base, "gather": gather, "project": kernels(matmul_rows=99),
+        "base": base, "gather": gather, "bare": kernels(term=False),
+        "project": kernels(matmul_rows=99),
+        "project, idx pooled": pooled(kernels(matmul_rows=99)),
         "matmul+down+up": kernels(matmul_rows=1, fused=False),
         "matmul+term": kernels(matmul_rows=1, fused=True),
     }  # fmt: skip

@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from mlxd.engine.kvcache import BucketedBatchKVCache, BucketedKVCache
 from mlxd.engine.sampling import to_ints
+from mlxd.engine.smallarrays import kernel_array
 
 Ragged = Callable[[mx.array, mx.array, mx.array, float, mx.array, int], mx.array]
 
@@ -106,7 +107,7 @@ def _constant(value: float, dtype: mx.Dtype) -> mx.array:
     if found is None:
         if len(_constants) >= 256:
             _constants.clear()
-        found = _constants[key] = mx.array([value], dtype=dtype)
+        found = _constants[key] = kernel_array([value], dtype)
     return found
 
 

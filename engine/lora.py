@@ -38,6 +38,7 @@ import mlx.nn as nn
 from mlxd.engine import lora_cuda
 from mlxd.engine.attention import cuda_available
 from mlxd.engine.fusedproj import SharedLinear
+from mlxd.engine.smallarrays import kernel_array
 
 __all__ = [
     "LayerWeights",
@@ -57,7 +58,8 @@ class Plan:
     """What one forward's rows ask of the layers holding a given set of slots."""
 
     single: int | None  # the slot every row uses on these layers, if they all use one
-    idx: mx.array  # (rows,) each row's stack index, 0 where its adapter is not on the layer
+    picked: tuple[int, ...]  # each row's stack index, 0 where its adapter is not on the layer
+    idx: mx.array  # (rows,) `picked` on the device (`kernel_array`)
     rows: mx.array  # arange(rows): the batch index of each row, for gather_mm
     _per_token: dict[int, mx.array] = field(default_factory=dict, compare=False, repr=False)
 
@@ -66,7 +68,8 @@ class Plan:
         if length == 1:
             return self.idx
         if length not in self._per_token:
-            self._per_token[length] = mx.repeat(self.idx, length)
+            per_token = [s for s in self.picked for _ in range(length)]
+            self._per_token[length] = kernel_array(per_token, mx.uint32)
         return self._per_token[length]
 
 
@@ -116,8 +119,9 @@ class Selection:
         plan = None
         if any(picked):
             single = picked[0] if len(set(picked)) == 1 else None
-            idx = mx.array(picked, dtype=mx.uint32)
-            plan = Plan(single, idx, mx.array(list(range(rows)), dtype=mx.uint32))
+            idx = kernel_array(picked, mx.uint32)
+            rows_at = mx.array(list(range(rows)), dtype=mx.uint32)
+            plan = Plan(single, tuple(picked), idx, rows_at)
         self._plans[key] = plan
         return plan
 
