@@ -23,8 +23,10 @@ batch's device-bound step pays in full. An H200, 16 blocks of a 7B-shaped bf16 m
 projection adapted (`bench/lora_kernels.py`), 8 rows: 1.25x the base's step this way with the
 tensor-core base, 1.88x with one `term` launch per group instead (each of its blocks reduces
 its row's x A again; with cuBLAS for the base it had measured 1.33x against down and up's
-1.62x, so the two were timed again with the tensor-core base) and 3.15x through `project`; a
-lone row 1.6-1.8x every way, where `project` launches fewest kernels. Rows on the base can take
+1.62x, so the two were timed again with the tensor-core base) and 3.15x through `project`. A
+lone row through `project`: 1.15x, where the project kernel alone (no terms) reads W as fast as
+MLX's gemv (0.98x); it had been 1.64x with the row's slot index (idx) in MLX's CUDA pool of
+arrays of 8 bytes or less, which `engine.smallarrays` keeps it out of. Rows on the base can take
 the kernels too, one launch for q, k and v (`pays`). A call is traced by `mx.compile`, so a
 step replays it without building its kernels' calls in Python.
 Forwards of more than `MAX_ROWS` rows x tokens (prefill, wide verifies) are compute-bound and
@@ -51,7 +53,26 @@ __all__ = [
 MAX_ROWS = 8  # rows of x (batch rows x tokens) the kernels take; more take the MLX ops
 MATMUL_ROWS = 2  # adapted rows x tokens from which the base takes a matmul (see `_project`)
 THREADS = 256
+DOWN_PIECES = 4  # 16-byte pieces of x and of A a `down` thread has in flight (K = 18,944: 3 waits)
 WARPS = THREADS // 32
+
+
+# v += h[m] . sB[slot][n] for output n of row m, 8 ranks a step: B's row and h's in three
+# vector loads in flight at once (ranks the stacks' multiple of 8), not R dependent scalar
+# loads (with DOWN_PIECES: 8 rows 1.19x the base's step against 1.25x, a lone row unchanged)
+_TERM = """
+            const T* br = bt + ((size_t)s * N + n) * R;
+            const float* hr = h + (size_t)m * R;
+            for (int j = 0; j < R; j += 8) {
+                const uint4 bv = *reinterpret_cast<const uint4*>(br + j);
+                const float4 h0 = *reinterpret_cast<const float4*>(hr + j);
+                const float4 h1 = *reinterpret_cast<const float4*>(hr + j + 4);
+                const T* bp = reinterpret_cast<const T*>(&bv);
+                v += h0.x * static_cast<float>(bp[0]) + h0.y * static_cast<float>(bp[1])
+                   + h0.z * static_cast<float>(bp[2]) + h0.w * static_cast<float>(bp[3])
+                   + h1.x * static_cast<float>(bp[4]) + h1.y * static_cast<float>(bp[5])
+                   + h1.z * static_cast<float>(bp[6]) + h1.w * static_cast<float>(bp[7]);
+            }"""
 
 
 def _down_source(count: int) -> str:
@@ -79,13 +100,22 @@ def _down_source(count: int) -> str:
     if (s != 0) {{
         const T* xr = x + (size_t)m * K;
         ar += ((size_t)s * R + jj) * K;
-        for (int k = threadIdx.x * 8; k < K; k += blockDim.x * 8) {{
-            uint4 xv = *reinterpret_cast<const uint4*>(xr + k);
-            uint4 av = *reinterpret_cast<const uint4*>(ar + k);
-            const T* xp = reinterpret_cast<const T*>(&xv);
-            const T* ap = reinterpret_cast<const T*>(&av);
+        const int step = blockDim.x * 8;
+        for (int k0 = threadIdx.x * 8; k0 < K; k0 += step * {DOWN_PIECES}) {{
+            uint4 xv[{DOWN_PIECES}], av[{DOWN_PIECES}];
             #pragma unroll
-            for (int i = 0; i < 8; ++i) acc += static_cast<float>(xp[i]) * static_cast<float>(ap[i]);
+            for (int u = 0; u < {DOWN_PIECES}; ++u) {{
+                const int k = k0 + u * step;
+                xv[u] = k < K ? *reinterpret_cast<const uint4*>(xr + k) : make_uint4(0, 0, 0, 0);
+                av[u] = k < K ? *reinterpret_cast<const uint4*>(ar + k) : make_uint4(0, 0, 0, 0);
+            }}
+            #pragma unroll
+            for (int u = 0; u < {DOWN_PIECES}; ++u) {{
+                const T* xp = reinterpret_cast<const T*>(&xv[u]);
+                const T* ap = reinterpret_cast<const T*>(&av[u]);
+                #pragma unroll
+                for (int i = 0; i < 8; ++i) acc += static_cast<float>(xp[i]) * static_cast<float>(ap[i]);
+            }}
         }}
     }}
     for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, off);
@@ -121,12 +151,10 @@ def _project_source(count: int, bias: bool, term: bool) -> str:
         for i in range(count)
     )
     add_bias = "v += static_cast<float>(bias[n]);" if bias else ""
-    add_term = """
+    add_term = f"""
         const uint32_t s = idx[m];
-        if (s != 0) {
-            const T* br = bt + ((size_t)s * N + n) * R;
-            for (int j = 0; j < R; ++j) v += h[m * R + j] * static_cast<float>(br[j]);
-        }"""
+        if (s != 0) {{{_TERM}
+        }}"""
     return f"""
     static_assert(C * MAX_M <= 32, "a lane per (column, row) output");
     const int M = x_shape[0] * x_shape[1];
@@ -228,9 +256,7 @@ def _up_source(count: int) -> str:
     const int m = t / N, n = t % N;
     float v = static_cast<float>(y[t]);
     const uint32_t s = idx[m];
-    if (s != 0) {{
-        const T* br = bt + ((size_t)s * N + n) * R;
-        for (int j = 0; j < R; ++j) v += h[(size_t)m * R + j] * static_cast<float>(br[j]);
+    if (s != 0) {{{_TERM}
     }}
     out[t] = static_cast<T>(v);
 """
@@ -342,7 +368,7 @@ MAX_TERM_RANK = 64  # ranks the term kernel takes (its shared memory); higher: d
 class Part(NamedTuple):
     """One projection as the kernels read it: the base's and, adapted, every slot's term."""
 
-    at: mx.array | None  # (slots, r, K): each slot's A^T
+    at: mx.array | None  # (slots, r, K): each slot's A^T, r a multiple of 8
     weight: mx.array  # (N, K)
     bt: mx.array | None  # (slots, N, r): each slot's (sB)^T
     bias: mx.array | None  # (N,)
