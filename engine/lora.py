@@ -120,8 +120,7 @@ class Selection:
         if any(picked):
             single = picked[0] if len(set(picked)) == 1 else None
             idx = kernel_array(picked, mx.uint32)
-            rows_at = mx.array(list(range(rows)), dtype=mx.uint32)
-            plan = Plan(single, tuple(picked), idx, rows_at)
+            plan = Plan(single, tuple(picked), idx, kernel_array(range(rows), mx.uint32))
         self._plans[key] = plan
         return plan
 
