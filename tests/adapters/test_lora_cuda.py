@@ -15,6 +15,7 @@ from mlxd.engine import lora, lora_cuda
 from mlxd.engine.attention import cuda_available
 from mlxd.engine.fusedproj import fuse_gate_up
 from mlxd.engine.lora import LayerWeights, Selection, wrap
+from mlxd.engine.smallarrays import kernel_array
 
 PROJECTIONS = [
     "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
@@ -197,6 +198,9 @@ def test_kernels_match_mlx_ops() -> None:
                     plain = [p._replace(at=None, bt=None) for p in parts]
                 want_all = project_by_ops(x, idx, parts if term else plain)
                 routes = [lora_cuda.project(x, idx if term else None, parts if term else plain)]
+                if term:  # idx as the engine makes it (a view of a padded array)
+                    held = kernel_array(idx.tolist(), mx.uint32)
+                    routes.append(lora_cuda.project(x, held, parts))
                 if term:  # the project kernel's own terms, and the term kernel
                     flat = [
                         a for p in parts for a in (p.weight, p.at, p.bt, p.bias) if a is not None
