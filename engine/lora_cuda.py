@@ -353,8 +353,8 @@ def _term_source(count: int, shared: bool) -> str:
 # (columns per warp C, 16-byte pieces in flight per column U) by the rows of x a kernel is built
 # for: a lone row wants loads in flight; several rows want each x piece used on more columns
 # (C x MAX_M <= 32: a lane writes each (column, row) output). A lone row over 16 7B-shaped
-# blocks on an H200 (`bench/lora_kernels.py --shapes`, one start): 2 x 2 1.62x the base's
-# step, 4 x 2 1.60x, 8 x 1 1.54x, 1 x 4 1.85x, 16 x 1 1.90x; not yet checked served
+# blocks on an H200 (`bench/lora_kernels.py --shapes`, one start, idx then in MLX's scalar
+# pool): 2 x 2 1.62x the base's step, 4 x 2 1.60x, 8 x 1 1.54x, 1 x 4 1.85x, 16 x 1 1.90x
 SHAPES = {1: (2, 2), MAX_ROWS: (4, 1)}
 FUSE_BYTES = 64 << 20  # base rows of a batch take the kernels for at most this much weight
 _downs: dict[int, Any] = {}
