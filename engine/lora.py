@@ -50,7 +50,7 @@ __all__ = [
     "wrap_for_decoding",
 ]
 
-RANK_ALIGN = 8  # stacks' rank is a multiple of this (zero-padded)
+RANK_ALIGN = 8  # stacks' rank is a multiple of this (zero-padded; `lora_cuda` reads 8 at a time)
 
 
 @dataclass(frozen=True)
