@@ -3,11 +3,12 @@
     python bench/concurrency.py [--model DIR | --shape 8b] [--clients 1,2,4,8,16] [--tokens 128]
                                 [--servers mlxd,mlx_lm.server] [--draft-method off]
     python bench/concurrency.py --pairing [DIR] [--clients 1,2,4,8] [--tokens 64] [--control]
+                                [--methods auto,lookup]
 
 `--pairing` (default: the code pair; DIR: any folder with `target/` and `draft/`, such as a
 pair fattened by shared/models/fatten.py) serves a target/draft pairing and compares, in one mlxd
-run, batched speculation (`draft_method` auto) with batched plain decoding (`off`) at each
-client count, greedy and at temperature 0.7, through Ollama's `/api/generate`: aggregate
+run, batched speculation (`draft_method` auto, or each of `--methods`) with batched plain
+decoding (`off`) at each client count, greedy and at temperature 0.7, through Ollama's `/api/generate`: aggregate
 tokens/s of each, their ratio (and its range over the bursts), and the drafts the final
 responses report accepted. `--control` adds a second plain arm: on this repository's 2-core CPU
 two identical arms read 0.92-1.11x of each other over 2 bursts a cell, wider than the floor.
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -238,11 +239,17 @@ def code_pair() -> Path:
 
 
 def pairing_main(
-    pair: Path, counts: list[int], tokens: int, parallel: int, rounds: int, control: bool = False
+    pair: Path,
+    counts: list[int],
+    tokens: int,
+    parallel: int,
+    rounds: int,
+    control: bool = False,
+    methods: Sequence[str] = ("auto",),
 ) -> None:
-    """Batched speculation vs batched plain decoding on one pairing, side by side. Each round's
-    ratio is printed as a range too; `control` adds a second plain arm, whose ratio to the
-    first says how far two identical arms drift apart on this machine."""
+    """Batched speculation (each of `methods`) vs batched plain decoding on one pairing, side by
+    side. Each round's ratio is printed as a range too; `control` adds a second plain arm, whose
+    ratio to the first says how far two identical arms drift apart on this machine."""
     missing = [d for d in ("target", "draft") if not (pair / d / "config.json").is_file()]
     if missing:
         raise SystemExit(f"{pair}: a pairing folder holds target/ and draft/ (no {missing})")
@@ -271,15 +278,16 @@ def pairing_main(
     rows = []
     try:
         wait_up(f"{base}/api/tags", proc)
-        for method in ("auto", "off"):  # warm-up
+        for method in (*methods, "off"):  # warm-up
             pairing_burst(base, prompts, 2, {"num_predict": 8, "draft_method": method})
         for temperature in (0.0, 0.7):
             for n in counts:
-                spec = {"aggregate": 0.0, "drafted": 0.0, "accepted": 0.0}
-                plain, again = dict(spec), dict(spec)
-                arms = [("auto", spec), ("off", plain)] + ([("off", again)] if control else [])
-                per_round: list[float] = []
-                for _ in range(rounds):  # alternate, so a slow spell hits both sides
+                zero = {"aggregate": 0.0, "drafted": 0.0, "accepted": 0.0}
+                specs = {m: dict(zero) for m in methods}
+                plain, again = dict(zero), dict(zero)
+                arms = [*specs.items(), ("off", plain)] + ([("off", again)] if control else [])
+                per_round: dict[str, list[float]] = {m: [] for m in methods}
+                for _ in range(rounds):  # alternate, so a slow spell hits every arm
                     got = []
                     for method, into in arms:
                         opts = {"temperature": temperature, "num_predict": tokens,
@@ -290,9 +298,11 @@ def pairing_main(
                         got.append(r["aggregate"])
                         for key in into:
                             into[key] += r[key] / rounds
-                    per_round.append(got[0] / got[1])
-                rows.append((temperature, n, spec, plain, again, per_round))
-                print(f"T={temperature} {n} clients: spec {spec} plain {plain}", flush=True)
+                    for i, m in enumerate(methods):
+                        per_round[m].append(got[i] / got[len(methods)])
+                for m, spec in specs.items():
+                    rows.append((temperature, n, m, spec, plain, again, per_round[m]))
+                print(f"T={temperature} {n} clients: {specs} plain {plain}", flush=True)
     finally:
         proc.terminate()
         try:
@@ -305,15 +315,15 @@ def pairing_main(
     for line in slow[:20]:
         print("  " + line.split("slow round: ", 1)[-1])
     print(f"pairing {pair}  tokens per stream {tokens}  rounds {rounds}")
-    print(f"{'temp':>5} {'clients':>8} | {'spec agg':>9} {'plain agg':>9} | {'spec/plain':>10} "
+    print(f"{'temp':>5} {'clients':>8} {'method':>7} | {'spec agg':>9} {'plain agg':>9} | {'spec/plain':>10} "
           f"{'by round':>12} | {'drafted':>8} {'accepted':>8} {'rate':>6}"
           + (f" | {'plain/plain':>11}" if control else ""))  # fmt: skip
-    for temperature, n, spec, plain, again, per_round in rows:
+    for temperature, n, method, spec, plain, again, per_round in rows:
         rate = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
         spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
         aa = f" | {ratio(again['aggregate'], plain['aggregate']):>11}" if control else ""
         print(
-            f"{temperature:>5} {n:>8} | {spec['aggregate']:>9.1f} {plain['aggregate']:>9.1f} | "
+            f"{temperature:>5} {n:>8} {method:>7} | {spec['aggregate']:>9.1f} {plain['aggregate']:>9.1f} | "
             f"{ratio(spec['aggregate'], plain['aggregate']):>10} {spread:>12} | "
             f"{spec['drafted']:>8.0f} {spec['accepted']:>8.0f} {rate:>6.2f}{aa}"
         )
@@ -341,6 +351,10 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=3, help="bursts per cell, averaged (--pairing)")
     ap.add_argument(
+        "--methods", default="auto",
+        help="the speculating arms' draft_methods, each against off (--pairing): auto,model,lookup",
+    )  # fmt: skip
+    ap.add_argument(
         "--control", action="store_true",
         help="a second plain arm per cell (--pairing): how far identical arms drift apart",
     )  # fmt: skip
@@ -357,7 +371,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.pairing is not None:
         counts = [int(c) for c in args.clients.split(",")]
-        pairing_main(args.pairing, counts, args.tokens, args.parallel, args.rounds, args.control)
+        methods = args.methods.split(",")
+        pairing_main(
+            args.pairing, counts, args.tokens, args.parallel, args.rounds, args.control, methods
+        )
         return
 
     model = args.model
