@@ -148,6 +148,12 @@ class Burst:
     def per_cpu(self) -> float:
         return self.tokens / self.cpu
 
+    def totals_ms(self) -> tuple[float, float, float]:
+        """Median, mean and max of the requests' total_duration: a mean far above the median
+        says a few requests stalled (what the decode median cannot show)."""
+        totals = [r.total * 1e3 for r in self.replies]
+        return statistics.median(totals), statistics.fmean(totals), max(totals)
+
     def split_ms(self) -> tuple[float, float, float]:
         """Medians over the replies: decode ms per token, prompt ms, and ms of a request's
         total spent neither reading its prompt nor decoding (queueing, admission, mounting)."""
@@ -263,6 +269,9 @@ def main() -> None:
                         into.append(
                             burst(base, proc.pid, models, clients, args.requests, args.tokens)
                         )
+            for arm, _, bursts in arms:
+                rates = ", ".join(f"{b.rate:.1f}" for b in bursts)
+                print(f"  {clients} clients, {arm} bursts: {rates} tok/s", flush=True)
             p = statistics.median(b.rate for b in plain)
             m = statistics.median(b.rate for b in mixed)
             pc = statistics.median(b.per_cpu for b in plain)
@@ -274,11 +283,18 @@ def main() -> None:
                 flush=True,
             )
             splits += [(clients, "base", plain[-1]), (clients, "4 adapters", mixed[-1])]
-        print("\nthe server's split of a request (medians, last round; ms)")
-        print(f"{'clients':>7} {'arm':>10} {'decode/token':>13} {'prompt':>8} {'rest':>8}")
+        print("\nthe server's split of a request (medians, last round; ms) and its total")
+        print(
+            f"{'clients':>7} {'arm':>10} {'decode/token':>13} {'prompt':>8} {'rest':>8}"
+            f" | {'total: median':>13} {'mean':>7} {'max':>7}"
+        )
         for clients, arm, b in splits:
             decode, prompt, rest = b.split_ms()
-            print(f"{clients:>7} {arm:>10} {decode:>13.2f} {prompt:>8.1f} {rest:>8.1f}")
+            mid, mean, top = b.totals_ms()
+            print(
+                f"{clients:>7} {arm:>10} {decode:>13.2f} {prompt:>8.1f} {rest:>8.1f}"
+                f" | {mid:>13.1f} {mean:>7.1f} {top:>7.1f}"
+            )
         loads = metric(base, "model_loads_total")
         print(f"\nbase loads: {loads:.0f} (reloads: {loads - 1:.0f})")
         print(
