@@ -10,8 +10,9 @@ pair fattened by shared/models/fatten.py) serves a target/draft pairing and comp
 run, batched speculation (`draft_method` auto, or each of `--methods`) with batched plain
 decoding (`off`) at each client count, greedy and at temperature 0.7, through Ollama's
 `/api/generate`: aggregate tokens/s of each, their ratio (and its range over the bursts), and
-the drafts the final responses report accepted. `--control` adds a second plain arm: on this repository's 2-core CPU
-two identical arms read 0.92-1.11x of each other over 2 bursts a cell, wider than the floor.
+the drafts the final responses report accepted. `--control` adds a second plain arm: on this
+repository's 2-core CPU two identical arms read 0.92-1.11x of each other over 2 bursts a cell,
+wider than the floor.
 
 Both servers are started by the bench on loopback ports and driven through the same OpenAI
 `/v1/completions` streaming endpoint (temperature 0, fixed token count, no stop). For each
