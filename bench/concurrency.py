@@ -316,15 +316,16 @@ def pairing_main(
     for line in slow[:20]:
         print("  " + line.split("slow round: ", 1)[-1])
     print(f"pairing {pair}  tokens per stream {tokens}  rounds {rounds}")
-    print(f"{'temp':>5} {'clients':>8} {'method':>7} | {'spec agg':>9} {'plain agg':>9} | {'spec/plain':>10} "
-          f"{'by round':>12} | {'drafted':>8} {'accepted':>8} {'rate':>6}"
+    print(f"{'temp':>5} {'clients':>8} {'method':>7} | {'spec agg':>9} {'plain agg':>9} | "
+          f"{'spec/plain':>10} {'by round':>12} | {'drafted':>8} {'accepted':>8} {'rate':>6}"
           + (f" | {'plain/plain':>11}" if control else ""))  # fmt: skip
     for temperature, n, method, spec, plain, again, per_round in rows:
         rate = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
         spread = f"{min(per_round):.2f}-{max(per_round):.2f}"
         aa = f" | {ratio(again['aggregate'], plain['aggregate']):>11}" if control else ""
         print(
-            f"{temperature:>5} {n:>8} {method:>7} | {spec['aggregate']:>9.1f} {plain['aggregate']:>9.1f} | "
+            f"{temperature:>5} {n:>8} {method:>7} | "
+            f"{spec['aggregate']:>9.1f} {plain['aggregate']:>9.1f} | "
             f"{ratio(spec['aggregate'], plain['aggregate']):>10} {spread:>12} | "
             f"{spec['drafted']:>8.0f} {spec['accepted']:>8.0f} {rate:>6.2f}{aa}"
         )
@@ -373,6 +374,9 @@ def main() -> None:
     if args.pairing is not None:
         counts = [int(c) for c in args.clients.split(",")]
         methods = args.methods.split(",")
+        unknown = set(methods) - {"auto", "model", "lookup"}
+        if unknown:
+            ap.error(f"--methods takes auto, model and lookup (not {', '.join(sorted(unknown))})")
         pairing_main(
             args.pairing, counts, args.tokens, args.parallel, args.rounds, args.control, methods
         )
