@@ -59,6 +59,13 @@ class DraftSource(ABC):
         of paying for a round that drafts nothing."""
         return True
 
+    def follow(self, tokens: Sequence[int], n: int) -> list[int]:
+        """Up to n tokens this source would propose after `tokens`, which may run past what
+        was committed (a guess of what a round in flight commits), learning nothing from them:
+        a batch queues its next verify round on these before it reads the round in flight.
+        Empty where the source cannot say without running a model."""
+        return []
+
     def cheaper(self) -> DraftSource | None:
         """What to continue with when this source no longer pays (None: plain decoding)."""
         return None
@@ -264,9 +271,11 @@ class LookupDraftSource(DraftSource):
         self._indexed = 0
         self._extend(tokens)
 
-    def _match(self, tokens: Sequence[int]) -> int | None:
-        """Where the continuation of the longest trailing n-gram seen before starts."""
-        self._extend(tokens)
+    def _match(self, tokens: Sequence[int], learn: bool = True) -> int | None:
+        """Where the continuation of the longest trailing n-gram seen before starts; `learn`:
+        index `tokens` first (committed ones only: the index never unlearns)."""
+        if learn:
+            self._extend(tokens)
         for g in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(tokens) < g:
                 continue
@@ -284,6 +293,10 @@ class LookupDraftSource(DraftSource):
             return Draft.empty(self.name)
         cont = list(tokens[pos : pos + n])
         return Draft(mx.array(cont, dtype=mx.uint32), len(cont), self.name)
+
+    def follow(self, tokens: Sequence[int], n: int) -> list[int]:
+        pos = self._match(tokens, learn=False) if n > 0 else None
+        return [] if pos is None else list(tokens[pos : pos + n])
 
     def accept(self, tokens: Sequence[int]) -> None:
         self._extend(tokens)
@@ -312,6 +325,11 @@ class HybridDraftSource(DraftSource):
             self.model._drafts, self.model._fed = None, 0
             return found
         return self.model.propose(tokens, n)
+
+    def follow(self, tokens: Sequence[int], n: int) -> list[int]:
+        """Lookup's tokens where `propose` would take them (long enough), else none."""
+        found = self.lookup.follow(tokens, n)
+        return found if len(found) >= min(n, self.min_lookup) else []
 
     def model_part(self) -> ModelDraftSource | None:
         return self.model
