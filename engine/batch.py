@@ -49,6 +49,15 @@ this batch measured, the probe's curve filling in what it has not run yet (scale
 rounds it measured), so the first verify round at a shape is a trial and later ones are judged
 by their record (the median of its recent rounds, so one stalled round does not condemn a width;
 dropped now and then, so that a width once timed as losing is tried again).
+
+A verify round read before the next is queued keeps the device waiting while the host reads
+it: on an H200, fat 7B pair, 2 rows x 9 tokens took 20.7 ms where a queued 2-row plain round
+took 7.2. Where every row is greedy and prompt lookup drafts, the next round is queued as a
+verify round too, before this one is read: each row's first token is its choice after what
+this round accepted (found on the device), its drafts lookup's continuation of what the round
+would commit if it accepted every draft (`DraftSource.follow`). A wrong guess costs the
+round's drafts, never a token: every draft is verified. Such rounds are priced by their own
+record, return to return, as plain rounds are (`RoundTimes.queued`).
 """
 
 from __future__ import annotations
@@ -68,6 +77,7 @@ from mlxd.engine.adapters import selecting
 from mlxd.engine.draftbatch import DraftBatch, base_of, cut_padding, trim_rows
 from mlxd.engine.drafting import Draft, ModelDraftSource
 from mlxd.engine.generation import Generation
+from mlxd.engine.grammar import Walk
 from mlxd.engine.options import parse_options
 from mlxd.engine.sampling import Rng, choose, sample_keyed, to_ints
 from mlxd.engine.speculation import FREE_SOURCES, Costs
@@ -78,15 +88,22 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Ahead:
-    """The next plain round, queued: its rows and their chosen tokens, still lazy. `steady`:
+    """The next round, queued: its rows and their chosen tokens, still lazy. `steady`:
     queued by a plain round, so its round times the batch's pipelined steady state (one queued
     by a verify round started early and is not timed as one; queued `unread`, what it takes
-    beyond or short of a steady round is that verify round's)."""
+    beyond or short of a steady round is that verify round's). A verify round queued on
+    guessed drafts (`RowBatch._queue_guessed`) holds them (`drafts`, `width` tokens a row)
+    and each row's choices at every position; `expect[i]`: how many tokens row i holds, and
+    what they end with, once the round before commits what the guess assumed."""
 
     gens: list[Generation]
     tokens: mx.array
     steady: bool = True
     unread: bool = False  # queued by a verify round before its verdicts were read
+    drafts: list[Draft] | None = None
+    chosen: list[mx.array] | None = None
+    width: int = 1
+    expect: list[tuple[int, list[int]] | None] | None = None
 
 
 @dataclass
@@ -122,6 +139,20 @@ def draft_seconds(gens: Sequence[Generation], ks: Sequence[int], costs: Costs) -
     )
     shared = [n for g, n in zip(gens, ks, strict=True) if n and g.drafts_batched]
     return alone + max(shared, default=0) * costs.draft_rows(len(shared))
+
+
+def guessed_tokens(gen: Generation, k: int, prior: int) -> float:
+    """Tokens a row expects from a round on k guessed drafts (`RowBatch._queue_guessed`):
+    the guess is lookup's continuation of what the round in flight commits if it accepts
+    its `prior` drafts and the next token is the one lookup predicts, so the drafts count
+    only at the chance of that; else the round commits its first token, as a plain one."""
+    if k <= 0 or gen.controller is None:
+        return 1.0
+    on_track = 1.0
+    ctl = gen.controller
+    for a in ctl.alphas(min(prior + 1, len(ctl.hits)), optimistic=False):
+        on_track *= a
+    return 1.0 + on_track * (expected_tokens(gen, k) - 1.0)
 
 
 def _drafts_free(gen: Generation) -> bool:
@@ -178,11 +209,14 @@ class RoundTimes:
     costs: Costs
     plain: dict[int, float] = field(default_factory=dict)
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
+    queued: dict[tuple[int, int], float] = field(default_factory=dict)  # guessed rounds
     _samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict, repr=False)
     _excess: deque[float] = field(
         default_factory=lambda: deque(maxlen=2 * VERIFY_SAMPLES), repr=False
     )
     _tried: set[tuple[int, int]] = field(default_factory=set, repr=False)
+    _queued_samples: dict[tuple[int, int], deque[float]] = field(default_factory=dict, repr=False)
+    _queued_tried: set[tuple[int, int]] = field(default_factory=set, repr=False)
     _plain_rounds: int = field(default=0, repr=False)
     # a verify round (rows, width, seconds, drafting, queueing) whose next round says its cost
     _held: tuple[int, int, float, float, float] | None = field(default=None, repr=False)
@@ -191,10 +225,15 @@ class RoundTimes:
         """A plain round of `rows` rows: as measured, else the probe's `rows`-token forward."""
         return self.plain.get(rows) or self.costs.v(rows)
 
-    def verify_round(self, rows: int, width: int, drafting: float) -> float:
+    def verify_round(self, rows: int, width: int, drafting: float, queued: bool = False) -> float:
         """A verify round of `rows` x `width` tokens whose drafts cost `drafting`: as measured,
         else the probe's forward scaled as this batch's plain rounds measured against it and
-        by the `excess` its verify rounds showed."""
+        by the `excess` its verify rounds showed. `queued`: one queued on guessed drafts
+        before the round ahead of it was read, pipelined as a plain round is: as measured,
+        else the probe's forward scaled as the plain rounds measured."""
+        if queued:
+            seen = self.queued.get((rows, width))
+            return seen if seen is not None else self._modelled(rows, width, drafting)
         probed = self._modelled(rows, width, drafting) * self.excess()
         seen = self.verify.get((rows, width))
         if seen is None:
@@ -224,6 +263,9 @@ class RoundTimes:
             self._samples.clear()
             self._excess.clear()
             self._tried.clear()
+            self.queued.clear()
+            self._queued_samples.clear()
+            self._queued_tried.clear()
 
     def hold_verify(
         self, rows: int, width: int, seconds: float, drafting: float, queueing: float = 0.0
@@ -269,6 +311,18 @@ class RoundTimes:
         self.verify[(rows, width)] = _robust(samples)
         self._excess.append(kept / max(self._modelled(rows, width, drafting), 1e-12))
 
+    def add_queued(self, rows: int, width: int, seconds: float) -> None:
+        """A verify round queued on guessed drafts, timed from the previous round's return
+        (the first of a shape not: on a GPU it compiles the shape)."""
+        key = (rows, width)
+        if key not in self._queued_tried:
+            self._queued_tried.add(key)
+            return
+        kept = min(seconds, ROUND_CAP * self._modelled(rows, width, 0.0))
+        samples = self._queued_samples.setdefault(key, deque(maxlen=VERIFY_SAMPLES))
+        samples.append(kept)
+        self.queued[key] = _robust(samples)
+
 
 def _robust(samples: deque[float]) -> float:
     """A record no one slow sample makes: the least of up to two, the median of more."""
@@ -287,13 +341,16 @@ def plan_widths(
     costs: Costs,
     times: RoundTimes | None = None,
     widths: Sequence[int] | None = None,
+    priors: Sequence[int] | None = None,
 ) -> list[int]:
     """Drafts per row for this round: the batch-wide width with the best expected rate, each
     round priced as the batch measured it (`times`) or else by the probe's costs, at the width
     it runs as (`padded_width` of the batch's `widths`). The widths tried are the rows' own
     and, below the widest free one, the powers of two: a row's free drafts (prompt lookup) run
     long where a lone row's verify costs little, and may still pay cut shorter in a batch,
-    whose verify grows with every row's width."""
+    whose verify grows with every row's width. `priors`: the drafts are guesses that follow
+    `priors[i]` drafts of the round in flight (`guessed_tokens`), and the round is queued
+    before that one is read, free of drafting costs."""
     rows = len(gens)
     times = times if times is not None else RoundTimes(costs)
     best, best_rate = 0, rows / times.plain_round(rows)
@@ -304,9 +361,13 @@ def plan_widths(
         tried = {min(k, widths[-1] - 1) for k in tried}
     for k in sorted(tried):
         ks = [min(w, k) for w in wants]
-        expected = sum(expected_tokens(g, n) for g, n in zip(gens, ks, strict=True))
         width = padded_width(k + 1, widths)
-        cost = times.verify_round(rows, width, draft_seconds(gens, ks, costs))
+        if priors is None:
+            expected = sum(expected_tokens(g, n) for g, n in zip(gens, ks, strict=True))
+            cost = times.verify_round(rows, width, draft_seconds(gens, ks, costs))
+        else:
+            expected = sum(guessed_tokens(*row) for row in zip(gens, ks, priors, strict=True))
+            cost = times.verify_round(rows, width, 0.0, queued=True)
         rate = expected / max(cost, 1e-12)
         if rate > best_rate:
             best, best_rate = k, rate
@@ -361,6 +422,7 @@ class RowBatch:
         ahead = self.ahead
         return (
             ahead is not None
+            and ahead.drafts is None
             and _same(ahead.gens, self.gens)
             and not getattr(self.cache[0], "adopt_as_is", False)
         )
@@ -440,6 +502,8 @@ class RowBatch:
         """One round for every row: drafts, one verify forward, per-row acceptance and trim."""
         gens = self.gens
         since = self._since()
+        if self.ahead is not None and self.ahead.drafts is not None:
+            return self._guessed_round(since)
         if self.ahead is not None and _leads(self.ahead.gens, gens):
             return self._plain_round(since)  # computed already: a draft found since waits a round
         wants = [g.draft_length(ready=False) for g in gens]
@@ -482,17 +546,9 @@ class RowBatch:
             bias = w.bias if w is not None else None
             chosen.append(choices(logits[i, : 1 + d.count], host, g.tokens, g.opts, g.rng, bias))
         q0 = time.perf_counter()
-        unread = self._queue_unread(drafts, chosen, width)
+        unread = self._queue_unread(drafts, chosen, width, [True] * len(gens))
         queueing = time.perf_counter() - q0  # the next round's work (its time is charged here)
-        mx.eval(chosen, [d.tokens for d in drafts])  # one host sync for the whole batch
-        verdicts = [
-            decide(to_ints(d.tokens) if d.count else [], to_ints(c))
-            for d, c in zip(drafts, chosen, strict=True)
-        ]
-        committed = [
-            Committed(g, g.absorb(d, v, w, logits[i]))
-            for i, (g, d, v, w) in enumerate(zip(gens, drafts, verdicts, walks, strict=True))
-        ]
+        committed, verdicts = self._read(drafts, chosen, walks, logits)
         # each row keeps the K/V of what it committed, all but the last: 1 + accepted drafts,
         # fewer where EOS or the limit cut its commit (so its K/V length is its tokens' - 1)
         kept = [len(c.tokens) for c in committed]
@@ -515,7 +571,65 @@ class RowBatch:
             self.times.add_verify(len(gens), width, seconds, drafting)
         return committed
 
-    def _queue_unread(self, drafts: list[Draft], chosen: list[mx.array], width: int) -> bool:
+    def _read(
+        self,
+        drafts: list[Draft],
+        chosen: list[mx.array],
+        walks: Sequence[Walk | None],
+        logits: mx.array | None,
+        on_track: Sequence[bool] | None = None,
+    ) -> tuple[list[Committed], list[Verdict]]:
+        """Read a verify round's choices (one host sync for the whole batch) and commit each
+        row's verdict. A row whose guessed drafts followed a commit that did not happen
+        (`on_track` False) commits its tokens as a plain round's: its drafts teach its
+        controller nothing."""
+        mx.eval(chosen, [d.tokens for d in drafts])
+        verdicts = [
+            decide(to_ints(d.tokens) if d.count else [], to_ints(c))
+            for d, c in zip(drafts, chosen, strict=True)
+        ]
+        committed = []
+        for i, (g, d, v, w) in enumerate(zip(self.gens, drafts, verdicts, walks, strict=True)):
+            if on_track is not None and not on_track[i]:
+                d = Draft.empty(d.source)
+            rows = logits[i] if logits is not None else None
+            committed.append(Committed(g, g.absorb(d, v, w, rows)))
+        return committed, verdicts
+
+    def _guessed_round(self, since: float | None) -> list[Committed]:
+        """The verify round `_queue_guessed` queued: read it, as a verify round is read, after
+        queueing the next one on it; timed return to return, as a queued plain round is."""
+        ahead, self.ahead = self.ahead, None
+        assert ahead is not None and ahead.drafts is not None and ahead.chosen is not None
+        assert ahead.expect is not None and _same(ahead.gens, self.gens)
+        gens, drafts, width = self.gens, ahead.drafts, ahead.width
+        t0 = time.perf_counter()
+        self.times.flush()  # the verify round before this one queued it: recorded as it is
+        on_track = [
+            e is None or (len(g.tokens) == e[0] and g.tokens[-len(e[1]) :] == e[1])
+            for g, e in zip(gens, ahead.expect, strict=True)
+        ]
+        unread = self._queue_unread(drafts, ahead.chosen, width, on_track)
+        committed, verdicts = self._read(drafts, ahead.chosen, [None] * len(gens), None, on_track)
+        kept = [len(c.tokens) for c in committed]
+        if unread:
+            self._settle_unread(kept, [1 + v.accepted for v in verdicts], width)
+        else:
+            self.keep(kept, width)
+        end = self._ended(gens)
+        seconds = end - (since if since is not None else t0)
+        self._note_slow(len(gens), width, seconds)
+        judged = [d if on else Draft.empty() for d, on in zip(drafts, on_track, strict=True)]
+        self._judge(judged, committed, seconds, width, 0.0)
+        if since is not None:
+            self.times.add_queued(len(gens), width, seconds)
+        if self.ahead is None:
+            self._queue_after_verify()
+        return committed
+
+    def _queue_unread(
+        self, drafts: list[Draft], chosen: list[mx.array], width: int, on_track: list[bool]
+    ) -> bool:
         """Where shapes compile (a GPU, whose decode steps are bound by the host's encoding),
         keep each row's accepted K/V and queue the plain round after this verify round before
         the host reads the verdicts, so the device computes that round while the host reads,
@@ -524,8 +638,10 @@ class RowBatch:
         found on the device as `decide` finds it on the host (drafts equal to the target's
         choices, up to the first that differs), the next input is the choice after them and
         what the rows rejected rolls into their left padding (`drop_unread`); a sampled row's
-        next choice takes the noise of the position it lands on (`_choose_unread`). Whether
-        the round qualifies (nothing queued where it does not)."""
+        next choice takes the noise of the position it lands on (`_choose_unread`). Where the
+        rows' sources can guess their next drafts, that round is a verify round on them
+        (`_queue_guessed`; `on_track[i]`: row i's `drafts` follow what it has committed).
+        Whether the round qualifies (nothing queued where it does not)."""
         gens = self.gens
         if not (
             isinstance(self.cache[0], kvcache.BucketedBatchKVCache)
@@ -540,10 +656,79 @@ class RowBatch:
             nexts.append(mx.take(c, accepted).astype(mx.uint32))
         dropped = width - mx.stack(kept)
         kvcache.BucketedBatchKVCache.drop_unread(self.cache, dropped)
+        if self._queue_guessed(drafts, nexts, on_track):
+            return True
         queued = self._choose_unread(self._forward(mx.stack(nexts)[:, None]), kept, width)
         mx.async_eval(queued)
         self.ahead = Ahead(list(gens), queued, steady=False, unread=True)
         return True
+
+    def _queue_guessed(
+        self, drafts: list[Draft], nexts: list[mx.array], on_track: list[bool]
+    ) -> bool:
+        """Queue the next round as a verify round on guessed drafts, where every row is greedy
+        (a sampled row's choices would need the noise of positions the host has not read),
+        some row's source can guess (`_guess`) and the plan says the guesses pay over a plain
+        round (`plan_widths` with `priors`). Each row's input is its choice after this
+        round's accepted drafts (`nexts`, on the device; a plain round's choice), then its
+        guess. On bucketed caches only, whose rows roll by counts the host has not read."""
+        gens = self.gens
+        if not (
+            isinstance(self.cache[0], kvcache.BucketedBatchKVCache)
+            and all(g.opts.greedy and g.plain_only for g in gens)
+        ):
+            return False
+        guesses = [self._guess(g, d, on) for g, d, on in zip(gens, drafts, on_track, strict=True)]
+        wants = [len(x[0]) if x is not None else 0 for x in guesses]
+        if not any(wants):
+            return False
+        priors = [len(x[1]) - 1 if x is not None else 0 for x in guesses]
+        ks = plan_widths(gens, wants, self.costs, self.times, self.widths, priors)
+        if not any(ks):
+            return False
+        width = padded_width(1 + max(ks), self.widths)
+        rows, guessed, expect = [], [], []
+        for g, x, k, nxt in zip(gens, guesses, ks, nexts, strict=True):
+            tokens = x[0][:k] if x is not None else []
+            guessed.append(
+                Draft(mx.array(tokens, dtype=mx.uint32), k, "lookup") if k else Draft.empty()
+            )
+            expect.append((len(g.tokens) + len(x[1]), x[1]) if x is not None and k else None)
+            rest = mx.array(tokens + [0] * (width - 1 - k), dtype=mx.uint32)
+            rows.append(mx.concatenate([nxt.reshape(1), rest]))
+        with selecting([g.target for g in gens]):
+            logits = self.target(mx.stack(rows), cache=self.cache)
+        chosen = [
+            mx.argmax(logits[i, : 1 + d.count], axis=-1).astype(mx.uint32)
+            for i, d in enumerate(guessed)
+        ]
+        mx.async_eval(chosen)
+        first = mx.stack([c[0] for c in chosen])
+        self.ahead = Ahead(list(gens), first, False, True, guessed, chosen, width, expect)
+        return True
+
+    def _guess_after(self, tokens: mx.array) -> bool:
+        """Queue a verify round on guessed drafts after a plain round that chose `tokens`."""
+        rows = len(self.gens)
+        return self._queue_guessed([Draft.empty()] * rows, list(tokens), [True] * rows)
+
+    def _guess(self, g: Generation, d: Draft, on_track: bool) -> tuple[list[int], list[int]] | None:
+        """Row `g`'s drafts for the round after this one, and what they assume this round
+        commits past its tokens now (its drafts, where `on_track`, then the token the source
+        predicts after them); None where it has none: speculation not on, drafts from a
+        draft model (not on the host before the round is read) or near its limit."""
+        if not g.spec.on or g.source is None or g.controller is None:
+            return None
+        if d.count and on_track and d.source not in FREE_SOURCES:
+            return None
+        prior = to_ints(d.tokens) if d.count and on_track else []
+        k = min(g.spec.draft_length(g.produced), g.limit - g.produced - len(prior) - 2)
+        if k <= 0:
+            return None
+        follow = g.source.follow(g.tokens + prior, k + 1)
+        if len(follow) < 2:
+            return None
+        return follow[1:], [*prior, follow[0]]
 
     def _choose_unread(self, logits: mx.array, kept: list[mx.array], width: int) -> mx.array:
         """Each row's token (B,) after a verify round of `width` whose commits `kept` the host
@@ -573,7 +758,8 @@ class RowBatch:
             trim_rows(self.cache, surplus, len(self.gens))
         elif any(k < width for k in kept):
             # each row holds every committed token but the last, and the queued round's
-            least = self.cache[0]._idx - max(len(g.tokens) for g in self.gens)
+            queued = self.ahead.width if self.ahead is not None else 1
+            least = self.cache[0]._idx - max(len(g.tokens) for g in self.gens) - (queued - 1)
             cut_padding(self.cache, len(self.gens), least)
 
     def _queue_after_verify(self) -> None:
@@ -651,7 +837,8 @@ class RowBatch:
         that joined after it was queued (`join`) commit nothing this round: the next one,
         queued now for every row, carries their first token. It is queued while any row goes
         on: a row that ends with this round leaves with its position in it taken off its own
-        cache (`leave`), so the others keep their pipelining."""
+        cache (`leave`), so the others keep their pipelining. Where rows can guess their
+        drafts, it is queued as a verify round on them (`_queue_guessed`)."""
         gens = self.gens
         ahead, self.ahead = self.ahead, None
         late: list[Generation] = []
@@ -661,7 +848,7 @@ class RowBatch:
             pipelined = not late and ahead.steady
         else:
             if ahead is not None:
-                self._take_back()
+                self._take_back(ahead.width)
             last = mx.array([[g.tokens[-1]] for g in gens], dtype=mx.uint32)
             tokens = self._choose(self._forward(last), [0] * len(gens))
             mx.async_eval(tokens)
@@ -671,7 +858,11 @@ class RowBatch:
             queued = self._choose(self._forward(inputs), [1] * len(tokens) + [0] * len(late))
             mx.async_eval(queued)
             self.ahead = Ahead(list(gens), queued)
-        elif any(g.produced + 1 < g.limit for g in gens) and self._next_is_plain(gens):
+        elif (
+            any(g.produced + 1 < g.limit for g in gens)
+            and not self._guess_after(tokens)
+            and self._next_is_plain(gens)
+        ):
             queued = self._choose(self._forward(tokens[:, None]), [1] * len(gens))
             mx.async_eval(queued)
             self.ahead = Ahead(list(gens), queued)
@@ -716,13 +907,13 @@ class RowBatch:
             return
         late = len(self.gens) - len(ahead.gens)
         if late:
-            trim_rows(self.cache, [1] * len(ahead.gens) + [0] * late, len(self.gens))
+            trim_rows(self.cache, [ahead.width] * len(ahead.gens) + [0] * late, len(self.gens))
         else:
-            self._take_back()
+            self._take_back(ahead.width)
 
-    def _take_back(self) -> None:
+    def _take_back(self, width: int) -> None:
         for c in self.cache:
-            c.trim(1)
+            c.trim(width)
 
     def _propose(self, ks: list[int]) -> list[Draft]:
         """Each row's draft of up to ks[i] tokens: rows drafting with the draft model in one

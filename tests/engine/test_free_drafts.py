@@ -15,6 +15,7 @@ from mlxd.engine.backend import configure_backend
 from mlxd.engine.batch import RowBatch, padded_width, plan_widths, round_widths
 from mlxd.engine.drafting import Draft, LookupDraftSource
 from mlxd.engine.generation import Generation
+from mlxd.engine.kvcache import set_bucket
 from mlxd.engine.options import parse_options
 from mlxd.engine.pairing import (
     DEFAULT_DRAFT_TOKENS,
@@ -23,10 +24,11 @@ from mlxd.engine.pairing import (
     load_pairing,
     warm_up,
 )
-from mlxd.engine.sampling import Rng
+from mlxd.engine.sampling import Rng, to_ints
 from mlxd.engine.scheduler import make_draft_source
 from mlxd.engine.speculation import Costs, DraftLengthController
 from mlxd.registry.schema import ModelEntry
+from tests.engine.conftest import GPU_TEST_BUCKET
 from tests.engine.test_speculative import tiny_vocab_model
 from tests.fixtures.batches import decode_together
 from tests.fixtures.scripted_models import Script, build_scripted
@@ -202,3 +204,94 @@ def test_rounds_far_slower_than_their_shape_are_logged_with_it(
         g.close()
     slow = [r.getMessage() for r in caplog.records if "slow round" in r.getMessage()]
     assert slow and all(m.startswith("slow round: 2 rows x ") for m in slow), slow
+
+
+@pytest.mark.parametrize("dear", [False, True], ids=["verify", "dear-verify"])
+@pytest.mark.parametrize("bucket", [GPU_TEST_BUCKET, 16])
+def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
+    copier: Pairing, monkeypatch: pytest.MonkeyPatch, bucket: int, dear: bool
+) -> None:
+    """Greedy rows drafting by prompt lookup queue each verify round on guessed drafts before
+    the round ahead of it is read (bucketed caches, as on a GPU). Rows whose lookup is
+    right, rows a decoy earlier in the prompt misleads (their guesses follow commits that do
+    not happen) and a row that does not draft, leaving at different rounds and one joining
+    mid-stream, each commit what they commit alone; guessed rounds ran, on guesses right and
+    wrong, and the rows accepted drafts. Small buckets: the left padding every row shares,
+    reckoned from the rows' tokens past a guessed round queued unread, is what the device
+    holds. `dear`: the batch has timed verify rounds read before the next is queued at a
+    hundred plain rounds, so it runs none: every draft is a guess queued after a plain
+    round."""
+    tokenizer, greedy = copier.tokenizer, parse_options({"temperature": 0})
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    copy = "@" + "".join(PIECES) + "@"
+    start = "@" + "".join(PIECES[:3])  # the copy's start: lookup continues its last match
+    prompts = [
+        encode(copy),
+        encode(copy + "".join(PIECES[:6])),
+        encode("@" + "".join(PIECES[:20]) + start + "@" + start),  # a decoy: "@" after it
+        encode(copy + "".join(PIECES[:2])),
+    ]
+    plan = [(31, True), (27, True), (30, True), (14, False)]  # (limit, drafts)
+    set_bucket(copier.target, bucket)
+    cuts: list[tuple[int, int]] = []  # (shared padding reckoned from tokens, read back)
+    cut = batch_module.cut_padding
+
+    def checked(cache: list[Any], rows: int, least: int | None = None) -> None:
+        if least is not None and cache[0].may_cut():
+            cuts.append((least, min(to_ints(cache[0].left_padding))))
+        cut(cache, rows, least)
+
+    monkeypatch.setattr(batch_module, "cut_padding", checked)
+    guessed_round = RowBatch._guessed_round
+    on_track: list[bool] = []
+
+    def noted(self: RowBatch, since: float | None) -> Any:
+        ahead = self.ahead
+        assert ahead is not None and ahead.expect is not None
+        for g, e in zip(self.gens, ahead.expect, strict=True):
+            if e is not None:
+                on_track.append(len(g.tokens) == e[0] and g.tokens[-len(e[1]) :] == e[1])
+        return guessed_round(self, since)
+
+    try:
+        alone, gens = [], []
+        for i, (prompt, (limit, drafts)) in enumerate(zip(prompts, plan, strict=True)):
+            source = LookupDraftSource() if drafts else None
+            controller = DraftLengthController(FLAT, FREE_DRAFT_TOKENS, 0.0) if drafts else None
+            solo = Generation(copier.target, prompt, greedy, copier.eos_ids, limit, Rng(i))
+            solo.prefill()
+            alone.append([t for new in solo for t in new])
+            solo.close()
+            gens.append(
+                Generation(copier.target, prompt, greedy, copier.eos_ids, limit, Rng(i),
+                           source, controller)
+            )  # fmt: skip
+        for g in gens:
+            g.prefill()
+        batch = RowBatch(copier.target, FLAT)
+        batch.widths = round_widths(DEFAULT_DRAFT_TOKENS, FREE_DRAFT_TOKENS)
+        if dear:
+            batch.times.verify = {(r, w): 100.0 for r in range(1, 5) for w in batch.widths}
+        monkeypatch.setattr(RowBatch, "_guessed_round", noted)
+        out: list[list[int]] = [[] for _ in gens]
+        batch.join(gens[:3])
+        rounds = 0
+        while any(not g.done for g in gens):
+            if rounds == 2:
+                batch.join(gens[3:])
+            for c in batch.round():
+                out[gens.index(c.gen)] += c.tokens
+            for g in [g for g in gens if g.done and g in batch]:
+                batch.leave(g)
+            rounds += 1
+    finally:
+        set_bucket(copier.target, None)
+    assert out == alone
+    assert True in on_track and False in on_track
+    assert all(mine == read for mine, read in cuts)
+    assert cuts or bucket > 16
+    for g in gens[:3]:
+        assert g.stats.accepted > 0
