@@ -137,10 +137,11 @@ def install() -> None:
     generation.to_int = timed("to_int (device wait)", generation.to_int)
     generation.to_ints = batch.to_ints
 
-    round_, plain, propose = (
+    round_, plain, propose, guessed = (
         batch.RowBatch.round,
         batch.RowBatch._plain_round,
         batch.RowBatch._propose,
+        batch.RowBatch._guessed_round,
     )
 
     def timed_round(self: batch.RowBatch) -> Any:
@@ -163,6 +164,12 @@ def install() -> None:
         how = "fresh" if ahead is None else "queued unread" if ahead.unread else "ahead"
         T.kind = f"plain {len(self.gens)} rows {how}"
         return plain(self, since)
+
+    def kind_guessed(self: batch.RowBatch, since: float | None) -> Any:
+        ahead = self.ahead
+        width = ahead.width if ahead is not None else 0
+        T.kind = f"verify {len(self.gens)}x{width} queued on guesses"
+        return guessed(self, since)
 
     def kind_verify(self: batch.RowBatch, ks: list[int]) -> Any:
         drafts = propose(self, ks)
@@ -191,6 +198,7 @@ def install() -> None:
     batch.RowBatch.round = timed_round  # type: ignore[method-assign]
     batch.RowBatch._plain_round = kind_plain  # type: ignore[method-assign]
     batch.RowBatch._propose = kind_verify  # type: ignore[method-assign]
+    batch.RowBatch._guessed_round = kind_guessed  # type: ignore[method-assign]
 
     step, prefill, handle = (
         scheduler.Scheduler._step,
