@@ -166,6 +166,11 @@ RETRY_ROUNDS = 2048  # plain rounds after which verify rounds' records are dropp
 VERIFY_SAMPLES = 5  # the recent verify rounds of a shape whose median prices it
 SLOW_ROUND = 0.25  # seconds: a round this slow, and SLOW_RATIO times its modelled cost, is logged
 SLOW_RATIO = 10.0
+# rows up to which a batch queues verify rounds on guessed drafts: on an H200 (fat 7B pair,
+# greedy, 128 tokens a stream, `bench/concurrency.py --pairing`) they ran at 1.41x plain
+# decoding with 2 rows and 1.26-1.34x with 4, but 0.83-0.86x with 8, whose plain rounds
+# serve more rows for the host's encoding of one forward than a wider forward gains
+GUESS_ROWS = 4
 
 
 def round_widths(draft_tokens: int, free_tokens: int) -> tuple[int, ...]:
@@ -666,15 +671,17 @@ class RowBatch:
     def _queue_guessed(
         self, drafts: list[Draft], nexts: list[mx.array], on_track: list[bool]
     ) -> bool:
-        """Queue the next round as a verify round on guessed drafts, where every row is greedy
-        (a sampled row's choices would need the noise of positions the host has not read),
-        some row's source can guess (`_guess`) and the plan says the guesses pay over a plain
-        round (`plan_widths` with `priors`). Each row's input is its choice after this
-        round's accepted drafts (`nexts`, on the device; a plain round's choice), then its
-        guess. On bucketed caches only, whose rows roll by counts the host has not read."""
+        """Queue the next round as a verify round on guessed drafts, where the batch holds at
+        most `GUESS_ROWS` rows, every row is greedy (a sampled row's choices would need the
+        noise of positions the host has not read), some row's source can guess (`_guess`)
+        and the plan says the guesses pay over a plain round (`plan_widths` with `priors`).
+        Each row's input is its choice after this round's accepted drafts (`nexts`, on the
+        device; a plain round's choice), then its guess. On bucketed caches only, whose rows
+        roll by counts the host has not read."""
         gens = self.gens
         if not (
-            isinstance(self.cache[0], kvcache.BucketedBatchKVCache)
+            len(gens) <= GUESS_ROWS
+            and isinstance(self.cache[0], kvcache.BucketedBatchKVCache)
             and all(g.opts.greedy and g.plain_only for g in gens)
         ):
             return False

@@ -295,3 +295,40 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
     assert cuts or bucket > 16
     for g in gens[:3]:
         assert g.stats.accepted > 0
+
+
+def test_only_batches_of_up_to_guess_rows_queue_rounds_on_guesses(
+    copier: Pairing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of more than `GUESS_ROWS` rows queues no verify round on guessed drafts; once
+    rows leave and it holds no more, it does. The rows commit what they commit alone. (The
+    floor off: rows a batch declines to verify would pause, and not draft when it shrinks.)"""
+    monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
+    tokenizer, greedy = copier.tokenizer, parse_options({"temperature": 0})
+    prompt = list(tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
+    rows = batch_module.GUESS_ROWS + 2
+    limits = [8 + 3 * i for i in range(rows)]  # the first rows leave early
+    sizes: list[int] = []  # the batch's rows at each guessed round
+    guessed_round = RowBatch._guessed_round
+
+    def noted(self: RowBatch, since: float | None) -> Any:
+        sizes.append(len(self.gens))
+        return guessed_round(self, since)
+
+    monkeypatch.setattr(RowBatch, "_guessed_round", noted)
+    set_bucket(copier.target, GPU_TEST_BUCKET)
+    try:
+        gens = [
+            Generation(copier.target, prompt, greedy, copier.eos_ids, n, Rng(i),
+                       LookupDraftSource(), DraftLengthController(FLAT, FREE_DRAFT_TOKENS, 0.0))
+            for i, n in enumerate(limits)
+        ]  # fmt: skip
+        for g in gens:
+            g.prefill()
+        batch = RowBatch(copier.target, FLAT)
+        batch.times.verify = {(r, w): 100.0 for r in range(1, rows + 1) for w in range(1, 40)}
+        out = decode_together(batch, gens)
+    finally:
+        set_bucket(copier.target, None)
+    assert out == [list(prompt[1 : 1 + n]) for n in limits]
+    assert sizes and max(sizes) <= batch_module.GUESS_ROWS
