@@ -13,7 +13,13 @@ import pytest
 from mlxd.engine import batch as batch_module
 from mlxd.engine.backend import configure_backend
 from mlxd.engine.batch import RowBatch, padded_width, plan_widths, round_widths
-from mlxd.engine.drafting import Draft, LookupDraftSource
+from mlxd.engine.drafting import (
+    Draft,
+    DraftSource,
+    HybridDraftSource,
+    LookupDraftSource,
+    ModelDraftSource,
+)
 from mlxd.engine.generation import Generation
 from mlxd.engine.kvcache import set_bucket
 from mlxd.engine.options import parse_options
@@ -214,8 +220,8 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
     """Greedy rows drafting by prompt lookup queue each verify round on guessed drafts before
     the round ahead of it is read (bucketed caches, as on a GPU). Rows whose lookup is
     right, rows a decoy earlier in the prompt misleads (their guesses follow commits that do
-    not happen) and a row that does not draft, leaving at different rounds and one joining
-    mid-stream, each commit what they commit alone; guessed rounds ran, on guesses right and
+    not happen), a row on `auto` and a row that does not draft, leaving at different rounds
+    and one joining mid-stream, each commit what they commit alone; guessed rounds ran, on guesses right and
     wrong, and the rows accepted drafts. Small buckets: the left padding every row shares,
     reckoned from the rows' tokens past a guessed round queued unread, is what the device
     holds. `dear`: the batch has timed verify rounds read before the next is queued at a
@@ -234,7 +240,7 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
         encode("@" + "".join(PIECES[:20]) + start + "@" + start),  # a decoy: "@" after it
         encode(copy + "".join(PIECES[:2])),
     ]
-    plan = [(31, True), (27, True), (30, True), (14, False)]  # (limit, drafts)
+    plan = [(31, "lookup"), (27, "auto"), (30, "lookup"), (14, None)]  # (limit, drafts)
     set_bucket(copier.target, bucket)
     cuts: list[tuple[int, int]] = []  # (shared padding reckoned from tokens, read back)
     cut = batch_module.cut_padding
@@ -259,7 +265,10 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
     try:
         alone, gens = [], []
         for i, (prompt, (limit, drafts)) in enumerate(zip(prompts, plan, strict=True)):
-            source = LookupDraftSource() if drafts else None
+            source: DraftSource | None = LookupDraftSource() if drafts else None
+            if drafts == "auto":  # the copier drafting for itself where lookup finds nothing
+                model = ModelDraftSource(copier.target, greedy, Rng(i))
+                source = HybridDraftSource(LookupDraftSource(), model)
             controller = DraftLengthController(FLAT, FREE_DRAFT_TOKENS, 0.0) if drafts else None
             solo = Generation(copier.target, prompt, greedy, copier.eos_ids, limit, Rng(i))
             solo.prefill()
