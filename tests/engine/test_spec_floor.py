@@ -19,7 +19,7 @@ from mlxd.engine.batch import (
     draft_seconds,
     plan_widths,
 )
-from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
+from mlxd.engine.drafting import Draft, DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
 from mlxd.engine.sampling import Rng
@@ -636,3 +636,30 @@ def test_a_batch_times_its_own_rounds(loaded: Loaded) -> None:
     batch.drop_ahead()
     for g in gens:
         g.close()
+
+
+def test_rounds_on_guessed_drafts_are_priced_by_their_own_record() -> None:
+    """Four lookup rows whose verify rounds read first cost a hundred plain rounds: the plan
+    declines them, but rounds queued on guesses are priced by the probe's curve until their
+    own record (the first of a shape a trial) says they lose. A guess after longer drafts is
+    worth less: it pays only if every one of them is accepted."""
+    costs = Costs(verify=dict.fromkeys(range(1, 80), 1.0))
+    target = tiny_vocab_model(3, 8)
+    gens = [
+        Generation(target, [1, 2, 3], GREEDY, set(), 40, Rng(i), LookupDraftSource(),
+                   DraftLengthController(costs, 8, 0.0))
+        for i in range(4)
+    ]  # fmt: skip
+    times = RoundTimes(costs)
+    times.add_plain(4, 1.0)
+    wants, priors = [8] * 4, [0] * 4
+    times.verify = {(4, w): 100.0 for w in range(2, 10)}
+    assert plan_widths(gens, wants, costs, times) == [0] * 4
+    assert plan_widths(gens, wants, costs, times, priors=priors) == [8] * 4
+    for _ in range(4):  # a trial, then rounds on record at 3 plain rounds
+        times.add_queued(4, 9, 3.0)
+    assert times.queued == {(4, 9): 3.0}
+    assert plan_widths(gens, wants, costs, times, priors=priors) != [8] * 4
+    one = gens[0]
+    assert batch_module.guessed_tokens(one, 8, 0) > batch_module.guessed_tokens(one, 8, 4) > 1.0
+    assert batch_module.guessed_tokens(one, 0, 0) == 1.0
