@@ -553,14 +553,7 @@ class RowBatch:
         q0 = time.perf_counter()
         unread = self._queue_unread(drafts, chosen, width, [True] * len(gens))
         queueing = time.perf_counter() - q0  # the next round's work (its time is charged here)
-        committed, verdicts = self._read(drafts, chosen, walks, logits)
-        # each row keeps the K/V of what it committed, all but the last: 1 + accepted drafts,
-        # fewer where EOS or the limit cut its commit (so its K/V length is its tokens' - 1)
-        kept = [len(c.tokens) for c in committed]
-        if unread:
-            self._settle_unread(kept, [1 + v.accepted for v in verdicts], width)
-        else:
-            self.keep(kept, width)
+        committed = self._read(drafts, chosen, walks, logits, width, unread)
         end = self._ended(gens)
         seconds = end - (since if since is not None else t0)
         paid = [0 if d.source in FREE_SOURCES else d.count for d in drafts]
@@ -582,12 +575,14 @@ class RowBatch:
         chosen: list[mx.array],
         walks: Sequence[Walk | None],
         logits: mx.array | None,
+        width: int,
+        unread: bool,
         on_track: Sequence[bool] | None = None,
-    ) -> tuple[list[Committed], list[Verdict]]:
-        """Read a verify round's choices (one host sync for the whole batch) and commit each
-        row's verdict. A row whose guessed drafts followed a commit that did not happen
-        (`on_track` False) commits its tokens as a plain round's: its drafts teach its
-        controller nothing."""
+    ) -> list[Committed]:
+        """Read a verify round's choices (one host sync for the whole batch), commit each
+        row's verdict and keep its K/V (`unread`: the next round was queued before this read).
+        A row whose guessed drafts followed a commit that did not happen (`on_track` False)
+        commits its tokens as a plain round's: its drafts teach its controller nothing."""
         mx.eval(chosen, [d.tokens for d in drafts])
         verdicts = [
             decide(to_ints(d.tokens) if d.count else [], to_ints(c))
@@ -599,7 +594,14 @@ class RowBatch:
                 d = Draft.empty(d.source)
             rows = logits[i] if logits is not None else None
             committed.append(Committed(g, g.absorb(d, v, w, rows)))
-        return committed, verdicts
+        # each row keeps the K/V of what it committed, all but the last: 1 + accepted drafts,
+        # fewer where EOS or the limit cut its commit (so its K/V length is its tokens' - 1)
+        kept = [len(c.tokens) for c in committed]
+        if unread:
+            self._settle_unread(kept, [1 + v.accepted for v in verdicts], width)
+        else:
+            self.keep(kept, width)
+        return committed
 
     def _guessed_round(self, since: float | None) -> list[Committed]:
         """The verify round `_queue_guessed` queued: read it, as a verify round is read, after
@@ -615,12 +617,8 @@ class RowBatch:
             for g, e in zip(gens, ahead.expect, strict=True)
         ]
         unread = self._queue_unread(drafts, ahead.chosen, width, on_track)
-        committed, verdicts = self._read(drafts, ahead.chosen, [None] * len(gens), None, on_track)
-        kept = [len(c.tokens) for c in committed]
-        if unread:
-            self._settle_unread(kept, [1 + v.accepted for v in verdicts], width)
-        else:
-            self.keep(kept, width)
+        walks = [None] * len(gens)
+        committed = self._read(drafts, ahead.chosen, walks, None, width, unread, on_track)
         end = self._ended(gens)
         seconds = end - (since if since is not None else t0)
         self._note_slow(len(gens), width, seconds)
