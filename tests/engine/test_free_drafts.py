@@ -212,6 +212,34 @@ def test_rounds_far_slower_than_their_shape_are_logged_with_it(
     assert slow and all(m.startswith("slow round: 2 rows x ") for m in slow), slow
 
 
+def test_lookup_follows_tokens_not_yet_committed_without_learning_them() -> None:
+    """`follow` continues a guessed commit from what lookup indexed, as `propose` would once
+    it is committed, and leaves the index as it was; `auto` follows only where its `propose`
+    would take lookup's drafts."""
+    committed = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    lookup = LookupDraftSource()
+    lookup.prefill(committed)
+    index, indexed = dict(lookup.index), lookup._indexed
+    guessed = [*committed, 3, 4]  # the round in flight accepting its drafts 3 and 4
+    assert lookup.follow(guessed, 3) == [5, 6, 7]
+    assert lookup.follow([*committed, 9, 9], 3) == []
+    assert (lookup.index, lookup._indexed) == (index, indexed)
+    assert lookup.propose(guessed, 3).tokens.tolist() == [5, 6, 7]
+    assert lookup.follow(guessed, 0) == []
+
+    class NoModel(ModelDraftSource):
+        def __init__(self) -> None:  # never runs: `auto` follows lookup alone
+            pass
+
+    auto = HybridDraftSource(LookupDraftSource(), NoModel(), min_lookup=4)
+    auto.lookup.prefill(committed)
+    assert auto.follow(guessed, 4) == [5, 6, 7, 8]
+    short = [1, 2, 3, 1, 2]
+    auto.lookup.prefill(short)
+    assert auto.lookup.follow([*short, 3], 4) == [1, 2, 3]
+    assert auto.follow([*short, 3], 4) == []  # three of four: the draft model's turn
+
+
 @pytest.mark.parametrize("dear", [False, True], ids=["verify", "dear-verify"])
 @pytest.mark.parametrize("bucket", [GPU_TEST_BUCKET, 16])
 def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
