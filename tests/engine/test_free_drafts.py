@@ -248,8 +248,9 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
     """Greedy rows drafting by prompt lookup queue each verify round on guessed drafts before
     the round ahead of it is read (bucketed caches, as on a GPU). Rows whose lookup is
     right, rows a decoy earlier in the prompt misleads (their guesses follow commits that do
-    not happen), a row on `auto` and a row that does not draft, leaving at different rounds
-    and one joining mid-stream, each commit what they commit alone; guessed rounds ran, on guesses right and
+    not happen), a row on `auto`, a row whose accepted drafts end with its end of sequence
+    and a row that does not draft, leaving at different rounds and one joining mid-stream,
+    each commit what they commit alone; guessed rounds ran, on guesses right and
     wrong, and the rows accepted drafts. Small buckets: the left padding every row shares,
     reckoned from the rows' tokens past a guessed round queued unread, is what the device
     holds. `dear`: the batch has timed verify rounds read before the next is queued at a
@@ -262,13 +263,14 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
 
     copy = "@" + "".join(PIECES) + "@"
     start = "@" + "".join(PIECES[:3])  # the copy's start: lookup continues its last match
+    eos = min(copier.eos_ids)  # lookup drafts it too: the copy before ends with it
     prompts = [
-        encode(copy),
+        [*encode(copy[:-1]), eos, *encode("@" + "".join(PIECES[:30]))],
         encode(copy + "".join(PIECES[:6])),
         encode("@" + "".join(PIECES[:20]) + start + "@" + start),  # a decoy: "@" after it
         encode(copy + "".join(PIECES[:2])),
     ]
-    plan = [(31, "lookup"), (27, "auto"), (30, "lookup"), (14, None)]  # (limit, drafts)
+    plan = [(20, "lookup"), (27, "auto"), (30, "lookup"), (14, None)]  # (limit, drafts)
     set_bucket(copier.target, bucket)
     cuts: list[tuple[int, int]] = []  # (shared padding reckoned from tokens, read back)
     cut = batch_module.cut_padding
