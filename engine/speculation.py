@@ -401,17 +401,22 @@ class DraftLengthController:
         """Acceptance at positions 0..k-1, given the previous ones were accepted. A position's
         prior is the estimate of the one before it, so positions never tried inherit what was
         seen instead of a fixed guess. `optimistic` adds a bonus that shrinks with the tries, so
-        one early rejection cannot pin k low for the rest of the request."""
+        one early rejection cannot pin k low for the rest of the request: to the positions
+        tried and the first one past them, not to every untried one behind it, whose bonuses
+        would multiply (a first round then verified 15 lookup drafts at 0.99 each; on a CPU,
+        where 16 tokens cost 3.4 plain steps, a sampled request's trial lost 22%)."""
         out: list[float] = []
         weight = self.a0 + self.b0
         prior_a = self.a0
+        frontier = True  # this position was tried, or every one before it was
         for i in range(k):
             hits = self.hits[i] + self.prior_hits[i]
             tries = self.tries[i] + self.prior_tries[i]
             mean = (prior_a + hits) / (weight + tries)
-            bonus = self.explore / math.sqrt(1.0 + tries) if optimistic else 0.0
+            bonus = self.explore / math.sqrt(1.0 + tries) if optimistic and frontier else 0.0
             out.append(min(mean + bonus, 0.99))
             prior_a = mean * weight
+            frontier = tries > 0
         return out
 
     def alpha(self, i: int) -> float:

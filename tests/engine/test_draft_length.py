@@ -77,3 +77,22 @@ def test_a_huge_draft_length_is_clamped_inside_the_engine() -> None:
     for _ in range(200):
         ctl.observe(ctl.max_k, ctl.max_k)  # drafts always accepted, and free
     assert 1 <= ctl.choose() <= MAX_DRAFT_TOKENS
+
+
+def test_untried_positions_past_the_first_get_no_exploration_bonus() -> None:
+    """Before any round, only the first position is explored optimistically: on a CPU-like
+    curve (16 tokens cost 3.4 plain steps) free drafts start short, on a flat (GPU-like) one
+    longer; rounds that land every draft widen the choice; a rejection at once narrows it."""
+    steep = Costs(verify={1: 1.0, 2: 1.2, 3: 1.5, 4: 1.7, 8: 2.3, 16: 3.4}, plain_step=1.0)
+    flat = Costs(verify={1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.3}, plain_step=1.0)
+    first = DraftLengthController(steep, 15, 0.0)
+    assert first.alphas(3, optimistic=True)[0] > first.alphas(3, optimistic=True)[1]
+    assert first.choose() <= 4
+    assert DraftLengthController(flat, 15, 0.0).choose() >= 2 * first.choose()
+    copying = DraftLengthController(steep, 15, 0.0)
+    for _ in range(6):
+        copying.observe(copying.choose(), copying.choose())
+    assert copying.choose() > first.choose()
+    missing = DraftLengthController(steep, 15, 0.0)
+    missing.observe(missing.choose(), 0)
+    assert missing.choose() <= first.choose()
