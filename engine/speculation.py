@@ -408,7 +408,7 @@ class DraftLengthController:
         out: list[float] = []
         weight = self.a0 + self.b0
         prior_a = self.a0
-        frontier = True  # this position was tried, or every one before it was
+        frontier = True  # the position before this one was tried (or this is the first)
         for i in range(k):
             hits = self.hits[i] + self.prior_hits[i]
             tries = self.tries[i] + self.prior_tries[i]
