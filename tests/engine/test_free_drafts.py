@@ -30,13 +30,13 @@ from mlxd.engine.pairing import (
     load_pairing,
     warm_up,
 )
-from mlxd.engine.sampling import Rng, to_ints
+from mlxd.engine.sampling import Rng
 from mlxd.engine.scheduler import make_draft_source
 from mlxd.engine.speculation import Costs, DraftLengthController
 from mlxd.registry.schema import ModelEntry
 from tests.engine.conftest import GPU_TEST_BUCKET
 from tests.engine.test_speculative import tiny_vocab_model
-from tests.fixtures.batches import decode_together
+from tests.fixtures.batches import decode_together, record_cuts
 from tests.fixtures.scripted_models import Script, build_scripted
 from tests.fixtures.tiny_models import TinyPair
 
@@ -64,6 +64,19 @@ def steps_of(pairing: Pairing, prompt: list[int], **options: object) -> list[lis
         return [new for new in gen if new]
     finally:
         gen.close()
+
+
+def lookup_rows(pairing: Pairing, prompt: list[int], limits: Sequence[int]) -> list[Generation]:
+    """Greedy rows of `prompt` drafting by prompt lookup, one per limit, prefilled."""
+    greedy = parse_options({"temperature": 0})
+    gens = [
+        Generation(pairing.target, prompt, greedy, pairing.eos_ids, n, Rng(i),
+                   LookupDraftSource(), DraftLengthController(FLAT, FREE_DRAFT_TOKENS, 0.0))
+        for i, n in enumerate(limits)
+    ]  # fmt: skip
+    for g in gens:
+        g.prefill()
+    return gens
 
 
 def test_lookup_verifies_a_long_copied_span_in_one_round(copier: Pairing) -> None:
@@ -158,17 +171,9 @@ def test_a_batch_runs_only_the_widths_its_load_warmed(copier: Pairing) -> None:
     assert [padded_width(w, widths) for w in (1, 5, 6, 9, 10, 16)] == [1, 5, 9, 9, 16, 16]
     assert padded_width(7, None) == 7
 
-    tokenizer = copier.tokenizer
-    greedy = parse_options({"temperature": 0})
-    prompt = list(tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
+    prompt = list(copier.tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
     limits = (12, 23, 37)  # rows leave at different rounds
-    gens = [
-        Generation(copier.target, prompt, greedy, copier.eos_ids, n, Rng(i),
-                   LookupDraftSource(), DraftLengthController(FLAT, FREE_DRAFT_TOKENS, 0.0))
-        for i, n in enumerate(limits)
-    ]  # fmt: skip
-    for g in gens:
-        g.prefill()
+    gens = lookup_rows(copier, prompt, limits)
     batch = RowBatch(copier.target, FLAT)
     batch.widths = widths
     seen: list[int] = []
@@ -272,15 +277,7 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
     ]
     plan = [(20, "lookup"), (27, "auto"), (30, "lookup"), (14, None)]  # (limit, drafts)
     set_bucket(copier.target, bucket)
-    cuts: list[tuple[int, int]] = []  # (shared padding reckoned from tokens, read back)
-    cut = batch_module.cut_padding
-
-    def checked(cache: list[Any], rows: int, least: int | None = None) -> None:
-        if least is not None and cache[0].may_cut():
-            cuts.append((least, min(to_ints(cache[0].left_padding))))
-        cut(cache, rows, least)
-
-    monkeypatch.setattr(batch_module, "cut_padding", checked)
+    cuts = record_cuts(monkeypatch)  # (shared padding reckoned from tokens, read back)
     guessed_round = RowBatch._guessed_round
     on_track: list[bool] = []
 
@@ -343,8 +340,7 @@ def test_only_batches_of_up_to_guess_rows_queue_rounds_on_guesses(
     rows leave and it holds no more, it does. The rows commit what they commit alone. (The
     floor off: rows a batch declines to verify would pause, and not draft when it shrinks.)"""
     monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
-    tokenizer, greedy = copier.tokenizer, parse_options({"temperature": 0})
-    prompt = list(tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
+    prompt = list(copier.tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
     rows = batch_module.GUESS_ROWS + 2
     limits = [8 + 3 * i for i in range(rows)]  # the first rows leave early
     sizes: list[int] = []  # the batch's rows at each guessed round
@@ -357,13 +353,7 @@ def test_only_batches_of_up_to_guess_rows_queue_rounds_on_guesses(
     monkeypatch.setattr(RowBatch, "_guessed_round", noted)
     set_bucket(copier.target, GPU_TEST_BUCKET)
     try:
-        gens = [
-            Generation(copier.target, prompt, greedy, copier.eos_ids, n, Rng(i),
-                       LookupDraftSource(), DraftLengthController(FLAT, FREE_DRAFT_TOKENS, 0.0))
-            for i, n in enumerate(limits)
-        ]  # fmt: skip
-        for g in gens:
-            g.prefill()
+        gens = lookup_rows(copier, prompt, limits)
         batch = RowBatch(copier.target, FLAT)
         batch.times.verify = {(r, w): 100.0 for r in range(1, rows + 1) for w in range(1, 40)}
         out = decode_together(batch, gens)

@@ -7,7 +7,6 @@ import random
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
 
 import mlx.core as mx
 import pytest
@@ -25,7 +24,7 @@ from mlxd.engine.kvcache import BucketedBatchKVCache, make_cache, set_bucket
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import Pairing, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
-from mlxd.engine.sampling import Rng, to_ints
+from mlxd.engine.sampling import Rng
 from mlxd.engine.scheduler import Job, Scheduler, make_draft_source
 from mlxd.engine.speculation import Costs, DraftLengthController
 from mlxd.engine.verify import decide
@@ -37,7 +36,7 @@ from tests.engine.test_speculative import (
     exact_pair_distribution,
     tiny_vocab_model,
 )
-from tests.fixtures.batches import decode_together
+from tests.fixtures.batches import decode_together, record_cuts
 from tests.fixtures.tiny_models import TinyPair
 
 # Flat verify costs: speculation always looks worthwhile, in a batch too (up to width 9).
@@ -372,15 +371,7 @@ def test_rows_cut_shared_padding_after_rounds_queued_unread(
     small = replace(configure_backend(), kv_bucket=16)
     entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft))
     pairing = load_pairing(entry, small, costs=FLAT)
-    cuts: list[tuple[int, int]] = []  # (shared padding reckoned from tokens, read back)
-    cut = batch_module.cut_padding
-
-    def checked(cache: list[Any], rows: int, least: int | None = None) -> None:
-        if least is not None and cache[0].may_cut():
-            cuts.append((least, min(to_ints(cache[0].left_padding))))
-        cut(cache, rows, least)
-
-    monkeypatch.setattr(batch_module, "cut_padding", checked)
+    cuts = record_cuts(monkeypatch)  # (shared padding reckoned from tokens, read back)
     specs = [
         (p, opts_of(temperature=0, num_predict=60, draft_method=m))
         for p, m in zip(PROMPTS[:3], ("model", "lookup", "model"), strict=True)
