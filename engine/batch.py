@@ -88,7 +88,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Ahead:
-    """The next round, queued: its rows and their chosen tokens, still lazy. `steady`:
+    """The next round, queued: its rows and (a plain round) their chosen tokens, still lazy. `steady`:
     queued by a plain round, so its round times the batch's pipelined steady state (one queued
     by a verify round started early and is not timed as one; queued `unread`, what it takes
     beyond or short of a steady round is that verify round's). A verify round queued on
@@ -97,7 +97,7 @@ class Ahead:
     what they end with, once the round before commits what the guess assumed."""
 
     gens: list[Generation]
-    tokens: mx.array
+    tokens: mx.array | None  # None: a verify round on guesses (its choices are `chosen`)
     steady: bool = True
     unread: bool = False  # queued by a verify round before its verdicts were read
     drafts: list[Draft] | None = None
@@ -500,7 +500,7 @@ class RowBatch:
                 c.filter(rows, min_left)
             else:
                 c.filter(rows)
-        if kept_ahead and ahead is not None:
+        if kept_ahead and ahead is not None and ahead.tokens is not None:
             self.ahead = Ahead(list(self.gens), ahead.tokens[rows], ahead.steady, ahead.unread)
 
     def round(self) -> list[Committed]:
@@ -708,8 +708,7 @@ class RowBatch:
             for i, d in enumerate(guessed)
         ]
         mx.async_eval(chosen)
-        first = mx.stack([c[0] for c in chosen])
-        self.ahead = Ahead(list(gens), first, False, True, guessed, chosen, width, expect)
+        self.ahead = Ahead(list(gens), None, False, True, guessed, chosen, width, expect)
         return True
 
     def _guess_after(self, tokens: mx.array) -> bool:
@@ -848,7 +847,7 @@ class RowBatch:
         ahead, self.ahead = self.ahead, None
         late: list[Generation] = []
         pipelined = False
-        if ahead is not None and _leads(ahead.gens, gens):
+        if ahead is not None and ahead.tokens is not None and _leads(ahead.gens, gens):
             tokens, late = ahead.tokens, gens[len(ahead.gens) :]
             pipelined = not late and ahead.steady
         else:
