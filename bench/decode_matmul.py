@@ -1,6 +1,6 @@
 """A decode step's base projections by route: what 1-8 rows cost the host and the device.
 
-    python bench/decode_matmul.py [--blocks 28] [--rows 1,2,4,8] [--steps 60]
+    python bench/decode_matmul.py [--blocks 28] [--rows 1,2,4,8,16,32] [--steps 60]
 
 On MLX's CUDA build, for 7B-shaped bf16 blocks (q, k, v; o; gate, up; down), times pipelined
 steps of `--blocks` blocks' projections of rows x 1 token (each step's outputs evaluated while
@@ -9,7 +9,7 @@ the next is built, as decoding does), by route:
 - `matmul`: MLX's matmul per projection (a gemv for one row, cuBLAS for more);
 - `project`: `lora_cuda`'s project kernel, one launch per input (q, k, v together; gate, up);
 - `mma`: `mma_cuda`'s tensor-core kernel, one launch per input (and, uncompiled, built with
-  other warp counts and unrolls: `--mma-shapes`).
+  other warp counts, unrolls and W tiles per warp: `--mma-shapes`).
 
 Prints milliseconds per step, the host's share of it (building the step and `async_eval`),
 each route's ratio to `matmul`, and the largest difference of `mma`'s outputs from `matmul`'s.
@@ -55,14 +55,16 @@ def project(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
     return lora_cuda.project(x, None, [lora_cuda.Part(None, w, None, None) for w in weights])
 
 
-def mma_shaped(warps: int, unroll: int) -> Route:
-    """`mma_cuda`'s kernel built with `warps` warps per block and `unroll` pieces in flight."""
+def mma_shaped(warps: int, unroll: int, wt: int) -> Route:
+    """`mma_cuda`'s kernel built with `warps` warps per block, `unroll` pieces in flight and
+    `wt` tiles of 16 W rows per warp."""
 
     def route(x: mx.array, weights: list[mx.array]) -> list[mx.array]:
+        tiles = -(-x.shape[0] * x.shape[1] // 8)
         return list(mma_cuda._kernel(len(weights), False, x.dtype)(
             inputs=[x, *weights],
-            template=[("T", x.dtype), ("WARPS", warps), ("U", unroll)],
-            grid=(sum(-(-w.shape[0] // 16) for w in weights) * warps * 32, 1, 1),
+            template=mma_cuda.template(x, warps, (tiles, unroll, wt)),
+            grid=(mma_cuda.blocks_for(x, weights, wt) * warps * 32, 1, 1),
             threadgroup=(warps * 32, 1, 1),
             output_shapes=[(*x.shape[:-1], w.shape[0]) for w in weights],
             output_dtypes=[x.dtype] * len(weights),
@@ -94,10 +96,10 @@ def largest_difference(blocks: list[Block], rows: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--blocks", type=int, default=28)
-    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--rows", default="1,2,4,8,16,32")
     ap.add_argument("--steps", type=int, default=60)
-    ap.add_argument("--mma-shapes", default="4x4,8x4,16x2",
-                    help="more builds of the mma kernel to time: WARPSxUNROLL,...")  # fmt: skip
+    ap.add_argument("--mma-shapes", default="8x2x1,8x1x2,8x2x2",
+                    help="more builds of the mma kernel to time: WARPSxUNROLLxWTILES,...")  # fmt: skip
     args = ap.parse_args()
     if not cuda_available():
         raise SystemExit("the kernels run on MLX's CUDA build")
@@ -107,8 +109,8 @@ def main() -> None:
     mx.eval(blocks)
     routes: dict[str, Route] = {"matmul": matmul, "project": project, "mma": mma_cuda.matmul}
     for shape in filter(None, args.mma_shapes.split(",")):
-        warps, unroll = (int(v) for v in shape.split("x"))
-        routes[f"mma {shape}"] = mma_shaped(warps, unroll)
+        warps, unroll, wt = (int(v) for v in shape.split("x"))
+        routes[f"mma {shape}"] = mma_shaped(warps, unroll, wt)
     print(f"{args.blocks} blocks, 7B-shaped bf16; ms per pipelined step (host ms; vs matmul)")
     print(f"{'rows':>5} | " + " ".join(f"{n:>24}" for n in routes) + " | mma error")
     for rows in (int(r) for r in args.rows.split(",")):

@@ -10,11 +10,13 @@ from mlxd.engine import mma_cuda
 from mlxd.engine.attention import cuda_available
 
 
-def test_it_takes_up_to_eight_rows_of_a_two_byte_float_in_16_byte_pieces() -> None:
+def test_it_takes_up_to_32_rows_of_a_two_byte_float_in_16_byte_pieces() -> None:
     w = mx.zeros((32, 64), dtype=mx.bfloat16)
     assert mma_cuda.fits(mx.zeros((8, 1, 64), dtype=mx.bfloat16), w)
     assert mma_cuda.fits(mx.zeros((2, 4, 64), dtype=mx.bfloat16), w)
-    assert not mma_cuda.fits(mx.zeros((9, 1, 64), dtype=mx.bfloat16), w)
+    assert mma_cuda.fits(mx.zeros((4, 8, 64), dtype=mx.bfloat16), w)
+    assert not mma_cuda.fits(mx.zeros((33, 1, 64), dtype=mx.bfloat16), w)
+    assert not mma_cuda.fits(mx.zeros((1, 33, 64), dtype=mx.bfloat16), w)
     assert not mma_cuda.fits(mx.zeros((2, 1, 64), dtype=mx.float16), w)
     assert not mma_cuda.fits(mx.zeros((2, 1, 64), dtype=mx.float32), w.astype(mx.float32))
     assert not mma_cuda.fits(
@@ -25,7 +27,7 @@ def test_it_takes_up_to_eight_rows_of_a_two_byte_float_in_16_byte_pieces() -> No
 
 @pytest.mark.skipif(not cuda_available(), reason="the kernel runs on MLX's CUDA build")
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 17, 23, 32])
 def test_it_matches_mlx_matmul(dtype: mx.Dtype, rows: int) -> None:
     """Several projections of one input, outputs not a multiple of 16, K a multiple of 8 but
     not of the warps' stride, with and without biases; float32 references."""
@@ -49,8 +51,10 @@ def test_it_matches_mlx_matmul(dtype: mx.Dtype, rows: int) -> None:
 @pytest.mark.skipif(not cuda_available(), reason="the kernel runs on MLX's CUDA build")
 def test_rows_times_tokens_are_its_rows() -> None:
     mx.random.seed(3)
-    x = mx.random.normal((2, 4, 256)).astype(mx.bfloat16)
-    w = (0.05 * mx.random.normal((64, 256))).astype(mx.bfloat16)
-    (y,) = mma_cuda.matmul(x, [w])
-    ref = x.astype(mx.float32) @ w.astype(mx.float32).T
-    assert mx.abs(y.astype(mx.float32) - ref).max().item() < 5e-2
+    for shape in ((2, 4, 256), (3, 7, 256)):
+        x = mx.random.normal(shape).astype(mx.bfloat16)
+        w = (0.05 * mx.random.normal((64, 256))).astype(mx.bfloat16)
+        (y,) = mma_cuda.matmul(x, [w])
+        ref = x.astype(mx.float32) @ w.astype(mx.float32).T
+        assert y.shape == (*shape[:2], 64)
+        assert mx.abs(y.astype(mx.float32) - ref).max().item() < 5e-2
