@@ -10,7 +10,9 @@ time encoding it (`mx.async_eval`), then the device time for the whole chain:
 - a built-in add;
 - a one-line custom kernel (`mx.fast.cuda_kernel`), and the same with 8 KB of source;
 - mlxd's batch decode-attention kernel (`engine.attention.ragged_cuda`, 2 rows, 28 query and
-  4 key heads of 128, 600 of 1,024 keys) next to MLX's attention on one row's keys.
+  4 key heads of 128, 600 of 1,024 keys) next to MLX's attention on one row's keys;
+- a 7B-shaped projection (3584 x 3584, bf16) of 1, 2 and 16 rows by MLX's matmul (a gemv for
+  one row, cuBLAS for more) and of 2 and 16 by mlxd's tensor-core kernel (`engine.mma_cuda`).
 """
 
 # ruff: noqa: E402  (the backend is configured before MLX is imported)
@@ -21,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -30,6 +33,7 @@ configure_backend()
 
 import mlx.core as mx
 
+from mlxd.engine import mma_cuda
 from mlxd.engine.attention import cuda_available, ragged_cuda
 from mlxd.engine.smallarrays import kernel_array
 
@@ -37,19 +41,25 @@ BODY = "unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;\n"
 BODY += "if (i < (unsigned int)a_shape[1]) o[i] = a[i] + (T)1;\n"
 
 
-def timed(name: str, build: Callable[[], mx.array], n: int) -> None:
-    mx.eval(build())  # compiled and warm
+def stages(build: Callable[[], Any]) -> tuple[float, float, float]:
+    """Seconds of one graph's stages: `build` (Python building it), `mx.async_eval` (MLX
+    encoding it) and the wait for the device after."""
     t0 = time.perf_counter()
     out = build()
     t1 = time.perf_counter()
     mx.async_eval(out)
     t2 = time.perf_counter()
     mx.eval(out)
-    t3 = time.perf_counter()
+    return t1 - t0, t2 - t1, time.perf_counter() - t2
+
+
+def timed(name: str, build: Callable[[], mx.array], n: int) -> None:
+    mx.eval(build())  # compiled and warm
+    building, encoding, waiting = stages(build)
     per = 1e6 / n
     print(
-        f"{name:34s} build {(t1 - t0) * per:6.2f} us  encode {(t2 - t1) * per:6.2f} us  "
-        f"device {(t3 - t2) * 1e3:6.2f} ms in all"
+        f"{name:34s} build {building * per:6.2f} us  encode {encoding * per:6.2f} us  "
+        f"device {waiting * 1e3:6.2f} ms in all"
     )
 
 
@@ -63,13 +73,7 @@ def main() -> None:
     mx.eval(x)
 
     def chain(step: Callable[[mx.array], mx.array], count: int) -> Callable[[], mx.array]:
-        def build() -> mx.array:
-            y = x
-            for _ in range(count):
-                y = step(y)
-            return y
-
-        return build
+        return chain_from(x, step, count)
 
     def custom(source: str, name: str) -> Callable[[mx.array], mx.array]:
         kernel = mx.fast.cuda_kernel(
@@ -101,7 +105,7 @@ def main() -> None:
     calls = max(n // 4, 1)
     timed(
         "mlxd batch decode attention",
-        chain(lambda y: ragged_cuda(y, k, v, 0.088, left, 600), calls),
+        chain_from(q, lambda y: ragged_cuda(y, k, v, 0.088, left, 600), calls),
         calls,
     )
     q1 = q[:1]
@@ -113,6 +117,35 @@ def main() -> None:
         return y
 
     timed("MLX attention, one row", sdpa, calls)
+
+    # A projection's call, 3584 x 3584 bf16: MLX's gemv for one row, cuBLAS for several (its
+    # descriptors and algorithm query each call), mlxd's tensor-core kernel (a compiled call).
+    w = (0.01 * mx.random.normal((3584, 3584))).astype(mx.bfloat16)
+    mx.eval(w)
+    for rows in (1, 2, 16):
+        h = mx.zeros((rows, 1, 3584), dtype=mx.bfloat16)
+        mx.eval(h)
+        timed(f"matmul, {rows} row(s)", chain_from(h, lambda y: y @ w.T, calls), calls)
+        if rows > 1:
+            timed(
+                f"mlxd mma kernel, {rows} rows",
+                chain_from(h, lambda y: mma_cuda.matmul(y, [w])[0], calls),
+                calls,
+            )
+
+
+def chain_from(
+    x: mx.array, step: Callable[[mx.array], mx.array], count: int
+) -> Callable[[], mx.array]:
+    """`count` dependent calls of `step` from x."""
+
+    def build() -> mx.array:
+        y = x
+        for _ in range(count):
+            y = step(y)
+        return y
+
+    return build
 
 
 if __name__ == "__main__":

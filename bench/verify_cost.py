@@ -4,8 +4,12 @@
 
 Each width L is timed as a run of L-token forwards that advance the cache (so every forward
 lands on a cache length never seen before, as verify rounds do), relative to one-token decoding.
+Each forward is evaluated before the next is built, as a lone row's verify round is: its time is
+the host's building and encoding plus the device's. With `MLXD_BATCH_KERNELS=1` (on MLX's CUDA
+build) the projections of several tokens take mlxd's kernels, as in the daemon.
 """
 
+# ruff: noqa: E402  (the backend is configured before MLX is imported)
 from __future__ import annotations
 
 import argparse
@@ -14,13 +18,19 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from mlxd.engine.backend import configure_backend
+
+configure_backend()  # as `mlxd serve` does (on CUDA: MLX's graphs off)
+
+# isort: split
 import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
 from mlxd.engine.kvcache import GPU_BUCKET, make_cache, set_bucket
+from mlxd.engine.lora import Selection, wrap_for_decoding
 
 
 def per_forward(model: object, cache: list[object], width: int, reps: int) -> float:
@@ -38,12 +48,15 @@ def main() -> None:
     ap.add_argument("--model", type=Path, required=True)
     ap.add_argument("--context", type=int, default=200)
     ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--widths", default="1,2,3,4,5,6,7,8,9")
     args = ap.parse_args()
     model = load(str(args.model))[0]
     set_bucket(model, GPU_BUCKET)  # mlxd's GPU layout, on whatever device this runs
-    widths = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    wrapped = wrap_for_decoding(model, Selection())
+    widths = [int(w) for w in args.widths.split(",")]
     print(
         f"device {mx.default_device()}; ms per forward at fresh cache lengths (context {args.context})"
+        f"; projections on mlxd's kernels: {wrapped}"
     )
     print(f"{'cache':<10}" + "".join(f"{'L=' + str(w):>9}" for w in widths))
     for name, factory in (("mlx-lm", make_prompt_cache), ("mlxd", make_cache)):

@@ -66,13 +66,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxd.engine import kvcache
+from mlxd.engine import kvcache, lora_cuda
 from mlxd.engine.adapters import selecting
 from mlxd.engine.draftbatch import DraftBatch, base_of, cut_padding, trim_rows
 from mlxd.engine.drafting import Draft, ModelDraftSource
@@ -661,7 +662,8 @@ class RowBatch:
         kvcache.BucketedBatchKVCache.drop_unread(self.cache, dropped)
         if self._queue_guessed(drafts, nexts, on_track):
             return True
-        queued = self._choose_unread(self._forward(mx.stack(nexts)[:, None]), kept, width)
+        logits = self._forward(mx.stack(nexts)[:, None], queued=True)
+        queued = self._choose_unread(logits, kept, width)
         mx.async_eval(queued)
         self.ahead = Ahead(list(gens), queued, steady=False, unread=True)
         return True
@@ -701,7 +703,7 @@ class RowBatch:
             expect.append((len(g.tokens) + len(x[1]), x[1]) if x is not None and k else None)
             rest = mx.array(tokens + [0] * (width - 1 - k), dtype=mx.uint32)
             rows.append(mx.concatenate([nxt.reshape(1), rest]))
-        with selecting([g.target for g in gens]):
+        with selecting([g.target for g in gens]), lora_cuda.queued():
             logits = self.target(mx.stack(rows), cache=self.cache)
         chosen = [
             mx.argmax(logits[i, : 1 + d.count], axis=-1).astype(mx.uint32)
@@ -859,7 +861,9 @@ class RowBatch:
         if late:
             pending = mx.array([g.tokens[-1] for g in late], dtype=mx.uint32)
             inputs = mx.concatenate([tokens, pending])[:, None]
-            queued = self._choose(self._forward(inputs), [1] * len(tokens) + [0] * len(late))
+            queued = self._choose(
+                self._forward(inputs, queued=True), [1] * len(tokens) + [0] * len(late)
+            )
             mx.async_eval(queued)
             self.ahead = Ahead(list(gens), queued)
         elif (
@@ -867,7 +871,7 @@ class RowBatch:
             and not self._guess_after(tokens)
             and self._next_is_plain(gens)
         ):
-            queued = self._choose(self._forward(tokens[:, None]), [1] * len(gens))
+            queued = self._choose(self._forward(tokens[:, None], queued=True), [1] * len(gens))
             mx.async_eval(queued)
             self.ahead = Ahead(list(gens), queued)
         chosen = to_ints(tokens)
@@ -886,9 +890,13 @@ class RowBatch:
             self._note_slow(len(gens), 1, end - since)
         return committed
 
-    def _forward(self, inputs: mx.array) -> mx.array:
-        """The last position's logits (B, V) of a forward of `inputs` (B, 1) over the batch."""
-        with selecting([g.target for g in self.gens]):
+    def _forward(self, inputs: mx.array, queued: bool = False) -> mx.array:
+        """The last position's logits (B, V) of a forward of `inputs` (B, 1) over the batch
+        (`queued`: behind one the device is running, `lora_cuda.queued`)."""
+        with (
+            selecting([g.target for g in self.gens]),
+            lora_cuda.queued() if queued else nullcontext(),
+        ):
             return self.target(inputs, cache=self.cache)[:, -1, :]
 
     def _choose(self, logits: mx.array, ahead: list[int]) -> mx.array:

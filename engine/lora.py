@@ -399,6 +399,8 @@ class RowLoRA(nn.Module):
         return part, plan.token_slots(x.shape[1])
 
     def __call__(self, x: mx.array) -> mx.array:
+        if self._slots.stacks is None and x.size == x.shape[-1]:
+            return self.base(x)  # a lone row's step on the base: MLX's gemv, nothing to route
         group = self.group
         if group is not None and group.x is x and id(self) in group.y:
             return group.y.pop(id(self))  # computed with a sibling's, in its call

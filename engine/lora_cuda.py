@@ -29,15 +29,17 @@ MLX's gemv (0.98x); it had been 1.64x with the row's slot index (idx) in MLX's C
 arrays of 8 bytes or less, which `engine.smallarrays` keeps it out of. Rows on the base can take
 the kernels too, one launch for q, k and v (`pays`). A call is traced by `mx.compile`, so a
 step replays it without building its kernels' calls in Python.
-Forwards of more than `MAX_ROWS` rows x tokens (prefill, wide verifies) are compute-bound and
-take the MLX ops. The kernels read K in 16-byte pieces: K a multiple of 8 and a 2-byte dtype
-(bf16, fp16), which `serves` checks.
+Forwards of more rows x tokens than the kernels take (`fits`: the tensor-core kernel's 32, a
+verify round's; 8 with it off) and prompts are left to the MLX ops. The kernels read K in
+16-byte pieces: K a multiple of 8 and a 2-byte dtype (bf16, fp16), which `serves` checks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -46,8 +48,8 @@ import mlx.core as mx
 from mlxd.engine import mma_cuda
 
 __all__ = [
-    "MAX_ROWS", "Part", "add_terms", "batches_take_kernels", "fits", "pays", "project", "serves",
-    "takes_terms", "warm",
+    "MAX_ROWS", "Part", "add_terms", "batches_take_kernels", "fits", "pays", "project", "queued",
+    "serves", "takes_terms", "warm",
 ]  # fmt: skip
 
 MAX_ROWS = 8  # rows of x (batch rows x tokens) the kernels take; more take the MLX ops
@@ -427,8 +429,10 @@ def _term_kernel(count: int, shared: bool = False) -> Any:
 
 
 def fits(x: mx.array, dtype: mx.Dtype) -> bool:
-    """Whether the kernels take input x (batch rows, tokens, K) of a projection in `dtype`."""
-    return x.ndim == 3 and x.dtype == dtype and x.shape[0] * x.shape[1] <= MAX_ROWS
+    """Whether the kernels take input x (batch rows, tokens, K) of a projection in `dtype`:
+    more than `MAX_ROWS` rows x tokens only through the tensor-core kernel."""
+    most = mma_cuda.MAX_ROWS if mma_on() else MAX_ROWS
+    return x.ndim == 3 and x.dtype == dtype and x.shape[0] * x.shape[1] <= most
 
 
 def serves(weight: mx.array) -> bool:
@@ -586,22 +590,44 @@ def _takes_mma(x: mx.array, parts: Sequence[tuple[mx.array, ...]]) -> bool:
 
 
 def batches_take_kernels() -> bool:
-    """Whether base rows of a decoding batch take the kernels (`MLXD_BATCH_KERNELS=1`; off by
-    default: in-process the tensor-core kernel made an H200's 8-row step of a 7B-shaped bf16
-    model's projections 1.15x faster, but served, 8 clients of an 8B-shaped model ran at 572.7
-    tok/s with it and 608.1 without, on one machine start)."""
+    """Whether base rows of a decoding batch take the kernels in forwards queued behind a
+    running one (`queued`; `MLXD_BATCH_KERNELS=1`, off by default)."""
     return os.environ.get("MLXD_BATCH_KERNELS", "0") not in ("", "0", "false")
+
+
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def queued() -> Iterator[None]:
+    """Within, on this thread: forwards built while an earlier one runs on the device (a
+    batch's pipelined rounds), where base rows take the kernels (`pays`). A kernel call costs
+    the host more to build than MLX's matmul (a compiled call, about 15 us) and less to encode
+    than cuBLAS's (its descriptors and algorithm query, about 25 us a call): a forward queued
+    behind another hides its building, one waited for alone pays it while the device idles.
+    An H200, the fat 7B-shaped bf16 target (`bench/forward_parts.py`, two machine starts),
+    pipelined forwards of 2, 4 and 8 rows took 8.0-10.4 ms with the kernels against 9.4-12.4
+    without, verify-shaped ones (2 x 8, 4 x 4, 2 x 16, 4 x 8) 9.1-12.0 against 10.1-14.5;
+    waited for alone, 2 rows took 10.8-11.0 against 9.5-10.4."""
+    before = getattr(_thread, "queued", False)
+    _thread.queued = True
+    try:
+        yield
+    finally:
+        _thread.queued = before
 
 
 def pays(rows: int, nbytes: int) -> bool:
     """Whether `rows` rows (x tokens) on the base take the kernels for projections of one input
-    holding `nbytes` of weights, rather than MLX's matmuls: a batch's, through `mma_cuda`'s
-    kernel whatever W's size (an H200, 8 rows of a 7B-shaped model's 28 blocks: 4.57 ms
-    against cuBLAS's 5.25, the host's share 1.70 against 4.73), or with it off where W is small
-    enough that the host time cuBLAS calls cost outweighs `project`'s slower reading of W. A
-    lone row keeps MLX's gemv: one call for q, k and v saved the host less than its Python
-    cost (a 7B-shaped step 0.95x as fast)."""
-    return rows > 1 and (mma_on() or nbytes <= FUSE_BYTES)
+    holding `nbytes` of weights, rather than MLX's matmuls: a batch's, in a forward `queued`
+    behind another, through `mma_cuda`'s kernel whatever W's size (an H200, 8 rows of a
+    7B-shaped model's 28 blocks: 4.57 ms against cuBLAS's 5.25, the host's share 1.70 against
+    4.73), or with it off where W is small enough that the host time cuBLAS calls cost
+    outweighs `project`'s slower reading of W. A lone row keeps MLX's gemv: one call for q, k
+    and v saved the host less than its Python cost (a 7B-shaped step 0.95x as fast)."""
+    if rows <= 1 or not getattr(_thread, "queued", False):
+        return False
+    return mma_on() or nbytes <= FUSE_BYTES
 
 
 def project(x: mx.array, idx: mx.array | None, parts: Sequence[Part]) -> list[mx.array]:
@@ -616,7 +642,8 @@ def project(x: mx.array, idx: mx.array | None, parts: Sequence[Part]) -> list[mx
 
 def warm(dtype: mx.Dtype, count: int, bias: bool, term: bool) -> None:
     """Build the kernels a call for `count` projections of one input takes, for `dtype` and
-    lone rows and batches, now (at load or mount), not in a row's first step."""
+    lone rows and batches (every tile count of the tensor-core kernel's: verify rounds take
+    them too), now (at load or mount), not in a row's first step."""
     key = (dtype, count, bias, term)
     if key in _warmed:
         return
@@ -628,7 +655,8 @@ def warm(dtype: mx.Dtype, count: int, bias: bool, term: bool) -> None:
         mx.zeros((n,), dtype=dtype) if bias else None,
     )
     outs = []
-    for rows in (1, 2) if term else (2,):  # base rows take them in batches only
+    batches = (2, 9, 17, 25) if mma_on() else (2,)
+    for rows in (1, *batches) if term else batches:  # base rows take them in batches only
         x = mx.zeros((rows, 1, k), dtype=dtype)
         idx = mx.ones((rows,), dtype=mx.uint32)
         outs += project(x, idx if term else None, [part] * count)

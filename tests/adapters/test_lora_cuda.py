@@ -4,6 +4,7 @@ output each takes, with the kernels' arithmetic done by MLX ops."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import mlx.core as mx
@@ -11,7 +12,7 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 
-from mlxd.engine import lora, lora_cuda
+from mlxd.engine import lora, lora_cuda, mma_cuda
 from mlxd.engine.attention import cuda_available
 from mlxd.engine.fusedproj import fuse_gate_up
 from mlxd.engine.lora import LayerWeights, Selection, wrap
@@ -134,10 +135,11 @@ def counted_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
 
 @pytest.mark.usefixtures("on_the_cpu")
 def test_batches_base_rows_take_the_kernels_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With `MLXD_BATCH_KERNELS=1` and no adapters: a batch's q, k, v (and gate, up) in one
-    call each, o_proj alone, down_proj alone with the tensor-core kernel (else by MLX's
-    matmul); a lone row and a prompt by MLX ops; logits unchanged. Without it nothing is
-    wrapped."""
+    """With `MLXD_BATCH_KERNELS=1` and no adapters, in a forward queued behind another: a
+    batch's q, k, v (and gate, up) in one call each, o_proj alone, down_proj alone with the
+    tensor-core kernel (else by MLX's matmul); a lone row's step and a prompt by MLX ops, a
+    lone row's verify of 9 tokens by the tensor-core kernel (else by MLX ops); logits
+    unchanged. A forward not queued takes MLX ops. Without it nothing is wrapped."""
     monkeypatch.setenv("MLXD_BATCH_KERNELS", "1")
     monkeypatch.setattr(lora, "_decodes_fused", lambda base: True)
     monkeypatch.setattr(lora, "_on_gpu", lambda: True)
@@ -148,12 +150,15 @@ def test_batches_base_rows_take_the_kernels_when_asked(monkeypatch: pytest.Monke
         plain, fused = tiny_model(2), tiny_model(2)
         assert lora.wrap_for_decoding(fused, Selection()) == 2 * wrapped
         calls = counted_calls(monkeypatch)
-        for rows, length, expected in ((1, 1, []), (2, 1, batch), (1, 9, [])):
+        verify = batch if mma == "1" else []
+        for rows, length, expected in ((1, 1, []), (2, 1, batch), (1, 9, verify), (1, 33, [])):
             tokens = mx.array([[(3 * r + t) % 50 for t in range(length)] for r in range(rows)])
-            calls.clear()
-            got, want = fused(tokens), plain(tokens)
-            assert calls == [(n, False) for n in expected * 2]
-            assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
+            for queued in (True, False):
+                calls.clear()
+                with lora_cuda.queued() if queued else contextlib.nullcontext():
+                    got, want = fused(tokens), plain(tokens)
+                assert calls == [(n, False) for n in (expected if queued else []) * 2]
+                assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
     monkeypatch.setenv("MLXD_BATCH_KERNELS", "0")
     assert lora.wrap_for_decoding(tiny_model(2), Selection()) == 0
 
@@ -170,9 +175,10 @@ def test_rows_past_the_kernels_limit_take_the_mlx_ops(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(lora_cuda, "project", refused)
     selection.set([1])
-    logits = model(mx.zeros((1, lora_cuda.MAX_ROWS + 1), dtype=mx.int32))  # a prompt's forward
+    past = mma_cuda.MAX_ROWS + 1
+    logits = model(mx.zeros((1, past), dtype=mx.int32))  # a prompt's forward
     selection.clear()
-    assert logits.shape == (1, lora_cuda.MAX_ROWS + 1, 50)
+    assert logits.shape == (1, past, 50)
 
 
 def rand(*shape: int) -> mx.array:
