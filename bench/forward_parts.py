@@ -15,6 +15,9 @@ differently), it prints in milliseconds:
 - pipelined: per forward, each one built and encoded while the previous runs (plain decoding),
   and its host share.
 
+`--thread` measures on a thread of its own, the models loaded on the main one, as the daemon's
+runner threads decode.
+
 A forward alone costs its build plus the longer of its encoding and the device's work; a
 pipelined one the longer of the host's part and the device's.
 """
@@ -47,6 +50,7 @@ from mlxd.engine import lora_cuda
 from mlxd.engine.kvcache import batch_type, make_cache
 from mlxd.engine.lora import Selection, wrap_for_decoding
 from mlxd.engine.pairing import load_model
+from mlxd.engine.threads import start_mlx_thread
 
 SHAPES = "1x1,1x2,1x4,1x8,1x16,2x1,4x1,8x1,2x8,4x4,2x16"
 
@@ -99,14 +103,28 @@ def main() -> None:
     ap.add_argument("--shapes", default=SHAPES, help="rows x tokens, comma-separated")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--thread", action="store_true", help="measure on a thread of its own")
     args = ap.parse_args()
     models = {"mlx": load_model(args.model, BACKEND)[0]}
     os.environ["MLXD_BATCH_KERNELS"] = "1"  # read when a projection is wrapped
     kernels = load_model(args.model, BACKEND)[0]
     wrapped = wrap_for_decoding(kernels, Selection())
     models["kernels"] = kernels
+    mx.eval([m.parameters() for m in models.values()])  # nothing left for another thread
     print(f"device {mx.default_device()}; {args.model}; context {args.context}; "
           f"projections wrapped for the kernels: {wrapped}")  # fmt: skip
+    if args.thread:  # as the daemon serves: a thread of its own, on a stream of its own
+
+        def on_thread() -> None:
+            with mx.stream(mx.new_stream(mx.default_device())):
+                table(models, args)
+
+        start_mlx_thread(on_thread, "runner-bench").join()
+    else:
+        table(models, args)
+
+
+def table(models: dict[str, nn.Module], args: argparse.Namespace) -> None:
     print(f"{'shape':>6} {'route':>8} | {'build':>6} {'encode':>7} {'alone':>7} | "
           f"{'pipelined':>9} {'host':>6}")  # fmt: skip
     for shape in args.shapes.split(","):
