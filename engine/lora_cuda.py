@@ -601,14 +601,14 @@ _thread = threading.local()
 @contextlib.contextmanager
 def queued() -> Iterator[None]:
     """Within, on this thread: forwards built while an earlier one runs on the device (a
-    batch's pipelined rounds), where base rows take the kernels (`pays`). A kernel call costs
-    the host more to build than MLX's matmul (a compiled call, about 15 us) and less to encode
-    than cuBLAS's (its descriptors and algorithm query, about 25 us a call): a forward queued
-    behind another hides its building, one waited for alone pays it while the device idles.
-    An H200, the fat 7B-shaped bf16 target (`bench/forward_parts.py`, two machine starts),
-    pipelined forwards of 2, 4 and 8 rows took 8.0-10.4 ms with the kernels against 9.4-12.4
-    without, verify-shaped ones (2 x 8, 4 x 4, 2 x 16, 4 x 8) 9.1-12.0 against 10.1-14.5;
-    waited for alone, 2 rows took 10.8-11.0 against 9.5-10.4."""
+    batch's pipelined rounds), where base rows take the kernels (`pays`). Routing projections
+    to the kernels adds to a forward's building (the wrappers' Python: 1-4 ms on the fat
+    7B-shaped target) and takes from its encoding (cuBLAS's descriptors and algorithm query,
+    16-19 us a call, against the kernel's 6-8): a forward queued behind another hides its
+    building, one waited for alone pays it while the device idles. An H200, that target
+    (`bench/forward_parts.py`, three machine starts): pipelined, 2 to 8 rows took 5.9-10.4 ms
+    with the kernels against 5.7-12.4 without; waited for alone, 2 rows 8.8-11.0 against
+    7.7-10.4."""
     before = getattr(_thread, "queued", False)
     _thread.queued = True
     try:

@@ -32,7 +32,6 @@ __all__ = ["MAX_ROWS", "fits", "flat_matmul", "matmul"]
 
 MAX_ROWS = 32  # rows of x (batch rows x tokens) one launch takes, in tiles of the mma's n (8)
 WARPS = 8  # warps of a block, splitting K
-
 _PTX = {mx.bfloat16: "bf16", mx.float16: "f16"}
 _kernels: dict[tuple[int, bool, Any], Any] = {}
 
@@ -178,7 +177,7 @@ def _kernel(count: int, bias: bool, dtype: mx.Dtype) -> Any:
 # blocks' projections, `bench/decode_matmul.py`, ms a pipelined step): 8 rows 4.55 (U 2, 1 W
 # tile); 16 rows 5.61 (U 1, 1; 6.20 with U 2 and 2 W tiles); 24 rows 6.29 (U 1, 2 W tiles: x,
 # read again by every block, outweighs W past a tile of it); 32 rows 6.88 (U 2, 2; 10.31 with
-# U 1 and 2 W tiles). cuBLAS took 5.37, 5.39, 5.66 and 4.50, its host 4.9 of them.
+# U 1 and 2 W tiles). cuBLAS took 5.37, 5.39, 5.66 and 4.50, its host 3.6-5.2 of them.
 SHAPES = {1: (2, 1), 2: (1, 1), 3: (1, 2), 4: (2, 2)}
 
 
