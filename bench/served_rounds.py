@@ -27,6 +27,7 @@ A part whose wall time exceeds its CPU time waited (for the GIL, the device or a
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import subprocess
@@ -271,7 +272,7 @@ class Up:
     def poll(self): return None
 base = "http://127.0.0.1:{port}"
 wait_up(base + "/v1/models", Up())
-prompts = [f'def function_{{i}}(values, threshold={{i}}):\\n    \"\"\"Return the values above the threshold.\"\"\"\\n' for i in range(16)]
+prompts = {prompts!r}
 for n in {clients!r}:
     for _ in range(2):
         burst(base, "bench", prompts, n, 32)  # warm: shapes, the prefix cache
@@ -298,6 +299,10 @@ def main() -> None:
     ap.add_argument("--adapter", type=Path, default=None, help="serve the entry on this adapter")
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument(
+        "--heldout", action="store_true",
+        help="the code pair's held-out code prompts (as `bench/concurrency.py --pairing` sends)",
+    )  # fmt: skip
     args = ap.parse_args()
     model = args.model
     if args.shape:
@@ -316,8 +321,15 @@ def main() -> None:
     signal.signal(signal.SIGUSR1, lambda *_: T.reset())
     signal.signal(signal.SIGUSR2, report)
     clients = [int(c) for c in args.clients.split(",")]
+    prompts = [
+        f'def function_{i}(values, threshold={i}):\n    """Return the values above the threshold."""\n'
+        for i in range(16)
+    ]
+    if args.heldout:
+        held = json.loads((code_pair() / "heldout_prompts.json").read_text())
+        prompts = [p["prompt"] for p in held["code"]][:16]
     driver = DRIVER.format(root=str(ROOT), port=port, clients=clients, tokens=args.tokens,
-                           pid=os.getpid())  # fmt: skip
+                           pid=os.getpid(), prompts=prompts)  # fmt: skip
     subprocess.Popen([sys.executable, "-c", driver], cwd=ROOT)
     cli.main(["serve", "--registry", str(home / "models.yaml")])
 

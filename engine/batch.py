@@ -197,8 +197,10 @@ def padded_width(width: int, widths: Sequence[int] | None) -> int:
 class RoundTimes:
     """Wall seconds of a batch's rounds, return to return: plain rounds in their pipelined
     steady state by row count (a moving average: they come every round), verify rounds by
-    (rows, width), drafting included. The first verify round of a shape is not recorded (on a
-    GPU it compiles the shape), and any round counts at most `ROUND_CAP` times its modelled
+    (rows, width), drafting included. Where shapes compile (`compiles`: a GPU) the first
+    verify round of a shape is not recorded (it compiled the shape); on a CPU it is, as on
+    this 2-core CPU a lookup burst of 2 clients ran 3 verify rounds of 56-60 ms (4.6 plain
+    rounds) and would price its first two by the probe's curve alone. Any round counts at most `ROUND_CAP` times its modelled
     cost. A width whose record says it loses is not run again, so one slow round (a stall on
     the device, another thread's work) must not make that record: a shape is priced by the
     median of its last `VERIFY_SAMPLES` rounds, or, with fewer than three on record, by the
@@ -213,6 +215,7 @@ class RoundTimes:
     `RETRY_ROUNDS` plain rounds the verify records are dropped and the widths tried anew."""
 
     costs: Costs
+    compiles: bool = True  # a shape's first forward compiles (a GPU): its first round unpriced
     plain: dict[int, float] = field(default_factory=dict)
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     queued: dict[tuple[int, int], float] = field(default_factory=dict)  # guessed rounds
@@ -307,7 +310,7 @@ class RoundTimes:
             self.add_verify(*held[:4])
 
     def add_verify(self, rows: int, width: int, seconds: float, drafting: float) -> None:
-        if (rows, width) not in self._tried:
+        if self.compiles and (rows, width) not in self._tried:
             self._tried.add((rows, width))
             return
         modelled = self.costs.v(rows * width) + drafting
@@ -321,7 +324,7 @@ class RoundTimes:
         """A verify round queued on guessed drafts, timed from the previous round's return
         (the first of a shape not: on a GPU it compiles the shape)."""
         key = (rows, width)
-        if key not in self._queued_tried:
+        if self.compiles and key not in self._queued_tried:
             self._queued_tried.add(key)
             return
         kept = min(seconds, ROUND_CAP * self._modelled(rows, width, 0.0))
@@ -390,7 +393,7 @@ class RowBatch:
         self.cache: list[Any] = []
         self.ahead: Ahead | None = None  # the next plain round, queued (its position written)
         self.drafts: DraftBatch | None = None  # the rows' draft-model K/V, drafting together
-        self.times = RoundTimes(costs)
+        self.times = RoundTimes(costs, compiles=kvcache.bucket_of(target) is not None)
         self.widths: tuple[int, ...] | None = None  # the verify widths run (`round_widths`)
         self._returned: tuple[float, list[Generation]] | None = None  # last round's end, rows
 

@@ -502,6 +502,23 @@ def test_a_batch_prices_its_rounds_as_it_measured_them() -> None:
     assert not times.verify and plan_widths(gens, [4] * 6, costs, times) == [4] * 6
 
 
+def test_where_nothing_compiles_a_shapes_first_verify_round_prices_it() -> None:
+    """On exact caches (a CPU) the first verify round of a shape compiled nothing: it is kept,
+    so two slow rounds decline a losing width where a GPU's batch, whose first round of a
+    shape compiled it, runs three."""
+    costs = Costs(
+        verify=dict.fromkeys(range(1, 40), 1.0), draft_step=0.3, draft_batch={1: 0.3, 8: 0.3}
+    )
+    gens = _model_drafting_rows(costs)
+    for compiles, rounds in ((True, 3), (False, 2)):
+        times = RoundTimes(costs, compiles=compiles)
+        times.add_plain(6, 0.01)
+        for _ in range(rounds):
+            assert plan_widths(gens, [4] * 6, costs, times) == [4] * 6
+            times.add_verify(6, 5, 0.1, 1.2)
+        assert plan_widths(gens, [4] * 6, costs, times) == [0] * 6, compiles
+
+
 def test_one_slow_verify_round_does_not_stop_a_width_that_pays() -> None:
     """A verify round stalled by something else (the device, another thread) is one sample:
     the width stays priced by its other rounds; rounds that stay slow decline it."""
