@@ -387,7 +387,7 @@ class RowLoRA(nn.Module):
     ) -> tuple[lora_cuda.Part, mx.array | None] | None:
         if plan is None:
             part = self.base_part
-            if part is None or not lora_cuda.fits(x, part.weight.dtype):
+            if part is None or not lora_cuda.fits(x, part.weight.dtype, term=False):
                 return None
             nbytes = part.weight.nbytes if self.group is None else self.group.nbytes
             return (part, None) if lora_cuda.pays(x.shape[0] * x.shape[1], nbytes) else None

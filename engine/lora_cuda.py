@@ -29,8 +29,8 @@ MLX's gemv (0.98x); it had been 1.64x with the row's slot index (idx) in MLX's C
 arrays of 8 bytes or less, which `engine.smallarrays` keeps it out of. Rows on the base can take
 the kernels too, one launch for q, k and v (`pays`). A call is traced by `mx.compile`, so a
 step replays it without building its kernels' calls in Python.
-Forwards of more rows x tokens than the kernels take (`fits`: the tensor-core kernel's 32, a
-verify round's; 8 with it off) and prompts are left to the MLX ops. The kernels read K in
+Forwards of more rows x tokens than the kernels take (`fits`: 8; rows on the base alone, the
+tensor-core kernel's 32, a verify round's) and prompts are left to the MLX ops. The kernels read K in
 16-byte pieces: K a multiple of 8 and a 2-byte dtype (bf16, fp16), which `serves` checks.
 """
 
@@ -428,10 +428,11 @@ def _term_kernel(count: int, shared: bool = False) -> Any:
     return _terms[key]
 
 
-def fits(x: mx.array, dtype: mx.Dtype) -> bool:
+def fits(x: mx.array, dtype: mx.Dtype, term: bool = True) -> bool:
     """Whether the kernels take input x (batch rows, tokens, K) of a projection in `dtype`:
-    more than `MAX_ROWS` rows x tokens only through the tensor-core kernel."""
-    most = mma_cuda.MAX_ROWS if mma_on() else MAX_ROWS
+    up to `MAX_ROWS` rows x tokens, and rows on the base alone (no `term`) up to the
+    tensor-core kernel's."""
+    most = mma_cuda.MAX_ROWS if mma_on() and not term else MAX_ROWS
     return x.ndim == 3 and x.dtype == dtype and x.shape[0] * x.shape[1] <= most
 
 
@@ -642,8 +643,8 @@ def project(x: mx.array, idx: mx.array | None, parts: Sequence[Part]) -> list[mx
 
 def warm(dtype: mx.Dtype, count: int, bias: bool, term: bool) -> None:
     """Build the kernels a call for `count` projections of one input takes, for `dtype` and
-    lone rows and batches (every tile count of the tensor-core kernel's: verify rounds take
-    them too), now (at load or mount), not in a row's first step."""
+    lone rows and batches (base rows: every tile count of the tensor-core kernel's, verify
+    rounds take them too), now (at load or mount), not in a row's first step."""
     key = (dtype, count, bias, term)
     if key in _warmed:
         return
@@ -655,7 +656,7 @@ def warm(dtype: mx.Dtype, count: int, bias: bool, term: bool) -> None:
         mx.zeros((n,), dtype=dtype) if bias else None,
     )
     outs = []
-    batches = (2, 9, 17, 25) if mma_on() else (2,)
+    batches = (2, 9, 17, 25) if mma_on() and not term else (2,)
     for rows in (1, *batches) if term else batches:  # base rows take them in batches only
         x = mx.zeros((rows, 1, k), dtype=dtype)
         idx = mx.ones((rows,), dtype=mx.uint32)

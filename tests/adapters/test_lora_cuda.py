@@ -12,7 +12,7 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 
-from mlxd.engine import lora, lora_cuda, mma_cuda
+from mlxd.engine import lora, lora_cuda
 from mlxd.engine.attention import cuda_available
 from mlxd.engine.fusedproj import fuse_gate_up
 from mlxd.engine.lora import LayerWeights, Selection, wrap
@@ -175,8 +175,8 @@ def test_rows_past_the_kernels_limit_take_the_mlx_ops(monkeypatch: pytest.Monkey
 
     monkeypatch.setattr(lora_cuda, "project", refused)
     selection.set([1])
-    past = mma_cuda.MAX_ROWS + 1
-    logits = model(mx.zeros((1, past), dtype=mx.int32))  # a prompt's forward
+    past = lora_cuda.MAX_ROWS + 1  # adapted rows past 8 rows x tokens: a verify, a prompt
+    logits = model(mx.zeros((1, past), dtype=mx.int32))
     selection.clear()
     assert logits.shape == (1, past, 50)
 
