@@ -288,15 +288,20 @@ def pairing_main(
                 plain, again = dict(zero), dict(zero)
                 arms = [*specs.items(), ("off", plain)] + ([("off", again)] if control else [])
                 per_round: dict[str, list[float]] = {m: [] for m in methods}
-                for _ in range(rounds):  # alternate, so a slow spell hits every arm
-                    got = []
-                    for method, into in arms:
+                # the arms alternate, so a slow spell hits every one, and every other round
+                # runs them in reverse, so a drift within a round favours none
+                for turn in range(rounds):
+                    order = list(enumerate(arms))
+                    if turn % 2:
+                        order.reverse()
+                    got: dict[int, float] = {}
+                    for i, (method, into) in order:
                         opts = {"temperature": temperature, "num_predict": tokens,
                                 "draft_method": method, "seed": 7}  # fmt: skip
                         r = pairing_burst(base, prompts, n, opts)
                         if not r["aggregate"]:
                             raise SystemExit(f"mlxd streamed nothing ({method}, {n} clients)")
-                        got.append(r["aggregate"])
+                        got[i] = r["aggregate"]
                         for key in into:
                             into[key] += r[key] / rounds
                     for i, m in enumerate(methods):
