@@ -5,9 +5,10 @@
 Loads the model twice as mlxd computes with it: once as it is, once with its projections
 wrapped as a pairing wraps them under `MLXD_BATCH_KERNELS=1`, every forward built as a batch
 builds its queued rounds (`lora_cuda.queued`: several rows x tokens of a projection's input on
-mlxd's tensor-core kernel, `engine/mma_cuda.py`; one row x token on MLX's gemv). For each shape, rows x tokens (a lone row's step 1x1 and verify 1xL, a batch's
-step Bx1 and verify BxL) over a cache of `--context` keys (a batch's rows left-padded
-differently), it prints in milliseconds:
+mlxd's tensor-core kernel, `engine/mma_cuda.py`; one row x token on MLX's gemv). For each
+shape, rows x tokens (a lone row's step 1x1 and verify 1xL, a batch's step Bx1 and verify
+BxL) over a cache of `--context` keys (a batch's rows left-padded differently), it prints in
+milliseconds:
 
 - build: the Python forward that builds the graph;
 - encode: `mx.async_eval` of it (on MLX's CUDA build, kernel launches and cuBLAS calls);

@@ -47,7 +47,6 @@ from mlx_lm.sample_utils import make_sampler
 
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
-from mlxd.engine.lora import Selection, wrap_for_decoding
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import draft_cap, load_model, measure_costs, warm_up
 from mlxd.engine.sampling import Rng
@@ -219,13 +218,11 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
     # Both engines decode the models as mlxd loads them (float32 on the CPU).
     target, tokenizer, _ = load_model(path / "target", BACKEND)
     draft = load_model(path / "draft", BACKEND)[0]
-    kernels = [wrap_for_decoding(m, Selection()) for m in (target, draft)]  # as a pairing's load
     heads = json.loads((path / "heldout_prompts.json").read_text())["code"][: args.prompts]
     prompts = [list(tokenizer.encode(h["prompt"])) for h in heads]
     costs = measure_costs(target, draft)
     print(f"\n== {pair}: {path}")
-    print(f"device: {mx.default_device()}  prompts: {len(prompts)}  new tokens: {args.tokens}"
-          f"  projections on mlxd's kernels (target, draft): {kernels}")  # fmt: skip
+    print(f"device: {mx.default_device()}  prompts: {len(prompts)}  new tokens: {args.tokens}")
     print("measured verify cost v(L) = t(L)/t(1): " + " ".join(
         f"{w}:{costs.v(w) / costs.v(1):.2f}" for w in sorted(costs.verify)
     ) + f"  draft step / target step: {costs.draft_step / costs.v(1):.3f}"

@@ -5,8 +5,7 @@
 Each width L is timed as a run of L-token forwards that advance the cache (so every forward
 lands on a cache length never seen before, as verify rounds do), relative to one-token decoding.
 Each forward is evaluated before the next is built, as a lone row's verify round is: its time is
-the host's building and encoding plus the device's. With `MLXD_BATCH_KERNELS=1` (on MLX's CUDA
-build) the projections of several tokens take mlxd's kernels, as in the daemon.
+the host's building and encoding plus the device's.
 """
 
 # ruff: noqa: E402  (the backend is configured before MLX is imported)
@@ -30,7 +29,6 @@ from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
 from mlxd.engine.kvcache import GPU_BUCKET, make_cache, set_bucket
-from mlxd.engine.lora import Selection, wrap_for_decoding
 
 
 def per_forward(model: object, cache: list[object], width: int, reps: int) -> float:
@@ -52,11 +50,9 @@ def main() -> None:
     args = ap.parse_args()
     model = load(str(args.model))[0]
     set_bucket(model, GPU_BUCKET)  # mlxd's GPU layout, on whatever device this runs
-    wrapped = wrap_for_decoding(model, Selection())
     widths = [int(w) for w in args.widths.split(",")]
     print(
         f"device {mx.default_device()}; ms per forward at fresh cache lengths (context {args.context})"
-        f"; projections on mlxd's kernels: {wrapped}"
     )
     print(f"{'cache':<10}" + "".join(f"{'L=' + str(w):>9}" for w in widths))
     for name, factory in (("mlx-lm", make_prompt_cache), ("mlxd", make_cache)):
