@@ -137,9 +137,9 @@ def counted_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
 def test_batches_base_rows_take_the_kernels_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     """With `MLXD_BATCH_KERNELS=1` and no adapters, in a forward queued behind another: a
     batch's q, k, v (and gate, up) in one call each, o_proj alone, down_proj alone with the
-    tensor-core kernel (else by MLX's matmul); a lone row's step and a prompt by MLX ops, a
-    lone row's verify of 9 tokens by the tensor-core kernel (else by MLX ops); logits
-    unchanged. A forward not queued takes MLX ops. Without it nothing is wrapped."""
+    tensor-core kernel (else by MLX's matmul); one row x token and a prompt by MLX ops, 9 rows
+    x tokens (a verify's shape) by the tensor-core kernel (else by MLX ops); logits unchanged.
+    A forward not queued takes MLX ops. Without it nothing is wrapped."""
     monkeypatch.setenv("MLXD_BATCH_KERNELS", "1")
     monkeypatch.setattr(lora, "_decodes_fused", lambda base: True)
     monkeypatch.setattr(lora, "_on_gpu", lambda: True)
