@@ -99,7 +99,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,2,4,8,16,32")
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--mma-shapes", default="8x2x1,8x1x2,8x2x2",
-                    help="more builds of the mma kernel to time: WARPSxUNROLLxWTILES,...")  # fmt: skip
+                    help="more builds of the mma kernel: WARPSxUNROLLxWTILES,...")  # fmt: skip
     args = ap.parse_args()
     if not cuda_available():
         raise SystemExit("the kernels run on MLX's CUDA build")

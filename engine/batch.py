@@ -89,10 +89,10 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class Ahead:
-    """The next round, queued: its rows and (a plain round) their chosen tokens, still lazy. `steady`:
-    queued by a plain round, so its round times the batch's pipelined steady state (one queued
-    by a verify round started early and is not timed as one; queued `unread`, what it takes
-    beyond or short of a steady round is that verify round's). A verify round queued on
+    """The next round, queued: its rows and (a plain round) their chosen tokens, still lazy.
+    `steady`: queued by a plain round, so its round times the batch's pipelined steady state
+    (one queued by a verify round started early and is not timed as one; queued `unread`, what
+    it takes beyond or short of a steady round is that verify round's). A verify round queued on
     guessed drafts (`RowBatch._queue_guessed`) holds them (`drafts`, `width` tokens a row)
     and each row's choices at every position; `expect[i]`: how many tokens row i holds, and
     what they end with, once the round before commits what the guess assumed."""
@@ -196,23 +196,23 @@ def padded_width(width: int, widths: Sequence[int] | None) -> int:
 @dataclass
 class RoundTimes:
     """Wall seconds of a batch's rounds, return to return: plain rounds in their pipelined
-    steady state by row count (a moving average: they come every round), verify rounds by
-    (rows, width), drafting included. Where shapes compile (`compiles`: a GPU) the first
-    verify round of a shape is not recorded (it compiled the shape); on a CPU it is, as on
-    this 2-core CPU a lookup burst of 2 clients ran 3 verify rounds of 56-60 ms (4.6 plain
-    rounds) and would price its first two by the probe's curve alone. Any round counts at most `ROUND_CAP` times its modelled
-    cost. A width whose record says it loses is not run again, so one slow round (a stall on
-    the device, another thread's work) must not make that record: a shape is priced by the
-    median of its last `VERIFY_SAMPLES` rounds, or, with fewer than three on record, by the
-    fastest of them (with one, also no slower than the probe's curve says), so that a width
-    is declined on two slow rounds, not one. A shape not yet on record is priced by the
-    probe's curve times how this batch's verify rounds of every shape measured against it
-    (`excess`, robust as a shape's record is), so that once verify rounds are known to cost
-    more than the probe says (on a CPU, served 8x5 verify rounds cost 4.3 plain rounds), each
-    other shape is not tried at a loss to learn it again. A verify round that queued nothing
-    after it is also charged what the plain round after it, run fresh, took beyond a queued
-    one (`hold_verify`, `add_fresh`): that is what the verify round cost the pipeline. Every
-    `RETRY_ROUNDS` plain rounds the verify records are dropped and the widths tried anew."""
+    steady state by row count (a moving average: they come every round), verify rounds by (rows,
+    width), drafting included. Where shapes compile (`compiles`: a GPU) the first verify round
+    of a shape is not recorded (it compiled the shape); on a CPU it is, as on this 2-core CPU a
+    lookup burst of 2 clients ran 3 verify rounds of 56-60 ms (4.6 plain rounds) and would price
+    its first two by the probe's curve alone. Any round counts at most `ROUND_CAP` times its
+    modelled cost. A width whose record says it loses is not run again, so one slow round (a
+    stall on the device, another thread's work) must not make that record: a shape is priced by
+    the median of its last `VERIFY_SAMPLES` rounds, or, with fewer than three on record, by the
+    fastest of them (with one, also no slower than the probe's curve says), so that a width is
+    declined on two slow rounds, not one. A shape not yet on record is priced by the probe's
+    curve times how this batch's verify rounds of every shape measured against it (`excess`,
+    robust as a shape's record is), so that once verify rounds are known to cost more than the
+    probe says (on a CPU, served 8x5 verify rounds cost 4.3 plain rounds), each other shape is
+    not tried at a loss to learn it again. A verify round that queued nothing after it is also
+    charged what the plain round after it, run fresh, took beyond a queued one (`hold_verify`,
+    `add_fresh`): that is what the verify round cost the pipeline. Every `RETRY_ROUNDS` plain
+    rounds the verify records are dropped and the widths tried anew."""
 
     costs: Costs
     compiles: bool = True  # a shape's first forward compiles (a GPU): its first round unpriced
@@ -544,8 +544,7 @@ class RowBatch:
             pending = mx.array([g.tokens[-1]], dtype=mx.uint32)
             pad = mx.full((width - 1 - d.count,), g.tokens[-1], dtype=mx.uint32)
             rows.append(mx.concatenate([pending, d.tokens.astype(mx.uint32), pad]))
-        with selecting([g.target for g in gens]):  # each row on its own adapter (or none)
-            logits = self.target(mx.stack(rows), cache=self.cache)
+        logits = self._logits(mx.stack(rows))
         walks = [g.walk(d, logits) for g, d in zip(gens, drafts, strict=True)]  # grammar rows
         chosen, hosts = [], []
         for i, (g, d) in enumerate(zip(gens, drafts, strict=True)):
@@ -706,8 +705,7 @@ class RowBatch:
             expect.append((len(g.tokens) + len(x[1]), x[1]) if x is not None and k else None)
             rest = mx.array(tokens + [0] * (width - 1 - k), dtype=mx.uint32)
             rows.append(mx.concatenate([nxt.reshape(1), rest]))
-        with selecting([g.target for g in gens]), lora_cuda.queued():
-            logits = self.target(mx.stack(rows), cache=self.cache)
+        logits = self._logits(mx.stack(rows), queued=True)
         chosen = [
             mx.argmax(logits[i, : 1 + d.count], axis=-1).astype(mx.uint32)
             for i, d in enumerate(guessed)
@@ -894,13 +892,17 @@ class RowBatch:
         return committed
 
     def _forward(self, inputs: mx.array, queued: bool = False) -> mx.array:
-        """The last position's logits (B, V) of a forward of `inputs` (B, 1) over the batch
-        (`queued`: behind one the device is running, `lora_cuda.queued`)."""
+        """The last position's logits (B, V) of a forward of `inputs` (B, 1) over the batch."""
+        return self._logits(inputs, queued)[:, -1, :]
+
+    def _logits(self, inputs: mx.array, queued: bool = False) -> mx.array:
+        """Logits (B, L, V) of a forward of `inputs` (B, L) over the batch, each row on its own
+        adapter (or none); `queued`: behind one the device is running (`lora_cuda.queued`)."""
         with (
             selecting([g.target for g in self.gens]),
             lora_cuda.queued() if queued else nullcontext(),
         ):
-            return self.target(inputs, cache=self.cache)[:, -1, :]
+            return self.target(inputs, cache=self.cache)
 
     def _choose(self, logits: mx.array, ahead: list[int]) -> mx.array:
         """Each row's token (B,), row i `ahead[i]` positions past its committed tokens."""

@@ -30,8 +30,9 @@ arrays of 8 bytes or less, which `engine.smallarrays` keeps it out of. Rows on t
 the kernels too, one launch for q, k and v (`pays`). A call is traced by `mx.compile`, so a
 step replays it without building its kernels' calls in Python.
 Forwards of more rows x tokens than the kernels take (`fits`: 8; rows on the base alone, the
-tensor-core kernel's 32, a verify round's) and prompts are left to the MLX ops. The kernels read K in
-16-byte pieces: K a multiple of 8 and a 2-byte dtype (bf16, fp16), which `serves` checks.
+tensor-core kernel's 32, a verify round's) and prompts are left to the MLX ops. The kernels
+read K in 16-byte pieces: K a multiple of 8 and a 2-byte dtype (bf16, fp16), which `serves`
+checks.
 """
 
 from __future__ import annotations
