@@ -66,6 +66,12 @@ class DraftSource(ABC):
         Empty where the source cannot say without running a model."""
         return []
 
+    def alternatives(self, tokens: Sequence[int], n: int, most: int) -> list[list[int]]:
+        """Up to `most` candidate continuations of n tokens, the first what `propose` gave,
+        for a round that verifies several at once (`engine.branches`); empty where the source
+        knows only one."""
+        return []
+
     def cheaper(self) -> DraftSource | None:
         """What to continue with when this source no longer pays (None: plain decoding)."""
         return None
@@ -244,6 +250,9 @@ class ModelDraftSource(DraftSource):
         self.cache, self.cached, self._drafts = [], [], None
 
 
+RECENT = 4  # occurrences of an n-gram that prompt lookup keeps as candidates
+
+
 class LookupDraftSource(DraftSource):
     """Prompt lookup: continue the most recent earlier occurrence of the trailing n-gram.
 
@@ -256,18 +265,28 @@ class LookupDraftSource(DraftSource):
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
         self.index: dict[tuple[int, ...], int] = {}
+        # the occurrences before the latest, latest last (`alternatives`)
+        self.earlier: dict[tuple[int, ...], list[int]] = {}
         self._indexed = 0  # n-grams ending before this position are in the index
 
     def _extend(self, tokens: Sequence[int]) -> None:
-        # Index every n-gram that ends before the last token, keeping the latest occurrence.
+        # Index every n-gram that ends before the last token: its latest occurrence, and a
+        # few before it.
         for end in range(max(self._indexed, 1), len(tokens)):
-            for g in range(self.min_ngram, self.max_ngram + 1):
+            for g in range(1, self.max_ngram + 1):
                 if end - g >= 0:
-                    self.index[tuple(tokens[end - g : end])] = end
+                    gram = tuple(tokens[end - g : end])
+                    last = self.index.get(gram)
+                    if last is not None:
+                        earlier = self.earlier.setdefault(gram, [])
+                        earlier.append(last)
+                        del earlier[: -(RECENT - 1)]
+                    self.index[gram] = end
         self._indexed = max(self._indexed, len(tokens))
 
     def prefill(self, tokens: Sequence[int]) -> None:
         self.index.clear()
+        self.earlier.clear()
         self._indexed = 0
         self._extend(tokens)
 
@@ -298,11 +317,33 @@ class LookupDraftSource(DraftSource):
         pos = self._match(tokens, learn=False) if n > 0 else None
         return [] if pos is None else list(tokens[pos : pos + n])
 
+    def alternatives(self, tokens: Sequence[int], n: int, most: int) -> list[list[int]]:
+        """Up to `most` distinct continuations of n tokens after `tokens`, `propose`'s first:
+        every trailing n-gram seen before, longest first, each from its latest occurrence
+        back, down to single tokens (too weak a match to draft on alone, where a round costs
+        what it verifies, but free beside a draft in a round that verifies several)."""
+        found: list[list[int]] = []
+        for g in range(self.max_ngram, 0, -1):
+            if len(tokens) < g:
+                continue
+            gram = tuple(tokens[-g:])
+            latest = self.index.get(gram)
+            if latest is None:
+                continue
+            for pos in (latest, *reversed(self.earlier.get(gram, ()))):
+                cont = list(tokens[pos : pos + n])
+                if pos < len(tokens) and cont not in found:
+                    found.append(cont)
+                    if len(found) >= most:
+                        return found
+        return found
+
     def accept(self, tokens: Sequence[int]) -> None:
         self._extend(tokens)
 
     def dispose(self) -> None:
         self.index.clear()
+        self.earlier.clear()
 
 
 class HybridDraftSource(DraftSource):
@@ -330,6 +371,11 @@ class HybridDraftSource(DraftSource):
         """Lookup's tokens where `propose` would take them (long enough), else none."""
         found = self.lookup.follow(tokens, n)
         return found if len(found) >= min(n, self.min_lookup) else []
+
+    def alternatives(self, tokens: Sequence[int], n: int, most: int) -> list[list[int]]:
+        """Lookup's, where `propose` takes lookup's drafts."""
+        found = self.lookup.alternatives(tokens, n, most)
+        return found if found and len(found[0]) >= min(n, self.min_lookup) else []
 
     def model_part(self) -> ModelDraftSource | None:
         return self.model

@@ -29,6 +29,8 @@ import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
+from mlxd.engine import branches
+from mlxd.engine.branches import Grid, branchable, grid_of, keep_branch, laid_out
 from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
 from mlxd.engine.grammar import Matcher, Walk, settle, walk
 from mlxd.engine.kvcache import make_cache, plain_kv
@@ -38,7 +40,7 @@ from mlxd.engine.prefill import feed
 from mlxd.engine.sampling import Rng, choose, next_tokens, to_int, to_ints
 from mlxd.engine.specstate import CATCH_UP_RATIO, Mode, Speculation
 from mlxd.engine.speculation import DraftLengthController, SpecStats
-from mlxd.engine.verify import Verdict, verify
+from mlxd.engine.verify import Verdict, verify, verify_grid
 
 log = logging.getLogger(__name__)
 TRACE = os.environ.get("MLXD_TRACE_SPEC", "") not in ("", "0", "false")
@@ -406,6 +408,9 @@ class Generation:
 
     def _speculative_round(self, k: int) -> list[int]:
         draft = self.propose(k)
+        grid = self._grid(draft)
+        if grid is not None:
+            return self._grid_round(draft, grid)
         self._round = (draft.count, draft.source)
         pending = mx.array([self.tokens[-1]], dtype=mx.uint32)
         inputs = mx.concatenate([pending, draft.tokens]) if draft.count else pending
@@ -418,6 +423,33 @@ class Generation:
             self._rebuild_cache(len(self.tokens) - 1 + verdict.accepted)
             self.spec.stop("the target cache could not be trimmed")
         return self.absorb(draft, verdict, walked, logits)
+
+    def _grid(self, draft: Draft) -> Grid | None:
+        """The branches this round verifies where the source knows other continuations than
+        its draft and the measured verify costs take them for about the price of the draft
+        alone (None: the draft alone). Plain choices only: no grammar, penalty or logprobs."""
+        controller, source = self.controller, self.source
+        if not draft.count or controller is None or source is None or not self.plain_only:
+            return None
+        most = controller.costs.branches(draft.count + 1, branches.MAX_BRANCHES)
+        if most < 2 or not branchable(self.target, self.cache):
+            return None
+        found = source.alternatives(self.tokens, draft.count, most)
+        if len(found) < 2:
+            return None
+        grid = grid_of(self.tokens[-1], found[0], found[1:])
+        return grid if grid.count > 1 else None
+
+    def _grid_round(self, draft: Draft, grid: Grid) -> list[int]:
+        """Verify every branch of `grid` in one forward; the cache keeps the winner's keys."""
+        start = self.cached_tokens
+        with laid_out(self.target, self.cache, grid):
+            logits = self.target(mx.array([grid.tokens], dtype=mx.uint32), cache=self.cache)[0]
+        branch, verdict = verify_grid(logits, grid, self.tokens, self.opts, self.rng)
+        keep_branch(self.cache, start, branch, grid.width, verdict.accepted + 1)
+        self._round = (grid.count * grid.width - 1, draft.source)  # priced as its whole width
+        won = Draft(mx.array(grid.drafts[branch], dtype=mx.uint32), grid.length, draft.source)
+        return self.absorb(won, verdict)
 
     def _record(self, logits: mx.array | None, new: list[int]) -> None:
         """Keep the committed tokens' log-probabilities when the request asked for them."""

@@ -49,6 +49,17 @@ class Costs:
         widest = max(self.verify)
         return self.verify[widest] * width / widest
 
+    def branches(self, width: int, most: int, slack: float = 0.1) -> int:
+        """How many branches of `width` tokens one verify forward takes (`engine.branches`),
+        up to `most`: as many as cost at most `slack` more than one branch alone. Where the
+        verify curve is flat (a GPU's launch-bound forwards), several; where every token
+        costs (a CPU), one."""
+        alone = self.v(width)
+        count = 1
+        while count < most and self.v((count + 1) * width) <= alone * (1.0 + slack):
+            count += 1
+        return count
+
     def draft_rows(self, rows: int) -> float:
         """Cost of one draft step for `rows` rows drafting together: measured row counts
         interpolated, linear past the largest; unmeasured, `rows` single-row steps (what

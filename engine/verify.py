@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxd.engine.branches import Grid
 from mlxd.engine.drafting import Draft
 from mlxd.engine.options import SamplingOptions
-from mlxd.engine.sampling import Rng, choose, penalize, to_ints
+from mlxd.engine.sampling import Rng, choose, penalize, sample_keyed, to_ints
 
 
 @dataclass(frozen=True)
@@ -73,3 +74,26 @@ def verify(
     chosen = choices(logits, [], history, opts, rng, bias)
     mx.eval(tokens, chosen)
     return decide(to_ints(tokens) if draft.count else [], to_ints(chosen))
+
+
+def verify_grid(
+    logits: mx.array, grid: Grid, history: Sequence[int], opts: SamplingOptions, rng: Rng
+) -> tuple[int, Verdict]:
+    """`logits` is (m(L+1), V) for `grid`'s branches side by side (`engine.branches`). Each
+    branch's positions are chosen as they would be alone (the same noise keys: a branch's j-th
+    token sits at the same position in every branch), so the branch that is accepted furthest
+    commits exactly what plain decoding would. Returns that branch (the first of equals) and
+    its verdict. No penalties or grammar: those verify one branch."""
+    width = grid.width
+    if opts.greedy:
+        chosen = mx.argmax(logits, axis=-1)
+    else:
+        keys = rng.keys(len(history), width)
+        chosen = sample_keyed(logits, opts, mx.tile(keys, (grid.count, 1)))
+    host = to_ints(chosen)
+    best, verdict = 0, decide(grid.drafts[0], host[:width])
+    for b in range(1, grid.count):
+        other = decide(grid.drafts[b], host[b * width : (b + 1) * width])
+        if other.accepted > verdict.accepted:
+            best, verdict = b, other
+    return best, verdict

@@ -1,0 +1,165 @@
+"""Several lookup candidates verified in one forward (`engine.branches`): each branch sees what
+it would see alone, the cache keeps the winner's keys, and the output stays plain decoding's."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import llama, qwen2
+
+from mlxd.engine import branches
+from mlxd.engine.backend import configure_backend
+from mlxd.engine.branches import branchable, grid_of, keep_branch, laid_out
+from mlxd.engine.drafting import HybridDraftSource, LookupDraftSource, ModelDraftSource
+from mlxd.engine.generation import Generation
+from mlxd.engine.kvcache import make_cache, set_bucket
+from mlxd.engine.options import parse_options
+from mlxd.engine.pairing import Pairing, load_pairing
+from mlxd.engine.prefill import feed
+from mlxd.engine.sampling import Rng
+from mlxd.engine.scheduler import make_draft_source
+from mlxd.engine.speculation import Costs
+from mlxd.registry.schema import ModelEntry
+from tests.fixtures.scripted_models import Script, build_scripted
+
+FLAT = Costs(verify={w: 1.0 for w in range(1, 40)}, draft_step=0.01)
+PIECES = tuple(f"w{i:02d}" for i in range(20))
+PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+
+
+def tiny(kind: str = "llama", seed: int = 0) -> nn.Module:
+    shape = dict(
+        hidden_size=64, num_hidden_layers=3, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50,
+    )  # fmt: skip
+    mx.random.seed(seed)
+    if kind == "qwen2":
+        model: nn.Module = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", **shape))  # type: ignore[arg-type]
+    else:
+        model = llama.Model(llama.ModelArgs(model_type="llama", **shape))  # type: ignore[arg-type]
+    mx.eval(model.parameters())
+    return model
+
+
+def prefilled(model: nn.Module, tokens: list[int]) -> list:
+    cache = make_cache(model)
+    feed(model, cache, tokens)
+    mx.eval([c.state for c in cache])
+    return cache
+
+
+GRID = grid_of(7, [8, 9, 10, 11], [[12, 13], [8, 9, 14, 15, 16], [8, 9, 10, 11]])
+
+
+def test_a_grid_keeps_distinct_candidates_cut_or_padded_to_the_draft() -> None:
+    assert GRID.drafts == ((8, 9, 10, 11), (12, 13, 13, 13), (8, 9, 14, 15))
+    assert (GRID.count, GRID.length, GRID.width) == (3, 4, 5)
+    assert GRID.tokens[:6] == [7, 8, 9, 10, 11, 7]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("bucket", [None, 32])
+def test_each_branch_sees_what_it_would_alone(kind: str, bucket: int | None) -> None:
+    """The grid's logits, branch by branch, equal a verify forward over that branch alone, on
+    exact caches (a CPU's) and bucketed ones (a GPU's layout: whole buffers, array masks)."""
+    model = tiny(kind)
+    set_bucket(model, bucket)
+    cache = prefilled(model, PROMPT)
+    assert branchable(model, cache)
+    with laid_out(model, cache, GRID):
+        together = model(mx.array([GRID.tokens]), cache=cache)[0]
+    for b, drafts in enumerate(GRID.drafts):
+        alone = model(mx.array([[GRID.pending, *drafts]]), cache=prefilled(model, PROMPT))[0]
+        part = together[b * GRID.width : (b + 1) * GRID.width]
+        # exact on a CPU; a GPU's float32 matmuls of 15 and of 5 rows round apart (~1e-4)
+        assert mx.allclose(part, alone, atol=1e-3).item(), (kind, bucket, b)
+    # the layout is gone afterwards: a plain forward is plain again
+    assert "make_mask" not in vars(cache[0])
+    assert all(type(m["rope"]) is not branches._BranchRoPE for m in branches._rope_owners(model))
+
+
+@pytest.mark.parametrize("branch", [0, 2])
+def test_the_cache_keeps_the_winners_keys_only(branch: int) -> None:
+    model = tiny()
+    cache = prefilled(model, PROMPT)
+    start = cache[0].offset
+    with laid_out(model, cache, GRID):
+        mx.eval(model(mx.array([GRID.tokens]), cache=cache))
+    keep_branch(cache, start, branch, GRID.width, 3)  # pending + 2 accepted drafts
+    expected = prefilled(model, [*PROMPT, GRID.pending, *GRID.drafts[branch][:2]])
+    assert cache[0].offset == expected[0].offset == start + 3
+    for got, want in zip(cache, expected, strict=True):
+        end = want.offset
+        assert mx.allclose(got.keys[..., :end, :], want.keys[..., :end, :], atol=1e-5).item()
+        assert mx.allclose(got.values[..., :end, :], want.values[..., :end, :], atol=1e-5).item()
+
+
+def test_lookup_offers_earlier_occurrences_longest_ngram_first() -> None:
+    lookup = LookupDraftSource()
+    tokens = [1, 2, 3, 4, 5, 6, 9, 2, 3, 4, 7, 8, 0, 3, 4, 6, 6, 2, 3, 4]
+    lookup.prefill(tokens)
+    found = lookup.alternatives(tokens, 2, 4)
+    assert found[0] == lookup.propose(tokens, 2).tokens.tolist() == [7, 8]  # "2 3 4", latest
+    assert found == [[7, 8], [5, 6], [6, 6]]  # then earlier "2 3 4", then "3 4"
+    assert lookup.alternatives(tokens, 2, 2) == [[7, 8], [5, 6]]
+    assert lookup.alternatives([*tokens, 99], 2, 4) == []
+
+    class NoModel(ModelDraftSource):
+        def __init__(self) -> None:  # never runs: lookup's drafts are long enough
+            pass
+
+    auto = HybridDraftSource(lookup, NoModel(), min_lookup=2)
+    assert auto.alternatives(tokens, 2, 4) == found
+    short = [5, 1, 2, 1, 2]  # "1 2" goes on for two tokens only: `auto` would run its model
+    auto.lookup.prefill(short)
+    assert HybridDraftSource(auto.lookup, NoModel(), min_lookup=3).alternatives(short, 4, 4) == []
+
+
+def test_branches_come_from_the_cost_curve() -> None:
+    assert FLAT.branches(5, 4) == 4
+    linear = Costs(verify={w: float(w) for w in range(1, 40)})
+    assert linear.branches(5, 4) == 1
+    assert Costs(verify={1: 1.0, 4: 1.0, 8: 1.05, 12: 2.0}).branches(4, 4) == 2
+
+
+@pytest.fixture(scope="module")
+def copier(tmp_path_factory: pytest.TempPathFactory) -> Pairing:
+    """A model that writes PIECES after "@" (a bigram machine: each piece, the next)."""
+    path = build_scripted(tmp_path_factory.mktemp("copier"), "generic", Script("@", PIECES))
+    return load_pairing(ModelEntry("copier", str(path)), configure_backend(), costs=FLAT)
+
+
+def steps_of(pairing: Pairing, prompt: list[int], **options: object) -> list[list[int]]:
+    opts = parse_options({"temperature": 0, **options})
+    source, controller = make_draft_source(pairing, opts, Rng(0))
+    gen = Generation(pairing.target, prompt, opts, pairing.eos_ids, 12, Rng(5), source, controller)
+    try:
+        gen.prefill()
+        return [new for new in gen if new]
+    finally:
+        gen.close()
+
+
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.7, "seed": 3}])
+def test_an_earlier_occurrence_is_verified_beside_the_latest(
+    copier: Pairing, options: dict[str, object], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prompt ends in "w01 w02 w03 w04", whose latest occurrence went on with "jjjj" and an
+    earlier one with "w05 w06 ...", what the model writes: lookup's own draft is rejected at
+    once, the earlier occurrence's branch is accepted, and the tokens are plain decoding's."""
+    text = "@" + "".join(PIECES[:12]) + "x" + "".join(PIECES[1:5]) + "jjjj@" + "".join(PIECES[:5])
+    prompt = list(copier.tokenizer.encode(text, add_special_tokens=False))
+    plain = steps_of(copier, prompt, draft_method="off", **options)
+    looked = steps_of(copier, prompt, draft_method="lookup", **options)
+    monkeypatch.setattr(branches, "MAX_BRANCHES", 1)
+    alone = steps_of(copier, prompt, draft_method="lookup", **options)
+
+    def flat(steps: list[list[int]]) -> list[int]:
+        return [t for new in steps for t in new]
+
+    assert flat(plain) == flat(looked) == flat(alone)
+    assert copier.tokenizer.decode(flat(plain)).startswith("".join(PIECES[5:9]))
+    assert len(alone[0]) == 1  # "j" drafted, rejected: the target's own token alone
+    assert len(looked[0]) > 2  # the earlier occurrence's drafts, accepted
+    assert len(looked) < len(alone)
