@@ -28,7 +28,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import trim_prompt_cache
 
-from mlxd.engine.kvcache import plain_kv
+from mlxd.engine.kvcache import make_cache, plain_kv
+from mlxd.engine.prefill import feed
 
 __all__ = ["MAX_BRANCHES", "Grid", "branchable", "grid_of", "keep_branch", "laid_out"]
 
@@ -80,27 +81,72 @@ def grid_of(pending: int, first: Sequence[int], others: Sequence[Sequence[int]])
 
 
 class _Owners:
-    """The modules of a model that hold a `rope` (plain attribute: not part of the module tree)."""
+    """The modules of a model that hold a `rope`, and whether a grid forward of the model was
+    seen to reproduce separate forwards (a plain attribute: not part of the module tree)."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         self.modules = modules
+        self.checked: bool | None = None
 
 
-def _rope_owners(model: nn.Module) -> list[nn.Module]:
+def _owners(model: nn.Module) -> _Owners:
     held = getattr(model, _OWNERS, None)
     if held is None:
         modules = [m for _, m in model.named_modules() if isinstance(m.get("rope"), nn.Module)]
         held = _Owners(modules)
         setattr(model, _OWNERS, held)
-    return held.modules
+    return held
+
+
+def _rope_owners(model: nn.Module) -> list[nn.Module]:
+    return _owners(model).modules
+
+
+CHECK = grid_of(3, [5, 7, 2], [[4, 4, 6], [1, 2, 3]])  # a layout tried once per model
+CHECK_CONTEXT = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10]
+CHECK_TOLERANCE = 0.05  # of the logits' largest magnitude: kernels of other widths round apart
+
+
+def reproduces(model: nn.Module) -> bool:
+    """Whether `CHECK`'s grid forward gives every branch the logits of a forward over it alone:
+    the layout assumes an attention that ropes (B, H, T, D) queries and keys by the cache's
+    offset and masks by the cache's mask, which a model of another make may not. Once per
+    model; False for a model that cannot run it."""
+    held = _owners(model)
+    if held.checked is None:
+        try:
+            held.checked = _reproduces(model)
+        except Exception:  # a model the layout does not fit
+            held.checked = False
+    return held.checked
+
+
+def _reproduces(model: nn.Module) -> bool:
+    def read() -> list[Any]:
+        cache = make_cache(model)
+        feed(model, cache, CHECK_CONTEXT)
+        return cache
+
+    cache = read()
+    with laid_out(model, cache, CHECK):
+        together = model(mx.array([CHECK.tokens]), cache=cache)[0].astype(mx.float32)
+    width = CHECK.width
+    for b, drafts in enumerate(CHECK.drafts):
+        alone = model(mx.array([[CHECK.pending, *drafts]]), cache=read())[0]
+        alone = alone.astype(mx.float32)
+        error = mx.max(mx.abs(together[b * width : (b + 1) * width] - alone))
+        if (error > CHECK_TOLERANCE * mx.max(mx.abs(alone))).item():
+            return False
+    return True
 
 
 def branchable(model: nn.Module, cache: Sequence[Any]) -> bool:
-    """Whether a forward of `model` over `cache` can verify branches: plain K/V layers, and
-    every one of them under an attention whose RoPE can be laid out per branch."""
+    """Whether a forward of `model` over `cache` can verify branches: plain K/V layers, every
+    one of them under an attention whose RoPE can be laid out per branch, and a model whose
+    grid forwards were seen to reproduce separate ones (`reproduces`)."""
     if not cache or not all(plain_kv(c) for c in cache):
         return False
-    return len(_rope_owners(model)) == len(cache)
+    return len(_rope_owners(model)) == len(cache) and reproduces(model)
 
 
 class _BranchRoPE(nn.Module):

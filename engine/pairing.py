@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
-from mlxd.engine import rowpad
+from mlxd.engine import branches, rowpad
 from mlxd.engine.adapters import DEFAULT_ADAPTER_BYTES, AdapterSet
 from mlxd.engine.backend import Backend
 from mlxd.engine.context import row_context
@@ -281,6 +281,7 @@ def warm_up(
     for model in (target, draft):
         if model is not None:
             warm_shapes(model, context)
+    branches.reproduces(target)  # whether lookup rounds may verify several candidates
     max_k = WARM_DRAFT_TOKENS if max_k is None else max_k
     free_k = max(max_k, FREE_DRAFT_TOKENS) if bucketed(target) else max_k
     prompt = [0, 1, 2, 3] * 4

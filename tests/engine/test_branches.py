@@ -163,3 +163,25 @@ def test_an_earlier_occurrence_is_verified_beside_the_latest(
     assert len(alone[0]) == 1  # "j" drafted, rejected: the target's own token alone
     assert len(looked[0]) > 2  # the earlier occurrence's drafts, accepted
     assert len(looked) < len(alone)
+
+
+class RopedBeforeTransposing(nn.Module):
+    """A RoPE applied as if queries and keys were (B, T, H, D), as a model of another make
+    might apply it: the grid layout would misplace its positions."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        return self.inner(x.swapaxes(1, 2), offset=offset).swapaxes(1, 2)
+
+
+def test_a_model_whose_grid_forward_differs_never_verifies_branches() -> None:
+    model = tiny()
+    for layer in model.model.layers:
+        layer.self_attn.rope = RopedBeforeTransposing(layer.self_attn.rope)
+    cache = prefilled(model, PROMPT)
+    assert not branches.reproduces(model)
+    assert not branchable(model, cache)
+    assert branchable(tiny(seed=1), prefilled(tiny(seed=1), PROMPT))
