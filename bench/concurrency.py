@@ -434,8 +434,8 @@ def main() -> None:
             wait_up(f"{base}/v1/models", proc)
             burst(base, served, prompts, 2, 16)  # warm-up
             table[name] = {}
-            for n in counts:
-                table[name][n] = r = burst(base, served, prompts, n, args.tokens)
+            for i, n in enumerate(counts):  # by burst: a client count may be run again
+                table[name][i] = r = burst(base, served, prompts, n, args.tokens)
                 print(f"{name} {n} clients: {r}", flush=True)
         finally:
             proc.terminate()
@@ -451,9 +451,9 @@ def main() -> None:
     )
     none = {"aggregate": 0.0, "per_stream": 0.0, "ttft": 0.0}
     mine = table.get("mlxd", {})
-    single = mine.get(counts[0], none)["aggregate"]
-    for n in counts:
-        a, b = mine.get(n, none), table.get("mlx_lm.server", {}).get(n, none)
+    single = mine.get(0, none)["aggregate"]
+    for i, n in enumerate(counts):
+        a, b = mine.get(i, none), table.get("mlx_lm.server", {}).get(i, none)
         print(
             f"{n:>8} | {a['aggregate']:>9.1f} {a['per_stream']:>8.1f} {a['ttft'] * 1e3:>8.0f} | "
             f"{b['aggregate']:>10.1f} {b['per_stream']:>8.1f} {b['ttft'] * 1e3:>8.0f} | "
