@@ -281,7 +281,7 @@ def warm_up(
     for model in (target, draft):
         if model is not None:
             warm_shapes(model, context)
-    branches.reproduces(target)  # whether lookup rounds may verify several candidates
+    branches.branchable(target, make_cache(target))  # checks a grid forward once, now
     max_k = WARM_DRAFT_TOKENS if max_k is None else max_k
     free_k = max(max_k, FREE_DRAFT_TOKENS) if bucketed(target) else max_k
     prompt = [0, 1, 2, 3] * 4
