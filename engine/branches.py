@@ -90,10 +90,11 @@ class _Owners:
 
 
 def _owners(model: nn.Module) -> _Owners:
+    """`model`'s; a target that is not one module (a distributed one's ranks) holds none."""
     held = getattr(model, _OWNERS, None)
     if held is None:
-        modules = [m for _, m in model.named_modules() if isinstance(m.get("rope"), nn.Module)]
-        held = _Owners(modules)
+        tree = model.named_modules() if isinstance(model, nn.Module) else []
+        held = _Owners([m for _, m in tree if isinstance(m.get("rope"), nn.Module)])
         setattr(model, _OWNERS, held)
     return held
 
