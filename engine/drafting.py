@@ -273,7 +273,7 @@ class LookupDraftSource(DraftSource):
         # Index every n-gram that ends before the last token: its latest occurrence, and a
         # few before it.
         for end in range(max(self._indexed, 1), len(tokens)):
-            for g in range(1, self.max_ngram + 1):
+            for g in range(self.min_ngram, self.max_ngram + 1):
                 if end - g >= 0:
                     gram = tuple(tokens[end - g : end])
                     last = self.index.get(gram)
@@ -320,10 +320,9 @@ class LookupDraftSource(DraftSource):
     def alternatives(self, tokens: Sequence[int], n: int, most: int) -> list[list[int]]:
         """Up to `most` distinct continuations of n tokens after `tokens`, `propose`'s first:
         every trailing n-gram seen before, longest first, each from its latest occurrence
-        back, down to single tokens (too weak a match to draft on alone, where a round costs
-        what it verifies, but free beside a draft in a round that verifies several)."""
+        back."""
         found: list[list[int]] = []
-        for g in range(self.max_ngram, 0, -1):
+        for g in range(self.max_ngram, self.min_ngram - 1, -1):
             if len(tokens) < g:
                 continue
             gram = tuple(tokens[-g:])

@@ -12,9 +12,15 @@ from mlx_lm import load
 
 from mlxd.engine.backend import Backend, configure_backend
 from mlxd.engine.kvcache import set_bucket
+from mlxd.engine.pairing import Pairing, load_pairing
+from mlxd.engine.speculation import Costs
+from mlxd.registry.schema import ModelEntry
+from tests.fixtures.scripted_models import Script, build_scripted
 from tests.fixtures.tiny_models import TinyPair
 
 GPU_TEST_BUCKET = 256  # the GPU's layout with smaller buckets: tiny models, short prompts
+FLAT = Costs(verify={w: 1.0 for w in range(1, 40)}, draft_step=0.01)  # every width costs alike
+PIECES = tuple(f"w{i:02d}" for i in range(40))  # what the copier writes after "@"
 
 
 @dataclass
@@ -49,3 +55,11 @@ def gpu_layout(loaded: Loaded) -> Iterator[Backend]:
         yield bucketed
     finally:
         lay_out(loaded, configure_backend())
+
+
+@pytest.fixture(scope="module")
+def copier(tmp_path_factory: pytest.TempPathFactory) -> Pairing:
+    """A model that writes PIECES after "@" and nothing else (no draft model): a bigram machine
+    over them, each piece followed by the next."""
+    path = build_scripted(tmp_path_factory.mktemp("copier"), "generic", Script("@", PIECES))
+    return load_pairing(ModelEntry("copier", str(path)), configure_backend(), costs=FLAT)

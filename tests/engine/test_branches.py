@@ -9,22 +9,15 @@ import pytest
 from mlx_lm.models import llama, qwen2
 
 from mlxd.engine import branches
-from mlxd.engine.backend import configure_backend
 from mlxd.engine.branches import branchable, grid_of, keep_branch, laid_out
 from mlxd.engine.drafting import HybridDraftSource, LookupDraftSource, ModelDraftSource
-from mlxd.engine.generation import Generation
 from mlxd.engine.kvcache import make_cache, set_bucket
-from mlxd.engine.options import parse_options
-from mlxd.engine.pairing import Pairing, load_pairing
+from mlxd.engine.pairing import Pairing
 from mlxd.engine.prefill import feed
-from mlxd.engine.sampling import Rng
-from mlxd.engine.scheduler import make_draft_source
 from mlxd.engine.speculation import Costs
-from mlxd.registry.schema import ModelEntry
-from tests.fixtures.scripted_models import Script, build_scripted
+from tests.engine.conftest import FLAT, PIECES
+from tests.engine.test_free_drafts import steps_of
 
-FLAT = Costs(verify={w: 1.0 for w in range(1, 40)}, draft_step=0.01)
-PIECES = tuple(f"w{i:02d}" for i in range(20))
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
 
 
@@ -121,24 +114,6 @@ def test_branches_come_from_the_cost_curve() -> None:
     linear = Costs(verify={w: float(w) for w in range(1, 40)})
     assert linear.branches(5, 4) == 1
     assert Costs(verify={1: 1.0, 4: 1.0, 8: 1.05, 12: 2.0}).branches(4, 4) == 2
-
-
-@pytest.fixture(scope="module")
-def copier(tmp_path_factory: pytest.TempPathFactory) -> Pairing:
-    """A model that writes PIECES after "@" (a bigram machine: each piece, the next)."""
-    path = build_scripted(tmp_path_factory.mktemp("copier"), "generic", Script("@", PIECES))
-    return load_pairing(ModelEntry("copier", str(path)), configure_backend(), costs=FLAT)
-
-
-def steps_of(pairing: Pairing, prompt: list[int], **options: object) -> list[list[int]]:
-    opts = parse_options({"temperature": 0, **options})
-    source, controller = make_draft_source(pairing, opts, Rng(0))
-    gen = Generation(pairing.target, prompt, opts, pairing.eos_ids, 12, Rng(5), source, controller)
-    try:
-        gen.prefill()
-        return [new for new in gen if new]
-    finally:
-        gen.close()
 
 
 @pytest.mark.parametrize("options", [{}, {"temperature": 0.7, "seed": 3}])

@@ -34,21 +34,10 @@ from mlxd.engine.sampling import Rng
 from mlxd.engine.scheduler import make_draft_source
 from mlxd.engine.speculation import Costs, DraftLengthController
 from mlxd.registry.schema import ModelEntry
-from tests.engine.conftest import GPU_TEST_BUCKET
+from tests.engine.conftest import FLAT, GPU_TEST_BUCKET, PIECES
 from tests.engine.test_speculative import tiny_vocab_model
 from tests.fixtures.batches import decode_together, record_cuts
-from tests.fixtures.scripted_models import Script, build_scripted
 from tests.fixtures.tiny_models import TinyPair
-
-FLAT = Costs(verify={w: 1.0 for w in range(1, 40)}, draft_step=0.01)  # every width costs alike
-PIECES = tuple(f"w{i:02d}" for i in range(40))  # what the copier writes after "@"
-
-
-@pytest.fixture(scope="module")
-def copier(tmp_path_factory: pytest.TempPathFactory) -> Pairing:
-    """A model that writes PIECES after "@" and nothing else (no draft model)."""
-    path = build_scripted(tmp_path_factory.mktemp("copier"), "generic", Script("@", PIECES))
-    return load_pairing(ModelEntry("copier", str(path)), configure_backend(), costs=FLAT)
 
 
 def steps_of(pairing: Pairing, prompt: list[int], **options: object) -> list[list[int]]:
