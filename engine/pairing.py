@@ -281,7 +281,9 @@ def warm_up(
     for model in (target, draft):
         if model is not None:
             warm_shapes(model, context)
-    branches.branchable(target, make_cache(target))  # checks a grid forward once, now
+    widths = range(2, FREE_DRAFT_TOKENS + 2)
+    if any(costs.branches(w, branches.MAX_BRANCHES) > 1 for w in widths):
+        branches.branchable(target, make_cache(target))  # its one check of a grid forward
     max_k = WARM_DRAFT_TOKENS if max_k is None else max_k
     free_k = max(max_k, FREE_DRAFT_TOKENS) if bucketed(target) else max_k
     prompt = [0, 1, 2, 3] * 4

@@ -12,13 +12,14 @@ from mlxd.engine import branches
 from mlxd.engine.branches import branchable, grid_of, keep_branch, laid_out
 from mlxd.engine.drafting import HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.kvcache import make_cache, set_bucket
-from mlxd.engine.pairing import Pairing
+from mlxd.engine.pairing import Pairing, warm_up
 from mlxd.engine.prefill import feed
 from mlxd.engine.speculation import Costs
 from tests.engine.conftest import FLAT, PIECES
 from tests.engine.test_free_drafts import steps_of
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+LINEAR = Costs(verify={w: float(w) for w in range(1, 40)})  # every verified token costs
 
 
 def tiny(kind: str = "llama", seed: int = 0) -> nn.Module:
@@ -111,8 +112,7 @@ def test_lookup_offers_earlier_occurrences_longest_ngram_first() -> None:
 
 def test_branches_come_from_the_cost_curve() -> None:
     assert FLAT.branches(5, 4) == 4
-    linear = Costs(verify={w: float(w) for w in range(1, 40)})
-    assert linear.branches(5, 4) == 1
+    assert LINEAR.branches(5, 4) == 1
     assert Costs(verify={1: 1.0, 4: 1.0, 8: 1.05, 12: 2.0}).branches(4, 4) == 2
 
 
@@ -160,3 +160,12 @@ def test_a_model_whose_grid_forward_differs_never_verifies_branches() -> None:
     assert not branches.reproduces(model)
     assert not branchable(model, cache)
     assert branchable(tiny(seed=1), prefilled(tiny(seed=1), PROMPT))
+
+
+@pytest.mark.parametrize(("costs", "checked"), [(FLAT, True), (LINEAR, None)])
+def test_warm_up_checks_the_layout_only_where_branches_would_run(
+    costs: Costs, checked: bool | None
+) -> None:
+    model = tiny(seed=2)
+    warm_up(model, None, costs, max_k=1, context=16)
+    assert branches._owners(model).checked is checked
