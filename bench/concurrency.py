@@ -279,8 +279,10 @@ def pairing_main(
     rows = []
     try:
         wait_up(f"{base}/api/tags", proc)
-        for method in (*methods, "off"):  # warm-up
-            pairing_burst(base, prompts, 2, {"num_predict": 8, "draft_method": method})
+        # warm-up, reading every prompt the bursts send: else a cell's first burst reads the
+        # prompts that the later ones find cached, and its arm (the first: speculation) pays
+        for method in (*methods, "off"):
+            pairing_burst(base, prompts, max(counts), {"num_predict": 8, "draft_method": method})
         for temperature in (0.0, 0.7):
             for n in counts:
                 zero = {"aggregate": 0.0, "drafted": 0.0, "accepted": 0.0}
