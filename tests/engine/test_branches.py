@@ -73,9 +73,11 @@ def test_each_branch_sees_what_it_would_alone(kind: str, bucket: int | None) -> 
     assert all(type(m["rope"]) is not branches._BranchRoPE for m in branches._rope_owners(model))
 
 
+@pytest.mark.parametrize("bucket", [None, 32])
 @pytest.mark.parametrize("branch", [0, 2])
-def test_the_cache_keeps_the_winners_keys_only(branch: int) -> None:
+def test_the_cache_keeps_the_winners_keys_only(branch: int, bucket: int | None) -> None:
     model = tiny()
+    set_bucket(model, bucket)
     cache = prefilled(model, PROMPT)
     start = cache[0].offset
     with laid_out(model, cache, GRID):
