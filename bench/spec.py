@@ -14,9 +14,7 @@ a ratio to plain). The fat pairs are slow on a CPU: keep --prompts and --tokens 
 
 `mlxd lookup/1` is prompt lookup verifying its own draft only, never several candidates in
 one round (`engine.branches`), beside `mlxd lookup`, which takes them where the measured costs
-say they are free. `mlxd lookup/read` never queues a round on a guess before the one in flight
-is read (`engine.guessing`, `MLXD_GUESS=0`) and `mlxd lookup/guess` always does where it can
-(`MLXD_GUESS=1`); `mlxd lookup` guesses where the measured costs say it pays.
+say they are free.
 
 Every method decodes exactly --tokens new tokens per prompt (EOS does not stop it), so the
 rates compare like with like. Times include the prompt prefill. Prints one table per
@@ -51,7 +49,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from mlxd.engine import branches, guessing
+from mlxd.engine import branches
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import SamplingOptions, parse_options
@@ -73,8 +71,6 @@ class Row:
     slow_steps: int = 0  # mlxd steps over SLOW x their measured cost (catch-ups, compiles)
     slow_excess: float = 0.0  # seconds those steps took beyond that cost
     cut: int = 0  # draft-model chains ended short of the length asked (`DraftGate`)
-    guesses: int = 0  # verify rounds queued on a guess (`engine.guessing`)
-    kept: int = 0  # of those, the rounds the round ahead left standing
 
     @property
     def rate(self) -> float:
@@ -88,17 +84,17 @@ class Row:
 def mlxd_run(
     target: nn.Module, draft: nn.Module, prompt: list[int], opts: SamplingOptions,
     method: str, tokens: int, costs: Costs, max_k: int | None, seed: int, history: SpecHistory,
-) -> tuple[int, int, int, int, float, int, int, int]:  # fmt: skip
+) -> tuple[int, int, int, int, float, int]:  # fmt: skip
     """Tokens, drafted, accepted, the steps that took over `SLOW` times what the measured
-    costs say they should (a trial's catch-up, a shape's first forward) with their excess, the
-    draft model's chains its gate ended early, and the rounds queued on guesses and kept."""
+    costs say they should (a trial's catch-up, a shape's first forward) with their excess, and
+    the draft model's chains its gate ended early."""
     rng = Rng(seed)
     source: DraftSource | None = None
     controller = None
     draft_cost = costs.draft_step
     if method == "model":
         source = ModelDraftSource(draft, opts, rng, costs)
-    elif method.startswith("lookup"):
+    elif method in ("lookup", "lookup/1"):
         source, draft_cost = LookupDraftSource(), 0.0
     elif method == "auto":
         source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft, opts, rng, costs))
@@ -109,9 +105,8 @@ def mlxd_run(
             free_k=draft_cap(max_k, None, free=True),
         )  # fmt: skip
     gen = Generation(target, prompt, opts, set(), tokens, rng, source, controller)
-    most, mode = branches.MAX_BRANCHES, guessing.MODE
+    most = branches.MAX_BRANCHES
     branches.MAX_BRANCHES = 1 if method == "lookup/1" else most
-    guessing.MODE = {"lookup/read": "0", "lookup/guess": "1"}.get(method, mode)
     try:
         gen.prefill()
         n = slow = 0
@@ -131,19 +126,9 @@ def mlxd_run(
                 excess += took - expected
         model = source.model_part() if source is not None else None
         cut = model.cut if model is not None else 0
-        stats = gen.stats
-        return (
-            n,
-            stats.drafted,
-            stats.accepted,
-            slow,
-            excess,
-            cut,
-            stats.guesses,
-            stats.guesses_kept,
-        )
+        return n, gen.stats.drafted, gen.stats.accepted, slow, excess, cut
     finally:
-        branches.MAX_BRANCHES, guessing.MODE = most, mode
+        branches.MAX_BRANCHES = most
         gen.close()
 
 
@@ -169,10 +154,7 @@ SLOW = 3.0  # a step over this many times its measured cost is reported as slow
 
 FAT_TARGET = "3584,28,18944"  # hidden, layers, MLP: a Qwen2.5-7B-like target
 FAT_DRAFT = "896,24,4864"  # a Qwen2.5-0.5B-like draft
-# lookup with one of its choices pinned (env settings): read beside it, not in the floor
-PINNED = ["mlxd lookup/1", "mlxd lookup/read", "mlxd lookup/guess"]
-LOOKUPS = ["mlxd lookup", *PINNED]
-OURS = ["plain (mlxd)", "mlxd model", *LOOKUPS, "mlxd auto"]
+OURS = ["plain (mlxd)", "mlxd model", "mlxd lookup", "mlxd lookup/1", "mlxd auto"]
 
 
 def fat_pair(code: Path, work: Path, target: str, draft: str, bits: int) -> Path:
@@ -270,7 +252,8 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
         if name.startswith("mlx-lm"):
             k = int(name.split("=")[1]) if "=" in name else 0
             return mlxlm_run(target, draft if k else None, prompt, temp, k, args.tokens)
-        method = "off" if name == "plain (mlxd)" else name.removeprefix("mlxd ")
+        method = {"plain (mlxd)": "off", "mlxd model": "model", "mlxd lookup": "lookup",
+                  "mlxd lookup/1": "lookup/1", "mlxd auto": "auto"}[name]  # fmt: skip
         opts = parse_options({"temperature": temp, "top_k": 0, "top_p": 1.0})
         return mlxd_run(
             target, draft, prompt, opts, method, args.tokens, costs, args.max_k, seed, history
@@ -298,8 +281,6 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
                         row.slow_steps += out[3]
                         row.slow_excess += out[4]
                         row.cut += int(out[5])
-                        row.guesses += int(out[6])
-                        row.kept += int(out[7])
                     elif len(out) > 1:
                         row.from_draft += out[1]
             done = ", ".join(f"{name} {table[temp, name].rate:.1f}" for name in group)
@@ -312,19 +293,18 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
 
 def summary(rows: list[Row], temps: list[float], pairs: list[str]) -> None:
     """One line per pair and temperature: plain's rate, the rest as ratios to it."""
-    others = ["mlx-lm plain", "mlxd model", *LOOKUPS, "mlxd auto"]
-    print(f"\n{'pair':<10}{'temp':>6}{'plain tok/s':>13}" + "".join(f"{o:>19}" for o in others))
+    others = ["mlx-lm plain", "mlxd model", "mlxd lookup", "mlxd lookup/1", "mlxd auto"]
+    print(f"\n{'pair':<10}{'temp':>6}{'plain tok/s':>13}" + "".join(f"{o:>14}" for o in others))
     floor = 1.0
     for pair in pairs:
         for temp in temps:
             by = {r.method: r.rate for r in rows if r.pair == pair and r.temperature == temp}
             plain = by["plain (mlxd)"]
             ratios = [by[o] / plain if plain else 0.0 for o in others]
-            counted = [x for o, x in zip(others, ratios, strict=True) if o not in PINNED]
-            floor = min(floor, *counted[1:])  # mlx-lm plain aside
-            cells = "".join(f"{x:>18.2f}x" for x in ratios)
+            floor = min(floor, *ratios[1:])
+            cells = "".join(f"{x:>13.2f}x" for x in ratios)
             print(f"{pair:<10}{temp:>6}{plain:>13.1f}{cells}")
-    print(f"slowest mlxd method / plain over every cell (pinned lookups aside): {floor:.2f}x")
+    print(f"slowest mlxd method / plain over every cell: {floor:.2f}x")
 
 
 def report(rows: list[Row], temp: float) -> None:
@@ -332,7 +312,7 @@ def report(rows: list[Row], temp: float) -> None:
     print(f"\ntemperature {temp}")
     print(
         f"{'method':<16}{'tok/s':>9}{'vs plain':>10}{'acceptance':>12}{'from draft':>12}"
-        f"{'slow steps':>12}{'their excess':>14}{'cut chains':>12}{'guesses kept':>14}"
+        f"{'slow steps':>12}{'their excess':>14}{'cut chains':>12}"
     )
     for r in rows:
         acc = f"{r.acceptance:.3f}" if r.drafted else "-"
@@ -340,25 +320,17 @@ def report(rows: list[Row], temp: float) -> None:
             f"{r.accepted / r.tokens:.3f}" if r.drafted else "-"
         )  # fmt: skip
         ours = r.method.startswith(("mlxd", "plain"))
-        guessed = f"{r.kept}/{r.guesses}" if r.guesses else "-"
-        slow = (
-            f"{r.slow_steps:>12}{r.slow_excess / r.seconds:>13.1%}{r.cut:>12}{guessed:>14}"
-            if ours
-            else ""
-        )
+        slow = f"{r.slow_steps:>12}{r.slow_excess / r.seconds:>13.1%}{r.cut:>12}" if ours else ""
         print(f"{r.method:<16}{r.rate:>9.1f}{r.rate / plain:>9.2f}x{acc:>12}{share:>12}{slow}")
     print(
         f"(slow steps: mlxd steps over {SLOW:g}x what the measured costs say (a plain step, or k"
         " draft steps and a (k+1)-token verify), e.g. a draft catching up or a shape's first"
         " forward; their excess: the time beyond that, as a share of the method's; cut chains:"
-        " draft-model chains ended short of the length asked, where one more draft could not pay;"
-        " guesses kept: verify rounds queued on a guess before the round ahead was read, kept of"
-        " queued)"
+        " draft-model chains ended short of the length asked, where one more draft could not pay)"
     )
     ours = max((r for r in rows if r.method.startswith("mlxd")), key=lambda r: r.rate)
     spec = [r for r in rows if r.method.startswith("mlx-lm k=")]
-    floor = min(r.rate for r in rows if r.method.startswith("mlxd") and r.method not in PINNED)
-    floor /= plain
+    floor = min(r.rate for r in rows if r.method.startswith("mlxd")) / plain
     best = ""
     if spec:
         theirs = max(spec, key=lambda r: r.rate)
@@ -366,7 +338,7 @@ def report(rows: list[Row], temp: float) -> None:
         best += f"{ours.rate / theirs.rate:.2f}x   "
     lm_plain = next(r for r in rows if r.method == "mlx-lm plain").rate
     print(
-        f"{best}slowest mlxd method / plain (pinned lookups aside): {floor:.2f}x"
+        f"{best}slowest mlxd method / plain: {floor:.2f}x"
         f"   mlx-lm plain / mlxd plain: {lm_plain / plain:.2f}x"
     )
 

@@ -29,19 +29,18 @@ import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from mlxd.engine import branches, guessing
+from mlxd.engine import branches
 from mlxd.engine.branches import Grid, branchable, grid_of, keep_branch, laid_out
 from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
 from mlxd.engine.grammar import Matcher, Walk, settle, walk
-from mlxd.engine.guessing import Guessed
 from mlxd.engine.kvcache import make_cache, plain_kv
 from mlxd.engine.logprobs import TokenLogprob, position_logprobs
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.prefill import feed
 from mlxd.engine.sampling import Rng, choose, next_tokens, to_int, to_ints
 from mlxd.engine.specstate import CATCH_UP_RATIO, Mode, Speculation
-from mlxd.engine.speculation import FREE_SOURCES, DraftLengthController, SpecStats
-from mlxd.engine.verify import Verdict, decide, verify, verify_grid
+from mlxd.engine.speculation import DraftLengthController, SpecStats
+from mlxd.engine.verify import Verdict, verify, verify_grid
 
 log = logging.getLogger(__name__)
 TRACE = os.environ.get("MLXD_TRACE_SPEC", "") not in ("", "0", "false")
@@ -84,7 +83,6 @@ class Generation:
         # with a grammar, the forward is queued but the choice waits for the mask: the logits
         # after the last committed token (whose K/V are then in the cache)
         self._queued: mx.array | None = None
-        self._guessed: Guessed | None = None  # the next verify round, queued on a guess
         self.finish: str | None = None  # "stop" after EOS, "length" at the limit
         self.logprobs: list[TokenLogprob] = []  # committed, not yet taken (top_logprobs set)
         self._step_logits: mx.array | None = None  # the last plain step's, when logprobs wanted
@@ -143,7 +141,7 @@ class Generation:
 
     def close(self) -> None:
         self.spec.close(self.produced)
-        self._inflight = self._queued = self._guessed = None
+        self._inflight = self._queued = None
         self.cache = []
 
     @property
@@ -180,12 +178,6 @@ class Generation:
         """One solo step: a speculative round, or one plainly decoded token."""
         if self._inflight is not None and self._lean and self._plain_for_two():
             return self._lean_step(self._inflight)
-        if self._guessed is not None and self.controller is not None:
-            t0 = time.perf_counter()
-            modelled = guessing.pipelined(self.controller.costs, self._guessed.width)
-            new = self._guessed_round()
-            self._observe(t0, new, modelled)
-            return new
         if self.done:
             return []
         k = self.draft_length()
@@ -198,18 +190,10 @@ class Generation:
         t0 = time.perf_counter()
         new = self._speculative_round(k)
         self._maybe_quantize()
-        self._observe(t0, new)
-        return new
-
-    def _observe(self, t0: float, new: list[int], modelled: float | None = None) -> None:
-        """Time a speculative round that started at `t0` (`modelled`: what the measured costs
-        say it cost, where a lone forward's verify cost is not it)."""
         if self.controller is not None and self.spec.on:
             drafted, arm = self._round
-            seconds = time.perf_counter() - t0
-            self.controller.observe_time(
-                seconds, len(new), drafted, arm, modelled if drafted else None
-            )
+            self.controller.observe_time(time.perf_counter() - t0, len(new), drafted, arm)
+        return new
 
     def draft_length(self, ready: bool = True) -> int:
         """Drafts this row wants next round: 0 when speculation is not on, when the source
@@ -417,11 +401,7 @@ class Generation:
 
     def settle(self) -> list[int]:
         """Commit the token in flight, if any: afterwards the cache holds every committed
-        token but the last (what a round, a batch or the prefix cache expects). A round queued
-        on a guess is taken off the cache unread."""
-        if self._guessed is not None:
-            width, self._guessed = self._guessed.width, None
-            self._trim(width, len(self.tokens) - 1)
+        token but the last (what a round, a batch or the prefix cache expects)."""
         if not self._in_flight:
             return []
         return self._plain_step(lambda: False)
@@ -435,93 +415,14 @@ class Generation:
         pending = mx.array([self.tokens[-1]], dtype=mx.uint32)
         inputs = mx.concatenate([pending, draft.tokens]) if draft.count else pending
         logits = self.target(inputs[None], cache=self.cache)[0]
-        if self._may_guess(draft):
-            chosen = choose(logits, self.opts, self.rng, len(self.tokens))
-            return self._read(draft, to_ints(draft.tokens), chosen)
         walked = self.walk(draft, logits)
         bias = walked.bias if walked is not None else None
         verdict = verify(logits, draft, self.tokens, self.opts, self.rng, bias)
-        self._trim(draft.count - verdict.accepted, len(self.tokens) - 1 + verdict.accepted)
-        return self.absorb(draft, verdict, walked, logits)
-
-    def _trim(self, count: int, keep: int) -> None:
-        """Take the last `count` positions off the target cache, which then holds the first
-        `keep` committed tokens' K/V; recomputed where the cache cannot be trimmed."""
-        if count and trim_prompt_cache(self.cache, count) != count:
-            self._rebuild_cache(keep)
+        rejected = draft.count - verdict.accepted
+        if rejected and trim_prompt_cache(self.cache, rejected) != rejected:
+            self._rebuild_cache(len(self.tokens) - 1 + verdict.accepted)
             self.spec.stop("the target cache could not be trimmed")
-
-    def _may_guess(self, draft: Draft) -> bool:
-        """Whether this round's verdict may be read after queueing the next round on a guess
-        (`engine.guessing`): free drafts (known on the host) and plain choices, which need
-        nothing read on the host between rounds."""
-        return (
-            guessing.MODE not in ("0", "off", "false")
-            and draft.count > 0
-            and draft.source in FREE_SOURCES
-            and self.controller is not None
-            and self.plain_only
-            and self.opts.kv_bits is None
-        )
-
-    def _read(
-        self, draft: Draft, drafts: list[int], chosen: mx.array, teach: bool = True
-    ) -> list[int]:
-        """Read a verify round over `drafts` whose choices at every position are `chosen`
-        (lazy), after queueing the next round on a guess where it pays (`_queue_guess`), and
-        commit its verdict. The guessed round stands where this one accepts every draft and
-        commits them all; else it is taken off the cache with the rejected drafts. `teach`:
-        the drafts followed what was committed (else they teach the controller nothing)."""
-        mx.async_eval(chosen)
-        guess = self._queue_guess(drafts, draft.source, chosen)
-        verdict = decide(drafts, to_ints(chosen))
-        stands = (
-            guess is not None
-            and verdict.accepted == len(drafts)
-            and self.produced + len(verdict.tokens) < self.limit
-            and not any(t in self.eos for t in verdict.tokens)
-        )
-        if guess is not None:
-            self.stats.guesses += 1
-            self.stats.guesses_kept += int(stands)
-        dropped = len(drafts) - verdict.accepted + (guess.width if guess and not stands else 0)
-        self._trim(dropped, len(self.tokens) - 1 + verdict.accepted)
-        self._guessed = guess if stands else None
-        return self.absorb(draft if teach else Draft.empty(draft.source), verdict)
-
-    def _queue_guess(self, drafts: list[int], source: str, chosen: mx.array) -> Guessed | None:
-        """Queue the round after this one on a guess: its first token is the target's choice
-        after this round's last draft (on the device), its drafts lookup's continuation of
-        this round's drafts; None where nothing is queued (speculation not on, no
-        continuation, too near the limit, or the guess does not pay)."""
-        controller, source_ = self.controller, self.source
-        if controller is None or source_ is None or not self.spec.on:
-            return None
-        k = min(controller.choose(), self.limit - self.produced - len(drafts) - 2)
-        if k <= 0:
-            return None
-        chance = 1.0
-        for a in controller.alphas(len(drafts)):
-            chance *= a
-        follow = source_.follow([*self.tokens, *drafts], k + 1)
-        if len(follow) < 2 or not guessing.pays(controller.costs, chance, len(follow)):
-            return None
-        guessed = follow[1:]
-        inputs = mx.concatenate([chosen[-1:], mx.array(guessed, dtype=mx.uint32)])
-        logits = self.target(inputs[None], cache=self.cache)[0]
-        position = len(self.tokens) + len(drafts) + 1
-        queued = choose(logits, self.opts, self.rng, position)
-        mx.async_eval(queued)
-        return Guessed(guessed, source, queued, [*drafts, follow[0]])
-
-    def _guessed_round(self) -> list[int]:
-        """Read the round `_queue_guess` queued (the round before it accepted every draft)."""
-        guess, self._guessed = self._guessed, None
-        assert guess is not None
-        on_track = self.tokens[-len(guess.expect) :] == guess.expect
-        self._round = (guess.width - 1 if on_track else 0, guess.source)
-        draft = Draft(mx.array(guess.drafts, dtype=mx.uint32), len(guess.drafts), guess.source)
-        return self._read(draft, guess.drafts, guess.chosen, teach=on_track)
+        return self.absorb(draft, verdict, walked, logits)
 
     def _grid(self, draft: Draft) -> Grid | None:
         """The branches this round verifies where the source knows other continuations than

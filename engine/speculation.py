@@ -96,8 +96,6 @@ class SpecStats:
     fallback_reason: str | None = None
     disabled_reason: str | None = None
     paused: int = 0  # times the clock paused speculation for a while
-    guesses: int = 0  # verify rounds queued on a guess before the round ahead was read
-    guesses_kept: int = 0  # those the round ahead left standing
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.rounds += 1
