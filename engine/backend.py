@@ -34,6 +34,7 @@ SDPA_CACHE_ENV = "MLX_CUDA_SDPA_CACHE_SIZE"
 SDPA_CACHE_SIZE = 4096
 GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 FUSE_MLP_ENV = "MLXD_FUSE_MLP"  # "1": an MLP's gate and up projections as one matmul (GPU)
+FEW_ROWS_ENV = "MLXD_FEW_ROWS"  # "0": a lone row's few-token forwards keep cuBLAS (CUDA)
 # MLX's CUDA backend records each evaluation's kernels into CUDA graphs and replays them. On an
 # H200 serving a 7-8B bf16 model (`bench/concurrency.py`, `bench/adapters.py`), launching the
 # kernels directly instead served 8 clients at 624 tok/s against 305-408 with graphs, and a
@@ -55,6 +56,7 @@ class Backend:
     graph_cache_size: int | None  # MLX's CUDA graph cache; None: not CUDA
     cuda_graphs: bool | None = None  # whether MLX records CUDA graphs; None: not CUDA
     fused_mlp: bool = False  # an MLP's gate and up projections are one matmul (GPU, opt-in)
+    few_rows: bool = False  # a lone row's few-token forwards take mlxd's kernel (CUDA)
 
     def describe(self) -> str:
         """One line for the startup log."""
@@ -70,7 +72,8 @@ class Backend:
             f" compute {'float32' if self.float32_compute else 'native dtype'},"
             f" KV caches {kv},"
             f" batched attention {'per-row kernel' if self.batched_attention else 'masked'}"
-            f"{', gate and up fused' if self.fused_mlp else ''}{graphs}"
+            f"{', gate and up fused' if self.fused_mlp else ''}"
+            f"{', few-token projections on mlxd kernel' if self.few_rows else ''}{graphs}"
         )
 
 
@@ -156,6 +159,7 @@ def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
         graph_cache_size=graph_cache if cuda else None,
         cuda_graphs=graphs if cuda else None,
         fused_mlp=on_gpu and env.get(FUSE_MLP_ENV, "0").strip().lower() in ("1", "true", "on"),
+        few_rows=cuda and env.get(FEW_ROWS_ENV, "1").strip().lower() not in ("0", "false", "off"),
     )
     if cuda:
         install_batched_decode()  # batch rows attend to their own keys, no mask

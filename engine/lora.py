@@ -37,6 +37,7 @@ import mlx.nn as nn
 
 from mlxd.engine import lora_cuda
 from mlxd.engine.attention import cuda_available
+from mlxd.engine.fewrows import FewRowsLinear
 from mlxd.engine.fusedproj import SharedLinear
 from mlxd.engine.smallarrays import kernel_array
 
@@ -268,7 +269,7 @@ def _decodes_fused(base: nn.Module) -> bool:
     return (
         _on_gpu()
         and cuda_available()
-        and type(base) in (nn.Linear, SharedLinear)
+        and type(base) in (nn.Linear, SharedLinear, FewRowsLinear)
         and lora_cuda.serves(base.weight)
     )
 
@@ -485,7 +486,7 @@ def wrap_for_decoding(model: nn.Module, selection: Selection) -> int:
     paths = [
         path
         for path, module in model.named_modules()
-        if path.rpartition(".")[2] in names and type(module) is nn.Linear
+        if path.rpartition(".")[2] in names and type(module) in (nn.Linear, FewRowsLinear)
     ]
     layers = [wrap(model, path, selection) for path in paths]
     for layer in layers:

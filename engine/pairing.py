@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
-from mlxd.engine import branches, rowpad
+from mlxd.engine import branches, fewrows, rowpad
 from mlxd.engine.adapters import DEFAULT_ADAPTER_BYTES, AdapterSet
 from mlxd.engine.backend import Backend
 from mlxd.engine.context import row_context
@@ -137,7 +137,8 @@ def load_model(
 ) -> tuple[nn.Module, Any, dict[str, Any]]:
     """A model as mlxd computes with it on `backend`: through mlx-lm, in float32 on the CPU
     where the backend widens 16-bit models, its MLPs' gate and up projections one matmul where
-    it fuses them (`engine.fusedproj`), with its caches laid out as the backend says."""
+    it fuses them (`engine.fusedproj`), its few-token forwards' projections on mlxd's kernel
+    where it takes them (`engine.fewrows`), with its caches laid out as the backend says."""
     tokenizer_config = {"chat_template": template} if template else None
     try:
         loaded = mlx_load(str(path), tokenizer_config=tokenizer_config, return_config=True)
@@ -148,6 +149,8 @@ def load_model(
         model.set_dtype(mx.float32)
     if backend.fused_mlp:
         fuse_gate_up(model)
+    if backend.few_rows:
+        fewrows.install(model)
     set_bucket(model, backend.kv_bucket)
     return model, tokenizer, config
 

@@ -1,0 +1,141 @@
+"""A lone row's forwards of a few tokens (a verify round) on mlxd's tensor-core kernel (CUDA).
+
+On MLX's CUDA build a forward is bound by the host's encoding of its operations, and a matmul
+of one row (a decode step: MLX's gemv) encodes in about 7 us where one of 2-32 rows goes to
+cuBLAS, which builds its descriptors and asks for an algorithm on every call: 16-19 us. A verify
+round's forward on a 7B-shaped bf16 model (28 blocks, 196 projections) therefore encoded in
+8.6 ms at 2 to 16 tokens against 3.1 ms for one token, on an H200: 3.9 ms of it the projections
+(1.7 at one token). `mma_cuda`'s kernel encodes in 6-8 us and computes the projections of one
+input in one launch (a block's q, k and v; its gate and up), so a block's seven cuBLAS calls
+become four launches.
+
+At load, where MLX runs on CUDA and a block's projections are float (bf16 or fp16) and plain
+`nn.Linear`s, each becomes a `FewRowsLinear` of its group: one input's projections. A forward
+of one row and 2-32 tokens (`mma_cuda.MAX_ROWS`) computes the group's outputs in the first
+member's call; its siblings take theirs. Anything else (a decode step, batches, prompts) keeps
+`nn.Linear`'s matmul. The layers keep their weights (no copies) and stay `nn.Linear`s, so
+adapters (`engine.lora`) wrap them as they wrap any projection. `MLXD_FEW_ROWS=0` turns it off.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from mlxd.engine import mma_cuda
+
+__all__ = ["FewRowsLinear", "group_projections"]
+
+MIN_TOKENS = 2  # one token is MLX's gemv, cheaper to encode than any other route
+# projections of one input, by name, in mlx-lm's models: grouped within their parent module
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",))
+
+Matmul = Callable[[mx.array, Sequence[mx.array], Sequence[mx.array] | None], list[mx.array]]
+
+
+@dataclass(eq=False)
+class _Group:
+    """One input's projections: their weights (and biases), and outputs waiting to be taken."""
+
+    weights: list[mx.array]
+    biases: list[mx.array] | None
+    matmul: Matmul
+    max_tokens: int
+    x: mx.array | None = None
+    waiting: dict[int, mx.array] = field(default_factory=dict)
+
+    def output(self, member: int, x: mx.array) -> mx.array:
+        """Member `member`'s output for x: waiting since a sibling's call on this x, else
+        computed now with every member's."""
+        if self.x is not x or member not in self.waiting:
+            ys = self.matmul(x, self.weights, self.biases)
+            self.x, self.waiting = x, dict(enumerate(ys))
+        y = self.waiting.pop(member)
+        if not self.waiting:
+            self.x = None
+        return y
+
+
+class FewRowsLinear(nn.Linear):
+    """A float projection whose one-row forwards of a few tokens compute with its group's."""
+
+    def __init__(self, base: nn.Linear, group: _Group, member: int) -> None:
+        nn.Module.__init__(self)
+        self.weight = base.weight
+        if "bias" in base:
+            self.bias = base.bias
+        self.group, self.member = group, member
+
+    def __call__(self, x: mx.array) -> mx.array:
+        group = self.group
+        if (
+            x.ndim == 3
+            and x.shape[0] == 1
+            and MIN_TOKENS <= x.shape[1] <= group.max_tokens
+            and x.dtype == self.weight.dtype
+        ):
+            return group.output(self.member, x)
+        return super().__call__(x)
+
+
+def _groupable(layers: list[nn.Module]) -> bool:
+    """Plain float projections of one input width and dtype, biased alike, K in 16-byte
+    pieces (the kernel's loads)."""
+    first = layers[0]
+    return all(
+        type(m) is nn.Linear
+        and m.weight.dtype in (mx.bfloat16, mx.float16)
+        and m.weight.dtype == first.weight.dtype
+        and m.weight.shape[1] == first.weight.shape[1]
+        and m.weight.shape[1] % 8 == 0
+        and ("bias" in m) == ("bias" in first)
+        for m in layers
+    )
+
+
+def group_projections(model: nn.Module, matmul: Matmul, max_tokens: int) -> int:
+    """Make every group of projections in `model` (`GROUPS`) whose layers qualify
+    `FewRowsLinear`s computing through `matmul`; the projections changed."""
+    changed = 0
+    for _, parent in model.named_modules():
+        for names in GROUPS:
+            if not all(name in parent for name in names):
+                continue
+            layers = [parent[name] for name in names]
+            if not _groupable(layers):
+                continue
+            biases = [m.bias for m in layers] if "bias" in layers[0] else None
+            group = _Group([m.weight for m in layers], biases, matmul, max_tokens)
+            for i, (name, layer) in enumerate(zip(names, layers, strict=True)):
+                setattr(parent, name, FewRowsLinear(layer, group, i))
+            changed += len(names)
+    return changed
+
+
+def install(model: nn.Module) -> int:
+    """Group `model`'s projections onto `mma_cuda`'s kernel (MLX's CUDA build), and build the
+    kernel for every tile count and group size now, not in a request's first round."""
+
+    def matmul(
+        x: mx.array, weights: Sequence[mx.array], biases: Sequence[mx.array] | None
+    ) -> list[mx.array]:
+        return mma_cuda.matmul(x, weights, biases)
+
+    changed = group_projections(model, matmul, mma_cuda.MAX_ROWS)
+    warmed: set[tuple[int, bool, mx.Dtype, int]] = set()
+    for _, module in model.named_modules():
+        if not isinstance(module, FewRowsLinear) or module.member:
+            continue
+        group = module.group
+        weights = group.weights
+        key = (len(weights), group.biases is not None, weights[0].dtype, weights[0].shape[1])
+        if key in warmed:
+            continue
+        warmed.add(key)
+        for tokens in range(8, mma_cuda.MAX_ROWS + 1, 8):  # every tile count
+            x = mx.zeros((1, tokens, weights[0].shape[1]), dtype=weights[0].dtype)
+            mx.eval(matmul(x, weights, group.biases))
+    return changed

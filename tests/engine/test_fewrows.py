@@ -1,0 +1,115 @@
+"""`fewrows`: a lone row's forwards of a few tokens compute each group of projections (q, k, v;
+gate, up; o; down) in one call, and nothing else changes: every other forward keeps
+`nn.Linear`'s matmul, the logits stay the model's, and adapters wrap the grouped layers."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx_lm.models import llama, qwen2
+
+from mlxd.engine import fewrows, lora
+from mlxd.engine.attention import cuda_available
+from mlxd.engine.fewrows import FewRowsLinear, group_projections
+from mlxd.engine.kvcache import make_cache
+
+
+def tiny(kind: str = "llama", dtype: mx.Dtype = mx.bfloat16) -> nn.Module:
+    shape = dict(
+        hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50,
+    )  # fmt: skip
+    mx.random.seed(0)
+    if kind == "qwen2":  # q, k and v biased
+        model: nn.Module = qwen2.Model(qwen2.ModelArgs(model_type="qwen2", **shape))  # type: ignore[arg-type]
+    else:
+        model = llama.Model(llama.ModelArgs(model_type="llama", **shape))  # type: ignore[arg-type]
+    model.set_dtype(dtype)
+    mx.eval(model.parameters())
+    return model
+
+
+class Counting:
+    """Each group's projections computed as MLX's matmul computes one projection, counted."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(
+        self, x: mx.array, weights: Sequence[mx.array], biases: Sequence[mx.array] | None
+    ) -> list[mx.array]:
+        self.calls.append(len(weights))
+        if biases is None:
+            return [x @ w.T for w in weights]
+        return [mx.addmm(b, x, w.T) for w, b in zip(weights, biases, strict=True)]
+
+
+def logits(model: nn.Module, tokens: list[list[int]]) -> mx.array:
+    cache = make_cache(model)
+    model(mx.array([[1, 2, 3]] * len(tokens)), cache=cache)  # a prompt before: the cache holds keys
+    out = model(mx.array(tokens), cache=cache)
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_few_tokens_of_one_row_take_one_call_per_group(kind: str) -> None:
+    plain, grouped = tiny(kind), tiny(kind)
+    counting = Counting()
+    assert group_projections(grouped, counting, 32) == 2 * 7
+    tokens = [[5, 6, 7, 8, 9]]
+    counting.calls.clear()
+    assert mx.array_equal(logits(grouped, tokens), logits(plain, tokens)).item()
+    # the 5-token forward: q, k and v; o; gate and up; down, in each block (the 3-token
+    # prompt before it too)
+    assert counting.calls == [3, 1, 2, 1] * 4
+
+
+@pytest.mark.parametrize("tokens", [[[5]], [[5], [6]], [[5, 6], [7, 8]], [list(range(40))]])
+def test_every_other_forward_keeps_the_matmul(tokens: list[list[int]]) -> None:
+    """A decode step (one token), batches and forwards past `max_tokens`; the prompt of
+    three tokens before them takes the groups only as a lone row's."""
+    plain, grouped = tiny(), tiny()
+    counting = Counting()
+    group_projections(grouped, counting, 32)
+    out = logits(grouped, tokens)
+    assert mx.array_equal(out, logits(plain, tokens)).item()
+    lone_prompt = 4 * 2 if len(tokens) == 1 else 0
+    assert len(counting.calls) == lone_prompt
+
+
+def test_only_plain_float_projections_of_two_byte_dtypes_are_grouped() -> None:
+    assert group_projections(tiny(dtype=mx.float32), Counting(), 32) == 0
+    quantized = tiny()
+    nn.quantize(quantized, group_size=32, bits=4)
+    assert group_projections(quantized, Counting(), 32) == 0
+
+
+def test_adapters_wrap_the_grouped_projections() -> None:
+    """A mounted adapter's layer wraps a grouped projection as any other; with no adapter
+    on a row the forward is the base's, its few-token projections still grouped."""
+    plain, grouped = tiny(), tiny()
+    counting = Counting()
+    group_projections(grouped, counting, 32)
+    selection = lora.Selection()
+    layer = lora.wrap(grouped, "model.layers.0.self_attn.q_proj", selection)
+    assert isinstance(layer.base, FewRowsLinear)
+    tokens = [[5, 6, 7, 8]]
+    counting.calls.clear()
+    assert mx.array_equal(logits(grouped, tokens), logits(plain, tokens)).item()
+    assert counting.calls[:4] == [3, 1, 2, 1]
+
+
+@pytest.mark.skipif(not cuda_available(), reason="the kernel runs on MLX's CUDA build")
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("length", [2, 9, 32])
+def test_the_kernel_gives_the_models_logits(kind: str, length: int) -> None:
+    plain, grouped = tiny(kind), tiny(kind)
+    assert fewrows.install(grouped) == 2 * 7
+    tokens = [[(7 * i) % 50 for i in range(length)]]
+    ours, theirs = logits(grouped, tokens), logits(plain, tokens)
+    err = mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item()
+    assert err <= 3e-2 * (1 + mx.abs(theirs).max().item())
