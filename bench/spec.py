@@ -12,9 +12,9 @@ and benchmarks the pairs one after the other: the same prompts, the same tokens,
 pair and a summary of every pair at the end (plain tok/s, mlx-lm plain and each mlxd method as
 a ratio to plain). The fat pairs are slow on a CPU: keep --prompts and --tokens small there.
 
-`mlxd lookup/1` is prompt lookup verifying its own draft only, never several candidates in
-one round (`engine.branches`), beside `mlxd lookup`, which takes them where the measured costs
-say they are free.
+`mlxd lookup/4` is prompt lookup verifying up to 4 candidates in one round where the measured
+costs say they are free (`engine.branches`, `MLXD_BRANCHES=4`), beside `mlxd lookup`, which
+verifies its own draft only (the default).
 
 Every method decodes exactly --tokens new tokens per prompt (EOS does not stop it), so the
 rates compare like with like. Times include the prompt prefill. Prints one table per
@@ -94,7 +94,7 @@ def mlxd_run(
     draft_cost = costs.draft_step
     if method == "model":
         source = ModelDraftSource(draft, opts, rng, costs)
-    elif method in ("lookup", "lookup/1"):
+    elif method in ("lookup", "lookup/4"):
         source, draft_cost = LookupDraftSource(), 0.0
     elif method == "auto":
         source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft, opts, rng, costs))
@@ -106,7 +106,7 @@ def mlxd_run(
         )  # fmt: skip
     gen = Generation(target, prompt, opts, set(), tokens, rng, source, controller)
     most = branches.MAX_BRANCHES
-    branches.MAX_BRANCHES = 1 if method == "lookup/1" else most
+    branches.MAX_BRANCHES = 4 if method == "lookup/4" else most
     try:
         gen.prefill()
         n = slow = 0
@@ -154,7 +154,7 @@ SLOW = 3.0  # a step over this many times its measured cost is reported as slow
 
 FAT_TARGET = "3584,28,18944"  # hidden, layers, MLP: a Qwen2.5-7B-like target
 FAT_DRAFT = "896,24,4864"  # a Qwen2.5-0.5B-like draft
-OURS = ["plain (mlxd)", "mlxd model", "mlxd lookup", "mlxd lookup/1", "mlxd auto"]
+OURS = ["plain (mlxd)", "mlxd model", "mlxd lookup", "mlxd lookup/4", "mlxd auto"]
 
 
 def fat_pair(code: Path, work: Path, target: str, draft: str, bits: int) -> Path:
@@ -253,7 +253,7 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
             k = int(name.split("=")[1]) if "=" in name else 0
             return mlxlm_run(target, draft if k else None, prompt, temp, k, args.tokens)
         method = {"plain (mlxd)": "off", "mlxd model": "model", "mlxd lookup": "lookup",
-                  "mlxd lookup/1": "lookup/1", "mlxd auto": "auto"}[name]  # fmt: skip
+                  "mlxd lookup/4": "lookup/4", "mlxd auto": "auto"}[name]  # fmt: skip
         opts = parse_options({"temperature": temp, "top_k": 0, "top_p": 1.0})
         return mlxd_run(
             target, draft, prompt, opts, method, args.tokens, costs, args.max_k, seed, history
@@ -293,7 +293,7 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
 
 def summary(rows: list[Row], temps: list[float], pairs: list[str]) -> None:
     """One line per pair and temperature: plain's rate, the rest as ratios to it."""
-    others = ["mlx-lm plain", "mlxd model", "mlxd lookup", "mlxd lookup/1", "mlxd auto"]
+    others = ["mlx-lm plain", "mlxd model", "mlxd lookup", "mlxd lookup/4", "mlxd auto"]
     print(f"\n{'pair':<10}{'temp':>6}{'plain tok/s':>13}" + "".join(f"{o:>14}" for o in others))
     floor = 1.0
     for pair in pairs:

@@ -128,9 +128,9 @@ def test_an_earlier_occurrence_is_verified_beside_the_latest(
     text = "@" + "".join(PIECES[:12]) + "x" + "".join(PIECES[1:5]) + "jjjj@" + "".join(PIECES[:5])
     prompt = list(copier.tokenizer.encode(text, add_special_tokens=False))
     plain = steps_of(copier, prompt, draft_method="off", **options)
+    alone = steps_of(copier, prompt, draft_method="lookup", **options)  # one branch, the default
+    monkeypatch.setattr(branches, "MAX_BRANCHES", 4)
     looked = steps_of(copier, prompt, draft_method="lookup", **options)
-    monkeypatch.setattr(branches, "MAX_BRANCHES", 1)
-    alone = steps_of(copier, prompt, draft_method="lookup", **options)
 
     def flat(steps: list[list[int]]) -> list[int]:
         return [t for new in steps for t in new]
@@ -166,8 +166,9 @@ def test_a_model_whose_grid_forward_differs_never_verifies_branches() -> None:
 
 @pytest.mark.parametrize(("costs", "checked"), [(FLAT, True), (LINEAR, None)])
 def test_warm_up_checks_the_layout_only_where_branches_would_run(
-    costs: Costs, checked: bool | None
+    costs: Costs, checked: bool | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(branches, "MAX_BRANCHES", 4)
     model = tiny(seed=2)
     warm_up(model, None, costs, max_k=1, context=16)
     assert branches._owners(model).checked is checked
