@@ -11,7 +11,8 @@ single-token attention over a `BucketedBatchKVCache` to that kernel. A multi-tok
 over a bucketed cache (a verify round, a draft catch-up) at a shape the serving thread's warm-up
 did not run takes MLX's plain operations: MLX's own would build a cuDNN graph for the shape
 first, inside the round. Every other call (prefill, solo decoding, other caches, shapes warmed)
-keeps mlx-lm's path.
+keeps mlx-lm's path, with a boolean mask made additive once per forward (MLX converts it in
+every layer's call).
 """
 
 from __future__ import annotations
@@ -213,6 +214,33 @@ def attend_with_ops(
     return out.reshape(b, heads, length, v.shape[-1])
 
 
+class _Additive(threading.local):
+    """This thread's last boolean mask and its additive form: a forward hands every layer the
+    same mask, so it is converted once, not once per layer."""
+
+    def __init__(self) -> None:
+        self.mask: mx.array | None = None
+        self.dtype: mx.Dtype | None = None
+        self.out: mx.array | None = None
+
+
+_additive = _Additive()
+
+
+def additive(mask: mx.array, dtype: mx.Dtype) -> mx.array:
+    """A boolean mask as MLX's CUDA attention takes it, 0 where a key is seen and -inf where it
+    is not, in `dtype`, made once per mask. MLX converts a boolean mask itself in every call:
+    two fills of the broadcast (B, H, L, keys) shape and a select, per layer; on an H200 28
+    layers' 9-token attentions over a 1,024-key bucket encoded in 1.8-2.0 ms with the boolean
+    mask against 1.0-1.3 with exact keys and a causal one."""
+    memo = _additive
+    if memo.mask is mask and memo.dtype == dtype and memo.out is not None:
+        return memo.out
+    out = mx.where(mask, mx.array(0, dtype), mx.array(-mx.inf, dtype))
+    memo.mask, memo.dtype, memo.out = mask, dtype, out
+    return out
+
+
 def batched_decode(queries: mx.array, cache: Any, sinks: Any) -> bool:
     """Whether a call is single-token attention over a bucketed batch cache."""
     return sinks is None and isinstance(cache, BucketedBatchKVCache) and queries.shape[2] == 1
@@ -225,7 +253,8 @@ def kernel_serves(head_dim: int) -> bool:
 def route_module(module: Any, ragged: Ragged, serves: Callable[[int], bool]) -> bool:
     """Send `module`'s single-token attention over a bucketed batch cache to `ragged` (for head
     dims `serves` accepts), and multi-token attention at shapes warm-up did not run to
-    `attend_with_ops` (`unwarmed`); every other call keeps the function it had. Idempotent: a
+    `attend_with_ops` (`unwarmed`); every other call keeps the function it had, a boolean mask
+    handed to it made additive once per forward (`additive`). Idempotent: a
     module already routed is routed afresh around its original. False where it has no such
     function."""
     original = getattr(module, "scaled_dot_product_attention", None)
@@ -246,6 +275,8 @@ def route_module(module: Any, ragged: Ragged, serves: Callable[[int], bool]) -> 
             return ragged(queries, keys, values, scale, cache.left_padding, cache._idx)
         if unwarmed(queries, keys, cache, mask, sinks):
             return attend_with_ops(queries, keys, values, scale, mask)
+        if isinstance(mask, mx.array) and mask.dtype == mx.bool_:
+            mask = additive(mask, queries.dtype)
         extra = {} if sinks is None else {"sinks": sinks}
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, **extra)
 

@@ -191,3 +191,38 @@ def test_multi_token_shapes_warm_up_did_not_run_take_the_operations(
     assert mx.allclose(verify(3), want[3], atol=1e-4).item() and taken == []
     assert mx.allclose(verify(5), want[5], atol=1e-4).item()
     assert taken == [5] * layers
+
+
+@pytest.mark.usefixtures("gpu_layout")
+def test_a_verify_forwards_boolean_mask_is_made_additive_once(
+    loaded: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every layer of a multi-token forward over a bucketed cache gets the same mask; routed,
+    it is converted to 0 / -inf once and the logits are those of the boolean mask."""
+    module = sys.modules[type(loaded.target).__module__]
+    monkeypatch.setattr(module, "scaled_dot_product_attention", module.scaled_dot_product_attention)
+    monkeypatch.setattr(attention, "_warmed", attention._Warmed())
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+
+    def verify() -> mx.array:
+        cache = make_cache(loaded.target)
+        feed(loaded.target, cache, prompt)
+        return loaded.target(mx.array([[3, 4, 5, 6]]), cache=cache)
+
+    want = verify()
+    made: list[mx.Dtype] = []
+    convert = attention.additive
+
+    def spy(mask: mx.array, dtype: mx.Dtype) -> mx.array:
+        made.append(dtype)
+        return convert(mask, dtype)
+
+    monkeypatch.setattr(attention, "additive", spy)
+    assert route_module(module, ragged_reference, lambda _dim: True)
+    assert mx.array_equal(verify(), want).item()
+    # every layer of the prompt's forward and of the verify's asks; `additive` converts once
+    assert len(made) == 2 * len(loaded.target.layers)
+    mask = mx.array([[True, False], [True, True]])
+    first = convert(mask, mx.float32)
+    assert convert(mask, mx.float32) is first
+    assert first.tolist() == [[0.0, -mx.inf], [0.0, 0.0]]
