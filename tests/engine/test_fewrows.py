@@ -89,18 +89,31 @@ def test_only_plain_float_projections_of_two_byte_dtypes_are_grouped() -> None:
 
 
 def test_adapters_wrap_the_grouped_projections() -> None:
-    """A mounted adapter's layer wraps a grouped projection as any other; with no adapter
-    on a row the forward is the base's, its few-token projections still grouped."""
+    """A mounted adapter's layer wraps a grouped projection as any other: a row on the adapter
+    gets the same logits as over an ungrouped base, a row on none the base's, and the
+    few-token projections stay grouped."""
     plain, grouped = tiny(), tiny()
     counting = Counting()
     group_projections(grouped, counting, 32)
-    selection = lora.Selection()
-    layer = lora.wrap(grouped, "model.layers.0.self_attn.q_proj", selection)
-    assert isinstance(layer.base, FewRowsLinear)
+    mx.random.seed(1)
+    a = 0.1 * mx.random.normal((64, 8))
+    b = 0.1 * mx.random.normal((8, 64))
+    layers = []
+    for model in (plain, grouped):
+        selection = lora.Selection()
+        layer = lora.wrap(model, "model.layers.0.self_attn.q_proj", selection)
+        layer.put(1, lora.LayerWeights(a, b, 2.0))
+        layers.append((selection, layer))
+    assert isinstance(layers[1][1].base, FewRowsLinear)
     tokens = [[5, 6, 7, 8]]
-    counting.calls.clear()
-    assert mx.array_equal(logits(grouped, tokens), logits(plain, tokens)).item()
-    assert counting.calls[:4] == [3, 1, 2, 1]
+    for slot in (0, 1):
+        for selection, _ in layers:
+            selection.set([slot])
+        counting.calls.clear()
+        ours, theirs = logits(grouped, tokens), logits(plain, tokens)
+        assert mx.array_equal(ours, theirs).item()
+        assert counting.calls[:4] == [3, 1, 2, 1]
+    assert not mx.allclose(ours, logits(tiny(), tokens), atol=1e-2).item()  # the adapter acts
 
 
 @pytest.mark.skipif(not cuda_available(), reason="the kernel runs on MLX's CUDA build")
