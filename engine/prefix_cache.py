@@ -64,7 +64,11 @@ class Namespace:
         ).digest()
 
 
-TAILS_PER_PARENT = 8  # partial blocks kept under one parent (the most recent)
+# partial blocks kept under one parent, the least recently used dropped first. Every prompt
+# shorter than a block hangs under the namespace's root, and each finished row adds two (its
+# prompt's and its whole sequence's): with 8, a burst of eight code prompts and their answers
+# pushed out the short prompts' own tails, and the burst after it read them cold
+TAILS_PER_PARENT = 64
 
 
 def tail_key(parent: str, tail: Sequence[int]) -> str:
@@ -694,7 +698,10 @@ class PrefixCache:
         return self.has(attachment_key(key, draft))
 
     def _longest_tail(self, parent: str, rest: Sequence[int]) -> tuple[str, Block] | None:
+        """The longest partial block under `parent` that `rest` begins with, now the most
+        recently used of its parent's."""
         best: tuple[str, Block] | None = None
+        found: tuple[int, ...] = ()
         for tail, key in list(self._tails.get(parent, {}).items()):
             if len(tail) > len(rest) or (best is not None and len(tail) <= best[1].tokens):
                 continue
@@ -703,7 +710,9 @@ class PrefixCache:
                 if block is None:
                     self._forget_tail(key)
                 else:
-                    best = (key, block)
+                    best, found = (key, block), tail
+        if best is not None:
+            self._tails[parent].move_to_end(found)
         return best
 
     def tail(self, ns: Namespace, tokens: Sequence[int]) -> tuple[str, str] | None:

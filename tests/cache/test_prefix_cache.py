@@ -735,14 +735,20 @@ def test_partial_blocks_restore_up_to_where_prompts_diverge(tmp_path: Path) -> N
 
 
 def test_partial_blocks_are_bounded_per_parent_and_leave_with_ram() -> None:
+    """Past the bound the least recently used partial block under a parent goes: a lookup
+    that restores one makes it the most recent."""
     ns = Namespace(model="tails-bound")
     base = chain(1)
-    cache = PrefixCache(64 * MiB)
-    first = [*base, 1, 2, 3]
+    cache = PrefixCache(256 * MiB)
+    first, second = [*base, 1, 2, 3], [*base, 2, 2, 3]
     _offer_tail(cache, ns, first, seed=500)
-    for i in range(pc.TAILS_PER_PARENT):
+    _offer_tail(cache, ns, second, seed=550)
+    for i in range(pc.TAILS_PER_PARENT - 2):
         _offer_tail(cache, ns, [*base, 10 + i, 2, 3], seed=600 + 100 * i)
-    assert sum(b.tokens for b in cache.lookup(ns, first)) == BLOCK  # the oldest one went
+    assert sum(b.tokens for b in cache.lookup(ns, first)) == BLOCK + 3  # all still held
+    _offer_tail(cache, ns, [*base, 9, 2, 3], seed=400)
+    assert sum(b.tokens for b in cache.lookup(ns, first)) == BLOCK + 3  # used: kept
+    assert sum(b.tokens for b in cache.lookup(ns, second)) == BLOCK  # the least recent went
     small = PrefixCache(2 * make_block(0).nbytes)
     _offer_tail(small, ns, first, seed=700)
     for i, key in enumerate(block_keys(chain(2, seed=1), ns, BLOCK)):  # push both out

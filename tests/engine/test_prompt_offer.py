@@ -232,3 +232,15 @@ def test_a_prompt_sent_again_does_not_wait_for_the_final_offer_it_cannot_hit(
     second = _second_read(log)
     assert log[:second].count("tail") == 2  # the answer's partial block came before it was read
     assert _cached(events) == [0, len(PROMPT) + 1]  # all the first row's cache held
+
+
+def test_prompts_shorter_than_a_block_are_all_restored_when_sent_again(pairing: Pairing) -> None:
+    """Every prompt shorter than a block keeps its partial block under the namespace's root,
+    beside its answer's: a burst of ten of them, sent again, is restored whole."""
+    opts = parse_options({"temperature": 0, "num_predict": 4, "draft_method": "off"})
+    prompts = [[5 + i, *PROMPT[i : i + 9]] for i in range(10)]  # 10 tokens; blocks of 16
+    cache = PrefixCache(64 << 20, block=16)
+    first = _run(pairing, cache, [], [GenerationRequest(p, opts) for p in prompts])
+    assert _cached(first) == [0] * len(prompts)
+    again = _run(pairing, cache, [], [GenerationRequest(p, opts) for p in prompts])
+    assert _cached(again) == [len(p) - 1 for p in prompts]
