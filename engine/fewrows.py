@@ -27,7 +27,7 @@ import mlx.nn as nn
 
 from mlxd.engine import mma_cuda
 
-__all__ = ["FewRowsLinear", "group_projections"]
+__all__ = ["FewRowsLinear", "group_projections", "install"]
 
 MIN_TOKENS = 2  # one token is MLX's gemv, cheaper to encode than any other route
 # projections of one input, by name, in mlx-lm's models: grouped within their parent module
