@@ -295,7 +295,7 @@ def summary(rows: list[Row], temps: list[float], pairs: list[str]) -> None:
     """One line per pair and temperature: plain's rate, the rest as ratios to it."""
     others = ["mlx-lm plain", "mlxd model", "mlxd lookup", "mlxd lookup/4", "mlxd auto"]
     print(f"\n{'pair':<10}{'temp':>6}{'plain tok/s':>13}" + "".join(f"{o:>14}" for o in others))
-    floor = 1.0
+    floor = float("inf")
     for pair in pairs:
         for temp in temps:
             by = {r.method: r.rate for r in rows if r.pair == pair and r.temperature == temp}
