@@ -34,7 +34,8 @@ SDPA_CACHE_ENV = "MLX_CUDA_SDPA_CACHE_SIZE"
 SDPA_CACHE_SIZE = 4096
 GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 FUSE_MLP_ENV = "MLXD_FUSE_MLP"  # "1": an MLP's gate and up projections as one matmul (GPU)
-FEW_ROWS_ENV = "MLXD_FEW_ROWS"  # "0": a lone row's few-token forwards keep cuBLAS (CUDA)
+# "0": a lone row's few-token forwards keep cuBLAS (CUDA); "batches": a batch's take the kernel too
+FEW_ROWS_ENV = "MLXD_FEW_ROWS"
 # MLX's CUDA backend records each evaluation's kernels into CUDA graphs and replays them. On an
 # H200 serving a 7-8B bf16 model (`bench/concurrency.py`, `bench/adapters.py`), launching the
 # kernels directly instead served 8 clients at 624 tok/s against 305-408 with graphs, and a
@@ -57,6 +58,7 @@ class Backend:
     cuda_graphs: bool | None = None  # whether MLX records CUDA graphs; None: not CUDA
     fused_mlp: bool = False  # an MLP's gate and up projections are one matmul (GPU, opt-in)
     few_rows: bool = False  # a lone row's few-token forwards take mlxd's kernel (CUDA)
+    few_rows_batches: bool = False  # a batch's too (opt-in)
 
     def describe(self) -> str:
         """One line for the startup log."""
@@ -73,7 +75,8 @@ class Backend:
             f" KV caches {kv},"
             f" batched attention {'per-row kernel' if self.batched_attention else 'masked'}"
             f"{', gate and up fused' if self.fused_mlp else ''}"
-            f"{', few-token projections on mlxd kernel' if self.few_rows else ''}{graphs}"
+            f"{', few-token projections on mlxd kernel' if self.few_rows else ''}"
+            f"{' (batches too)' if self.few_rows_batches else ''}{graphs}"
         )
 
 
@@ -149,6 +152,7 @@ def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
             CPU_DTYPE_ENV,
             blas.reason,
         )
+    few_rows = env.get(FEW_ROWS_ENV, "1").strip().lower()
     backend = Backend(
         device="gpu" if on_gpu else "cpu",
         cpu_blas=blas.path,
@@ -159,7 +163,8 @@ def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
         graph_cache_size=graph_cache if cuda else None,
         cuda_graphs=graphs if cuda else None,
         fused_mlp=on_gpu and env.get(FUSE_MLP_ENV, "0").strip().lower() in ("1", "true", "on"),
-        few_rows=cuda and env.get(FEW_ROWS_ENV, "1").strip().lower() not in ("0", "false", "off"),
+        few_rows=cuda and few_rows not in ("0", "false", "off"),
+        few_rows_batches=cuda and few_rows == "batches",
     )
     if cuda:
         install_batched_decode()  # batch rows attend to their own keys, no mask

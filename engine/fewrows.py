@@ -14,7 +14,10 @@ At load, where MLX runs on CUDA and a block's projections are float (bf16 or fp1
 of one row and 2-32 tokens (`mma_cuda.MAX_ROWS`) computes the group's outputs in the first
 member's call; its siblings take theirs. Anything else (a decode step, batches, prompts) keeps
 `nn.Linear`'s matmul. The layers keep their weights (no copies) and stay `nn.Linear`s, so
-adapters (`engine.lora`) wrap them as they wrap any projection. `MLXD_FEW_ROWS=0` turns it off.
+adapters (`engine.lora`) wrap them as they wrap any projection. `MLXD_FEW_ROWS=0` turns it off;
+`MLXD_FEW_ROWS=batches` also sends a batch's forwards of 2 tokens or more a row (its verify
+rounds, prompts read as rows) up to 32 rows x tokens, not yet timed served on a GPU: plain
+batch rounds on this kernel ran slower served, for a reason not traced (`lora_cuda`).
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ class _Group:
     weights: list[mx.array]
     biases: list[mx.array] | None
     matmul: Matmul
-    max_tokens: int
+    max_tokens: int  # rows x tokens of a forward the group computes together
+    batches: bool = False  # forwards of several rows too (else one row's only)
     x: mx.array | None = None
     waiting: dict[int, mx.array] = field(default_factory=dict)
 
@@ -73,8 +77,9 @@ class FewRowsLinear(nn.Linear):
         group = self.group
         if (
             x.ndim == 3
-            and x.shape[0] == 1
-            and MIN_TOKENS <= x.shape[1] <= group.max_tokens
+            and (x.shape[0] == 1 or group.batches)
+            and x.shape[1] >= MIN_TOKENS
+            and x.shape[0] * x.shape[1] <= group.max_tokens
             and x.dtype == self.weight.dtype
         ):
             return group.output(self.member, x)
@@ -96,9 +101,12 @@ def _groupable(layers: list[nn.Module]) -> bool:
     )
 
 
-def group_projections(model: nn.Module, matmul: Matmul, max_tokens: int) -> int:
+def group_projections(
+    model: nn.Module, matmul: Matmul, max_tokens: int, batches: bool = False
+) -> int:
     """Make every group of projections in `model` (`GROUPS`) whose layers qualify
-    `FewRowsLinear`s computing through `matmul`; the projections changed."""
+    `FewRowsLinear`s computing through `matmul` (`batches`: a batch's forwards too); the
+    projections changed."""
     changed = 0
     for _, parent in model.named_modules():
         for names in GROUPS:
@@ -108,23 +116,24 @@ def group_projections(model: nn.Module, matmul: Matmul, max_tokens: int) -> int:
             if not _groupable(layers):
                 continue
             biases = [m.bias for m in layers] if "bias" in layers[0] else None
-            group = _Group([m.weight for m in layers], biases, matmul, max_tokens)
+            group = _Group([m.weight for m in layers], biases, matmul, max_tokens, batches)
             for i, (name, layer) in enumerate(zip(names, layers, strict=True)):
                 setattr(parent, name, FewRowsLinear(layer, group, i))
             changed += len(names)
     return changed
 
 
-def install(model: nn.Module) -> int:
-    """Group `model`'s projections onto `mma_cuda`'s kernel (MLX's CUDA build), and build the
-    kernel for every tile count and group size now, not in a request's first round."""
+def install(model: nn.Module, batches: bool = False) -> int:
+    """Group `model`'s projections onto `mma_cuda`'s kernel (MLX's CUDA build; `batches`: a
+    batch's forwards too), and build the kernel for every tile count and group size now, not
+    in a request's first round."""
 
     def matmul(
         x: mx.array, weights: Sequence[mx.array], biases: Sequence[mx.array] | None
     ) -> list[mx.array]:
         return mma_cuda.matmul(x, weights, biases)
 
-    changed = group_projections(model, matmul, mma_cuda.MAX_ROWS)
+    changed = group_projections(model, matmul, mma_cuda.MAX_ROWS, batches)
     warmed: set[tuple[int, bool, mx.Dtype, int]] = set()
     for _, module in model.named_modules():
         if not isinstance(module, FewRowsLinear) or module.member:

@@ -150,7 +150,7 @@ def load_model(
     if backend.fused_mlp:
         fuse_gate_up(model)
     if backend.few_rows:
-        fewrows.install(model)
+        fewrows.install(model, backend.few_rows_batches)
     set_bucket(model, backend.kv_bucket)
     return model, tokenizer, config
 

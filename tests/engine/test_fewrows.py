@@ -4,6 +4,9 @@ gate, up; o; down) in one call, and nothing else changes: every other forward ke
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -81,6 +84,22 @@ def test_every_other_forward_keeps_the_matmul(tokens: list[list[int]]) -> None:
     assert len(counting.calls) == lone_prompt
 
 
+def test_with_batches_a_batchs_few_token_forwards_are_grouped_too() -> None:
+    """Two rows of four tokens (a verify round) take the groups; one-token steps of several
+    rows and forwards past the limit still do not."""
+    plain, grouped = tiny(), tiny()
+    counting = Counting()
+    group_projections(grouped, counting, 8, batches=True)
+    tokens = [[5, 6, 7, 8], [9, 10, 11, 12]]
+    out = logits(grouped, tokens)  # the two rows' 3-token prompt (6 rows x tokens) as well
+    assert mx.array_equal(out, logits(plain, tokens)).item()
+    assert counting.calls == [3, 1, 2, 1] * 4
+    counting.calls.clear()
+    assert mx.array_equal(logits(grouped, [[5], [6]]), logits(plain, [[5], [6]])).item()
+    assert mx.array_equal(logits(grouped, [[5] * 5] * 2), logits(plain, [[5] * 5] * 2)).item()
+    assert counting.calls == [3, 1, 2, 1] * 4  # each one's 2 x 3 prompt only: 2 x 5 is past 8
+
+
 def test_only_plain_float_projections_of_two_byte_dtypes_are_grouped() -> None:
     assert group_projections(tiny(dtype=mx.float32), Counting(), 32) == 0
     quantized = tiny()
@@ -118,11 +137,31 @@ def test_adapters_wrap_the_grouped_projections() -> None:
 
 @pytest.mark.skipif(not cuda_available(), reason="the kernel runs on MLX's CUDA build")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-@pytest.mark.parametrize("length", [2, 9, 32])
-def test_the_kernel_gives_the_models_logits(kind: str, length: int) -> None:
+@pytest.mark.parametrize(("rows", "length"), [(1, 2), (1, 9), (1, 32), (2, 5), (4, 8)])
+def test_the_kernel_gives_the_models_logits(kind: str, rows: int, length: int) -> None:
     plain, grouped = tiny(kind), tiny(kind)
-    assert fewrows.install(grouped) == 2 * 7
-    tokens = [[(7 * i) % 50 for i in range(length)]]
+    assert fewrows.install(grouped, batches=rows > 1) == 2 * 7
+    tokens = [[(7 * i + r) % 50 for i in range(length)] for r in range(rows)]
     ours, theirs = logits(grouped, tokens), logits(plain, tokens)
     err = mx.abs(ours.astype(mx.float32) - theirs.astype(mx.float32)).max().item()
     assert err <= 3e-2 * (1 + mx.abs(theirs).max().item())
+
+
+@pytest.mark.parametrize("value", [None, "0", "batches"])
+def test_the_backend_takes_the_route_on_cuda_only(value: str | None) -> None:
+    """On by default on MLX's CUDA build (lone rows; `batches`: a batch's forwards too), off
+    with `MLXD_FEW_ROWS=0`, and never elsewhere (no kernel to take)."""
+    env = {k: v for k, v in os.environ.items() if k != "MLXD_FEW_ROWS"}
+    if value is not None:
+        env["MLXD_FEW_ROWS"] = value
+    code = (
+        "from mlxd.engine.backend import configure_backend; b = configure_backend();"
+        " from mlxd.engine.attention import cuda_available;"
+        " print(b.few_rows, b.few_rows_batches, cuda_available())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    lone, batches, cuda = (word == "True" for word in out.stdout.split())
+    assert lone == (cuda and value != "0")
+    assert batches == (cuda and value == "batches")
