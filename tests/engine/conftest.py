@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -63,3 +66,16 @@ def copier(tmp_path_factory: pytest.TempPathFactory) -> Pairing:
     over them, each piece followed by the next."""
     path = build_scripted(tmp_path_factory.mktemp("copier"), "generic", Script("@", PIECES))
     return load_pairing(ModelEntry("copier", str(path)), configure_backend(), costs=FLAT)
+
+
+def backend_says(name: str, value: str | None, printed: str) -> list[bool]:
+    """What a fresh process's `configure_backend()` (as `b`) gives with env `name` set to
+    `value` (None: unset): the words of `printed`, a print of Python booleans, as booleans."""
+    env = {k: v for k, v in os.environ.items() if k != name}
+    if value is not None:
+        env[name] = value
+    code = f"from mlxd.engine.backend import configure_backend; b = configure_backend(); {printed}"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    return [word == "True" for word in out.stdout.split()]

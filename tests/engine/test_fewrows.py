@@ -4,9 +4,6 @@ gate, up; o; down) in one call, and nothing else changes: every other forward ke
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
 
 import mlx.core as mx
@@ -18,6 +15,7 @@ from mlxd.engine import fewrows, lora
 from mlxd.engine.attention import cuda_available
 from mlxd.engine.fewrows import FewRowsLinear, group_projections
 from mlxd.engine.kvcache import make_cache
+from tests.engine.conftest import backend_says
 
 
 def tiny(kind: str = "llama", dtype: mx.Dtype = mx.bfloat16) -> nn.Module:
@@ -151,17 +149,10 @@ def test_the_kernel_gives_the_models_logits(kind: str, rows: int, length: int) -
 def test_the_backend_takes_the_route_on_cuda_only(value: str | None) -> None:
     """On by default on MLX's CUDA build (lone rows; `batches`: a batch's forwards too), off
     with `MLXD_FEW_ROWS=0`, and never elsewhere (no kernel to take)."""
-    env = {k: v for k, v in os.environ.items() if k != "MLXD_FEW_ROWS"}
-    if value is not None:
-        env["MLXD_FEW_ROWS"] = value
-    code = (
-        "from mlxd.engine.backend import configure_backend; b = configure_backend();"
-        " from mlxd.engine.attention import cuda_available;"
+    printed = (
+        "from mlxd.engine.attention import cuda_available;"
         " print(b.few_rows, b.few_rows_batches, cuda_available())"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    lone, batches, cuda = (word == "True" for word in out.stdout.split())
+    lone, batches, cuda = backend_says("MLXD_FEW_ROWS", value, printed)
     assert lone == (cuda and value != "0")
     assert batches == (cuda and value == "batches")

@@ -4,9 +4,6 @@ it computed, one matmul per MLP, its weights held once, for float and quantized 
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
 from dataclasses import replace
 
 import mlx.core as mx
@@ -19,6 +16,7 @@ from mlxd.engine.backend import configure_backend
 from mlxd.engine.fusedproj import SharedLinear, SharedQuantizedLinear, fuse_gate_up
 from mlxd.engine.kvcache import make_cache
 from mlxd.engine.pairing import load_model
+from tests.engine.conftest import backend_says
 from tests.fixtures.tiny_models import TinyPair
 
 LAYERS = 3
@@ -132,15 +130,6 @@ def test_models_load_fused_where_the_backend_fuses(tiny_pair: TinyPair) -> None:
 @pytest.mark.parametrize("value", [None, "0", "1"])
 def test_the_backend_fuses_only_when_asked(value: str | None) -> None:
     """Off unless `MLXD_FUSE_MLP=1`, and never on the CPU (whose matmuls are not launch-bound)."""
-    env = {k: v for k, v in os.environ.items() if k != "MLXD_FUSE_MLP"}
-    if value is not None:
-        env["MLXD_FUSE_MLP"] = value
-    code = (
-        "from mlxd.engine.backend import configure_backend; b = configure_backend();"
-        " import mlx.core as mx; print(b.fused_mlp, mx.default_device().type == mx.gpu)"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
-    fused, on_gpu = out.stdout.split()
-    assert fused == str(value == "1" and on_gpu == "True")
+    printed = "import mlx.core as mx; print(b.fused_mlp, mx.default_device().type == mx.gpu)"
+    fused, on_gpu = backend_says("MLXD_FUSE_MLP", value, printed)
+    assert fused == (value == "1" and on_gpu)
