@@ -29,6 +29,7 @@ thread); slots stay where they are, so rows keep theirs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -234,6 +235,10 @@ class _Slots:
 
     by_slot: dict[int, LayerWeights] = field(default_factory=dict)
     stacks: _Stacks | None = None
+    # on a CPU, each slot's (A, sB) in the inputs' dtype, for forwards whose rows all use one
+    # slot (None: they take the general path); and the base's product for them
+    direct: dict[int, tuple[mx.array, mx.array]] | None = None
+    base: Callable[[mx.array], mx.array] | None = None
 
 
 def _base_weight(base: nn.Module) -> mx.array:
@@ -272,6 +277,20 @@ def _decodes_fused(base: nn.Module) -> bool:
         and type(base) in (nn.Linear, SharedLinear, FewRowsLinear)
         and lora_cuda.serves(base.weight)
     )
+
+
+def _base_product(base: nn.Module) -> Callable[[mx.array], mx.array]:
+    """x -> base(x) in as few array operations as the base allows: a float projection multiplies
+    by a transposed view of its weight taken once (`nn.Linear` adds a transpose to every call;
+    the view shares the weight's memory)."""
+    if type(base) is not nn.Linear:
+        return base
+    wt = base.weight.T
+    mx.eval(wt)
+    if "bias" not in base:
+        return lambda x: x @ wt
+    bias = base.bias
+    return lambda x: mx.addmm(bias, x, wt)
 
 
 def dora_ratio(base: nn.Module, a: mx.array, b: mx.array, scale: float, m: mx.array) -> mx.array:
@@ -339,7 +358,7 @@ class RowLoRA(nn.Module):
             self.group.restacked()
         held = self._slots.by_slot
         if not held:
-            self._slots.stacks = None
+            self._slots.stacks = self._slots.direct = None
             return
         size = max(held) + 1
         rank = -(-max(w.a.shape[1] for w in held.values()) // RANK_ALIGN) * RANK_ALIGN
@@ -368,11 +387,18 @@ class RowLoRA(nn.Module):
                 lora_cuda.warm(at.dtype, count, self.has_bias, term=True)
         mx.eval(stacks.a, stacks.b, *([ratio] if ratio is not None else []))
         self._slots.stacks = stacks
+        self._slots.direct = None
+        if stacks.direct and not dora and not fused:
+            self._slots.direct = {}  # filled below, once the weights are the stacks' views
+            if self._slots.base is None:
+                self._slots.base = _base_product(self.base)
         for slot, w in held.items():  # each adapter's weights become views of the stacks:
             # held once, not once more beside them (zero-padded to the stacks' rank). A range
             # slice shares the stacks' memory; an integer index (a gather) would copy it.
             held[slot] = replace(w, a=_view(stacks.a, slot), b=_view(stacks.b, slot))
         mx.eval([(w.a, w.b) for w in held.values()])
+        if self._slots.direct is not None:
+            self._slots.direct = {slot: (w.a, w.b) for slot, w in held.items()}
 
     def _plan(self, x: mx.array) -> Plan | None:
         stacks = self._slots.stacks
@@ -400,7 +426,10 @@ class RowLoRA(nn.Module):
         return part, plan.token_slots(x.shape[1])
 
     def __call__(self, x: mx.array) -> mx.array:
-        if self._slots.stacks is None and x.size == x.shape[-1]:
+        held = self._slots
+        if held.direct is not None and x.dtype == mx.float32:
+            return self._direct(x, held)
+        if held.stacks is None and x.size == x.shape[-1]:
             return self.base(x)  # a lone row's step on the base: MLX's gemv, nothing to route
         group = self.group
         if group is not None and group.x is x and id(self) in group.y:
@@ -419,13 +448,30 @@ class RowLoRA(nn.Module):
         if stacks.ratio is not None:
             return self._dora(x, stacks, plan)
         same = x.dtype == stacks.a.dtype
-        if plan.single is not None and stacks.direct:  # every row on one adapter: its matrices
+        if plan.single is not None and stacks.direct:  # a CPU's 16-bit rows on one adapter
             w = self._slots.by_slot[plan.single]
-            if same:
-                return mx.addmm(self.base(x), x @ w.a, w.b)
             return self.base(x) + ((x @ w.a) @ w.b).astype(x.dtype)
         z = self._gathered(x, stacks, plan)
         return self.base(x) + (z if same else z.astype(x.dtype))
+
+    def _direct(self, x: mx.array, held: _Slots) -> mx.array:
+        """A CPU's forward, in the fewest array operations and Python steps: rows all on one
+        adapter multiply by its matrices, the sum in the second matmul; rows of several take
+        the `gather_mm`s."""
+        assert held.direct is not None and held.base is not None and held.stacks is not None
+        slots = self.selection.slots
+        if slots is None:
+            return held.base(x)
+        if len(slots) == 1:  # every row on one slot
+            ab = held.direct.get(slots[0])
+            return held.base(x) if ab is None else mx.addmm(held.base(x), x @ ab[0], ab[1])
+        plan = self.selection.plan(held.stacks.held, x.shape[0])
+        if plan is None:
+            return held.base(x)
+        if plan.single is not None:
+            a, b = held.direct[plan.single]
+            return mx.addmm(held.base(x), x @ a, b)
+        return held.base(x) + self._gathered(x, held.stacks, plan)
 
     @staticmethod
     def _gathered(x: mx.array, stacks: _Stacks, plan: Plan) -> mx.array:

@@ -138,6 +138,27 @@ def test_dropping_an_adapter_leaves_the_others_in_their_slots() -> None:
     assert mx.array_equal(got[1:2], layer.base(x)[1:2])
 
 
+def test_a_biased_base_and_then_no_adapter_at_all(dtype: mx.Dtype) -> None:
+    """The bias is added once, on every path; once its last adapter is dropped the layer is
+    the base again, to the bit."""
+    base = nn.Linear(D_IN, D_OUT, bias=True)
+    base.set_dtype(dtype)
+    selection = Selection()
+    layer = RowLoRA(base, selection)
+    one, two = adapter(1, 4, 10.0), adapter(2, 2, 2.5)
+    layer.put(1, one)
+    layer.put(2, two)
+    x = mx.random.normal((2, 3, D_IN), key=mx.random.key(7)).astype(dtype)
+    assert close(run(layer, selection, [1], x), reference(base, one, x))
+    mixed = run(layer, selection, [2, 1], x)
+    assert close(mixed[0:1], reference(base, two, x[0:1]))
+    assert close(mixed[1:2], reference(base, one, x[1:2]))
+    layer.put(1, None)
+    layer.put(2, None)
+    assert mx.array_equal(run(layer, selection, [1], x), base(x))
+    assert mx.array_equal(run(layer, selection, [2, 1], x), base(x))
+
+
 def test_a_forward_plans_its_rows_once_for_every_layer() -> None:
     selection = Selection()
     selection.set([2, 0, 1])
