@@ -259,6 +259,12 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
             target, draft, prompt, opts, method, args.tokens, costs, args.max_k, seed, history
         )
 
+    # Each prompt is read once by each engine before anything is timed: a prompt's first
+    # prefill (a new length on a GPU) would otherwise land in whichever method comes first.
+    greedy = parse_options({"temperature": 0})
+    for prompt in prompts:
+        mlxd_run(target, draft, prompt, greedy, "off", 2, costs, args.max_k, 0, history)
+        mlxlm_run(target, None, prompt, 0.0, 0, 2)
     # Within each engine, methods take turns on each prompt, so a slow spell of the machine hits
     # them alike. The engines run one after the other: mlx-lm's verify forwards land on a new
     # cache length every round, hundreds of new CUDA graphs per prompt, which crowd MLX's graph
