@@ -16,8 +16,9 @@ member's call; its siblings take theirs. Anything else (a decode step, batches, 
 `nn.Linear`'s matmul. The layers keep their weights (no copies) and stay `nn.Linear`s, so
 adapters (`engine.lora`) wrap them as they wrap any projection. `MLXD_FEW_ROWS=0` turns it off;
 `MLXD_FEW_ROWS=batches` also sends a batch's forwards of 2 tokens or more a row (its verify
-rounds, prompts read as rows) up to 32 rows x tokens, not yet timed served on a GPU: plain
-batch rounds on this kernel ran slower served, for a reason not traced (`lora_cuda`).
+rounds, prompts read as rows) up to 32 rows x tokens; it stays opt-in until a served A/B on one
+machine start decides it (plain batch rounds on this kernel ran slower served, for a reason not
+traced: `lora_cuda`).
 """
 
 from __future__ import annotations
