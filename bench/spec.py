@@ -35,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -60,6 +60,23 @@ from mlxd.engine.speculation import Costs, DraftLengthController, SpecHistory
 
 
 @dataclass
+class Split:
+    """Where an mlxd method's time went: reading prompts, steps that decoded one token plainly,
+    and speculative rounds (what they committed)."""
+
+    prefill: float = 0.0
+    plain_steps: int = 0
+    plain_seconds: float = 0.0
+    rounds: int = 0
+    round_seconds: float = 0.0
+    round_tokens: int = 0
+
+    def add(self, other: Split) -> None:
+        for name, value in asdict(other).items():
+            setattr(self, name, getattr(self, name) + value)
+
+
+@dataclass
 class Row:
     pair: str
     method: str
@@ -72,6 +89,7 @@ class Row:
     slow_steps: int = 0  # mlxd steps over SLOW x their measured cost (catch-ups, compiles)
     slow_excess: float = 0.0  # seconds those steps took beyond that cost
     cut: int = 0  # draft-model chains ended short of the length asked (`DraftGate`)
+    split: Split = field(default_factory=Split)
 
     @property
     def rate(self) -> float:
@@ -85,10 +103,10 @@ class Row:
 def mlxd_run(
     target: nn.Module, draft: nn.Module, prompt: list[int], opts: SamplingOptions,
     method: str, tokens: int, costs: Costs, max_k: int | None, seed: int, history: SpecHistory,
-) -> tuple[int, int, int, int, float, int]:  # fmt: skip
+) -> tuple[int, int, int, int, float, int, Split]:  # fmt: skip
     """Tokens, drafted, accepted, the steps that took over `SLOW` times what the measured
-    costs say they should (a trial's catch-up, a shape's first forward) with their excess, and
-    the draft model's chains its gate ended early."""
+    costs say they should (a trial's catch-up, a shape's first forward) with their excess, the
+    draft model's chains its gate ended early, and where the time went."""
     rng = Rng(seed)
     source: DraftSource | None = None
     controller = None
@@ -108,8 +126,11 @@ def mlxd_run(
     gen = Generation(target, prompt, opts, set(), tokens, rng, source, controller)
     most = branches.MAX_BRANCHES
     branches.MAX_BRANCHES = 4 if method == "lookup/4" else most
+    split = Split()
     try:
+        t0 = time.perf_counter()
         gen.prefill()
+        split.prefill = time.perf_counter() - t0
         n = slow = 0
         excess = 0.0
         step = iter(gen)
@@ -125,9 +146,16 @@ def mlxd_run(
             if took > SLOW * expected:
                 slow += 1
                 excess += took - expected
+            if k:
+                split.rounds += 1
+                split.round_seconds += took
+                split.round_tokens += len(new)
+            else:
+                split.plain_steps += 1
+                split.plain_seconds += took
         model = source.model_part() if source is not None else None
         cut = model.cut if model is not None else 0
-        return n, gen.stats.drafted, gen.stats.accepted, slow, excess, cut
+        return n, gen.stats.drafted, gen.stats.accepted, slow, excess, cut, split
     finally:
         branches.MAX_BRANCHES = most
         gen.close()
@@ -288,6 +316,7 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
                         row.slow_steps += out[3]
                         row.slow_excess += out[4]
                         row.cut += int(out[5])
+                        row.split.add(out[6])
                     elif len(out) > 1:
                         row.from_draft += out[1]
             done = ", ".join(f"{name} {table[temp, name].rate:.1f}" for name in group)
@@ -335,6 +364,22 @@ def report(rows: list[Row], temp: float) -> None:
         " forward; their excess: the time beyond that, as a share of the method's; cut chains:"
         " draft-model chains ended short of the length asked, where one more draft could not pay)"
     )
+    print(
+        f"{'where the time went':<20}{'prefill ms':>11}{'plain steps':>12}{'ms each':>9}"
+        f"{'rounds':>8}{'ms each':>9}{'tokens each':>12}{'ms/token':>10}"
+    )
+    for r in rows:
+        if r.method.startswith(("mlxd", "plain")):
+            sp = r.split
+            each = sp.plain_seconds / sp.plain_steps * 1e3 if sp.plain_steps else 0.0
+            rnd = sp.round_seconds / sp.rounds * 1e3 if sp.rounds else 0.0
+            per = sp.round_tokens / sp.rounds if sp.rounds else 0.0
+            tok = sp.round_seconds / sp.round_tokens * 1e3 if sp.round_tokens else 0.0
+            print(
+                f"{r.method:<20}{sp.prefill * 1e3:>11.1f}{sp.plain_steps:>12}{each:>9.2f}"
+                f"{sp.rounds:>8}{rnd:>9.2f}{per:>12.2f}{tok:>10.2f}"
+            )
+    print("(prefill: every prompt's, summed; a round's ms/token: its time per committed token)")
     ours = max((r for r in rows if r.method.startswith("mlxd")), key=lambda r: r.rate)
     spec = [r for r in rows if r.method.startswith("mlx-lm k=")]
     floor = min(r.rate for r in rows if r.method.startswith("mlxd")) / plain
