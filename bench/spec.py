@@ -70,6 +70,8 @@ class Split:
     rounds: int = 0
     round_seconds: float = 0.0
     round_tokens: int = 0
+    # each slow step: its drafts (0: a plain step), ms it took, ms its costs say, its position
+    slow: list[tuple[int, float, float, int]] = field(default_factory=list)
 
     def add(self, other: Split) -> None:
         for name, value in asdict(other).items():
@@ -146,6 +148,7 @@ def mlxd_run(
             if took > SLOW * expected:
                 slow += 1
                 excess += took - expected
+                split.slow.append((k, took * 1e3, expected * 1e3, gen.produced))
             if k:
                 split.rounds += 1
                 split.round_seconds += took
@@ -380,6 +383,18 @@ def report(rows: list[Row], temp: float) -> None:
                 f"{sp.rounds:>8}{rnd:>9.2f}{per:>12.2f}{tok:>10.2f}"
             )
     print("(prefill: every prompt's, summed; a round's ms/token: its time per committed token)")
+    for r in rows:
+        if r.split.slow:
+            by_k: dict[int, int] = {}
+            for k, *_ in r.split.slow:
+                by_k[k] = by_k.get(k, 0) + 1
+            worst = sorted(r.split.slow, key=lambda x: -x[1])[:3]
+            print(
+                f"slow steps of {r.method}, by drafts: "
+                + " ".join(f"{k}:{n}" for k, n in sorted(by_k.items()))
+                + "; slowest (drafts, ms, ms expected, tokens out): "
+                + ", ".join(f"({k}, {t:.1f}, {e:.1f}, {at})" for k, t, e, at in worst)
+            )
     ours = max((r for r in rows if r.method.startswith("mlxd")), key=lambda r: r.rate)
     spec = [r for r in rows if r.method.startswith("mlx-lm k=")]
     floor = min(r.rate for r in rows if r.method.startswith("mlxd")) / plain
