@@ -17,8 +17,8 @@ Python step of a small model's decode shows, a float32 forward takes `RowLoRA._d
 routing, the base multiplied by a transposed view of its weight taken once (`nn.Linear` adds a
 transpose to each call), and rows that all use one adapter on a layer (a lone row, a uniform
 batch) multiplied by its matrices directly, the sum in the second matmul (`addmm`): three
-operations where the base takes one. On MLX's CUDA build a float base decodes through `lora_cuda`'s kernels (the
-base matmuls and every row's terms of the projections sharing an input, grouped by `_Group`, in
+operations where the base takes one. On MLX's CUDA build a float base decodes through
+`lora_cuda`'s kernels (the base matmuls and every row's terms of the projections sharing an input, grouped by `_Group`, in
 one call: two kernels for a lone row, the matmuls and one for several) and its stacks are held
 as A^T and B^T, whose rows those kernels read; other GPU rows take the `gather_mm`s. Ranks are
 padded with zeros to a multiple of 8 (exact): MLX's CUDA kernels fault on bf16 matrices of
@@ -238,8 +238,8 @@ class _Slots:
 
     by_slot: dict[int, LayerWeights] = field(default_factory=dict)
     stacks: _Stacks | None = None
-    # on a CPU, each slot's (A, sB) in the inputs' dtype, for forwards whose rows all use one
-    # slot (None: they take the general path); and the base's product for them
+    # on a CPU (float32, LoRA): each slot's (A, sB) views and the base's product, which
+    # `RowLoRA._direct` takes (None: the general path)
     direct: dict[int, tuple[mx.array, mx.array]] | None = None
     base: Callable[[mx.array], mx.array] | None = None
 
@@ -390,18 +390,16 @@ class RowLoRA(nn.Module):
                 lora_cuda.warm(at.dtype, count, self.has_bias, term=True)
         mx.eval(stacks.a, stacks.b, *([ratio] if ratio is not None else []))
         self._slots.stacks = stacks
-        self._slots.direct = None
-        if stacks.direct and not dora and not fused:
-            self._slots.direct = {}  # filled below, once the weights are the stacks' views
-            if self._slots.base is None:
-                self._slots.base = _base_product(self.base)
         for slot, w in held.items():  # each adapter's weights become views of the stacks:
             # held once, not once more beside them (zero-padded to the stacks' rank). A range
             # slice shares the stacks' memory; an integer index (a gather) would copy it.
             held[slot] = replace(w, a=_view(stacks.a, slot), b=_view(stacks.b, slot))
         mx.eval([(w.a, w.b) for w in held.values()])
-        if self._slots.direct is not None:
+        self._slots.direct = None
+        if stacks.direct and not dora and not fused:
             self._slots.direct = {slot: (w.a, w.b) for slot, w in held.items()}
+            if self._slots.base is None:
+                self._slots.base = _base_product(self.base)
 
     def _plan(self, x: mx.array) -> Plan | None:
         stacks = self._slots.stacks
