@@ -18,11 +18,12 @@ verifies its own draft only (the default).
 
 Every method decodes exactly --tokens new tokens per prompt (EOS does not stop it), so the
 rates compare like with like. Times include the prompt prefill; each engine reads every
-prompt once before anything is timed, so no method pays a prompt's first prefill. Prints one table per
-temperature and the ratios the goals are stated in; --json writes the raw numbers. Each table
-also counts mlxd's slow steps: those that took over `SLOW` times what the measured costs say
-(a draft model catching up on the context at a trial, a shape's first forward on a GPU), and
-the share of the method's time spent beyond those costs.
+prompt once before anything is timed, so no method pays a prompt's first prefill. Prints one
+table per temperature and the ratios the goals are stated in; --json writes the raw numbers.
+Each table also counts mlxd's slow steps: those that took over `SLOW` times what the measured
+costs say (a draft model catching up on the context at a trial, a shape's first forward on a
+GPU), and the share of the method's time spent beyond those costs; then where each method's
+time went (prompts, plain steps, speculative rounds) and its slow steps by draft count.
 """
 
 # ruff: noqa: E402  (the backend is configured before MLX is imported)
