@@ -16,7 +16,7 @@ from typing import Any
 
 from mlxd.engine.context import row_context
 from mlxd.registry.schema import ModelEntry
-from mlxd.registry.store import model_files
+from mlxd.registry.store import ModelFilesError, model_files, read_safetensors_header
 
 OVERHEAD_BYTES = 128 * 1024 * 1024  # activations, logits, compute buffers per pairing
 BUDGET_FRACTION = 0.75  # of total memory, when MLXD_MEMORY_BUDGET is not set
@@ -88,12 +88,35 @@ def _dtype_bytes(config: Mapping[str, Any]) -> int:
 
 def computes_in_float32(config: Mapping[str, Any], widen: bool) -> bool:
     """Whether a model computes in float32 rather than its files' 16-bit floats, where the
-    backend widens them (`Backend.float32_compute`). Quantized models keep their own kernels."""
-    if not widen:
-        return False
-    if config.get("quantization") or config.get("quantization_config"):
-        return False
-    return _dtype_bytes(config) == 2
+    backend widens them (`Backend.float32_compute`). A quantized model widens its float
+    tensors (scales, biases, norms, embeddings) and keeps its packed weights: MLX's CPU
+    quantized matmul multiplied a 7B-shaped 4-bit MLP projection in 58 ms with float32 scales
+    and inputs against 468 ms with bf16 ones, and the code pair's target quantized to 4 bits
+    decoded a token in 25 ms against 185."""
+    return widen and _dtype_bytes(config) == 2
+
+
+def computed_weight_bytes(model_dir: Path, config: Mapping[str, Any], widen: bool) -> int:
+    """Bytes the weights take once loaded: the files' bytes, plus the 16-bit float tensors'
+    bytes once more where they are widened to float32 (every tensor of a 16-bit model; a
+    quantized one's scales, biases, norms and embeddings). Headers that cannot be read count
+    the whole files twice."""
+    on_disk = weight_bytes(model_dir)
+    if not computes_in_float32(config, widen):
+        return on_disk
+    extra = 0
+    for f in model_files(model_dir):
+        if f.suffix != ".safetensors":
+            continue
+        try:
+            header = read_safetensors_header(f)
+        except (ModelFilesError, OSError):
+            return 2 * on_disk
+        for info in header.values():
+            if info.get("dtype") in ("BF16", "F16"):
+                start, end = info["data_offsets"]
+                extra += end - start
+    return on_disk + extra
 
 
 def as_computed(config: Mapping[str, Any], widen: bool) -> dict[str, Any]:
@@ -141,9 +164,8 @@ def estimate(dirs: list[Path], entry: ModelEntry, rows: int, widen: bool) -> Mem
     context = row_context(entry, configs[0])
     rows = max(1, rows)
     kv = sum(kv_bytes_per_token(c, entry.options) for c in configs) * context * rows
-    scale = [_dtype_bytes(c) // _dtype_bytes(f) for c, f in zip(configs, files, strict=True)]
     return MemoryNeed(
-        weights=sum(weight_bytes(d) * w for d, w in zip(dirs, scale, strict=True)),
+        weights=sum(computed_weight_bytes(d, f, widen) for d, f in zip(dirs, files, strict=True)),
         kv=kv,
         overhead=OVERHEAD_BYTES,
         context=context,
@@ -154,10 +176,8 @@ def estimate(dirs: list[Path], entry: ModelEntry, rows: int, widen: bool) -> Mem
 def estimate_embedding(model_dir: Path, max_length: int, widen: bool) -> MemoryNeed:
     """An embedding model's need: its weights (widened where 16-bit models compute in float32)
     and the fixed allowance; it keeps no cache between requests."""
-    file = _read_config(model_dir)
-    scale = _dtype_bytes(as_computed(file, widen)) // _dtype_bytes(file)
     return MemoryNeed(
-        weights=weight_bytes(model_dir) * max(1, scale),
+        weights=computed_weight_bytes(model_dir, _read_config(model_dir), widen),
         kv=0,
         overhead=OVERHEAD_BYTES,
         context=max_length,

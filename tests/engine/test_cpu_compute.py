@@ -11,7 +11,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 import pytest
+from mlx_lm import convert
 
 from mlxd.engine import cpu_blas
 from mlxd.engine.backend import CPU_DTYPE_ENV, Backend, configure_backend
@@ -19,6 +21,7 @@ from mlxd.engine.memory import computes_in_float32, estimate
 from mlxd.engine.pairing import load_pairing
 from mlxd.engine.speculation import Costs
 from mlxd.registry.schema import ModelEntry
+from mlxd.registry.store import read_safetensors_header
 from tests.fixtures.tiny_models import build_model
 
 REPO = Path(__file__).resolve().parents[2]
@@ -158,7 +161,7 @@ def test_which_models_compute_in_float32() -> None:
     assert computes_in_float32(bf16, True)
     assert computes_in_float32({"dtype": "float16"}, True)
     assert not computes_in_float32(bf16, False)  # MLXD_CPU_DTYPE=native, a GPU, no fast BLAS
-    assert not computes_in_float32({**bf16, "quantization": {"bits": 4}}, True)
+    assert computes_in_float32({**bf16, "quantization": {"bits": 4}}, True)  # its float tensors
     assert not computes_in_float32({"torch_dtype": "float32"}, True)
 
 
@@ -185,5 +188,44 @@ def test_a_16_bit_model_loads_in_float32_and_is_budgeted_so(tmp_path: Path) -> N
     assert native.target.model.embed_tokens.weight.dtype == mx.bfloat16
     assert native.revision == pairing.revision.removesuffix("+float32")
     files = estimate([path], entry, 2, False)
-    assert widened.weights == 2 * files.weights
+    assert widened.weights == files.weights + tensor_bytes(path, "BF16")  # every tensor twice
+    assert widened.kv == 2 * files.kv
+
+
+def tensor_bytes(model_dir: Path, dtype: str) -> int:
+    """Bytes of the tensors of `dtype` in a model's safetensors files."""
+    return sum(
+        info["data_offsets"][1] - info["data_offsets"][0]
+        for f in model_dir.glob("*.safetensors")
+        for info in read_safetensors_header(f).values()
+        if info["dtype"] == dtype
+    )
+
+
+def test_a_quantized_model_widens_its_float_tensors_only(tmp_path: Path) -> None:
+    """MLX's CPU quantized matmul is several times faster on float32 scales and inputs: a
+    4-bit model's scales, biases, norms and embeddings load in float32, its packed weights
+    stay, its logits stay the 16-bit ones' to rounding, and the budget counts what grew."""
+    shape = dict(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128)
+    source = build_model(tmp_path, "bf16", seed=3, dtype="bfloat16", **shape)
+    path = tmp_path / "q4"
+    convert(str(source), str(path), quantize=True, q_group_size=64, q_bits=4)
+    entry = ModelEntry("q", str(path))
+    widening = Backend("cpu", None, "", True, None, False, None)
+    pairing = load_pairing(entry, widening, costs=COSTS)
+    native = load_pairing(entry, replace(widening, float32_compute=False), costs=COSTS)
+    q_proj = pairing.target.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, nn.QuantizedLinear)
+    assert q_proj.weight.dtype == mx.uint32 and q_proj.scales.dtype == mx.float32
+    assert pairing.revision == native.revision + "+float32"
+    tokens = mx.array([[3, 5, 7, 11, 13]])
+    wide = pairing.target.model(tokens)
+    narrow = native.target.model(tokens).astype(mx.float32)
+    assert wide.dtype == mx.float32
+    assert mx.allclose(wide, narrow, atol=0.05 * mx.abs(narrow).max().item()).item()
+
+    widened = estimate([path], entry, 2, True)
+    files = estimate([path], entry, 2, False)
+    assert widened.weights == files.weights + tensor_bytes(path, "BF16")
+    assert files.weights < widened.weights < 2 * files.weights  # the packed weights stay
     assert widened.kv == 2 * files.kv
