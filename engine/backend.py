@@ -59,6 +59,9 @@ class Backend:
     fused_mlp: bool = False  # an MLP's gate and up projections are one matmul (GPU, opt-in)
     few_rows: bool = False  # a lone row's few-token forwards take mlxd's kernel (CUDA)
     few_rows_batches: bool = False  # a batch's too (opt-in)
+    # quantized models' float tensors compute in float32 (the CPU, with or without a fast
+    # BLAS: MLX's CPU quantized matmul is several times faster on float32 scales and inputs)
+    quantized_float32: bool = False
 
     def describe(self) -> str:
         """One line for the startup log."""
@@ -71,13 +74,20 @@ class Backend:
             graphs += f" (cache {self.graph_cache_size})"
         return (
             f"backend: {self.device}, CPU BLAS {blas},"
-            f" compute {'float32' if self.float32_compute else 'native dtype'},"
+            f" compute {self._compute()},"
             f" KV caches {kv},"
             f" batched attention {'per-row kernel' if self.batched_attention else 'masked'}"
             f"{', gate and up fused' if self.fused_mlp else ''}"
             f"{', few-token projections on mlxd kernel' if self.few_rows else ''}"
             f"{' (batches too)' if self.few_rows_batches else ''}{graphs}"
         )
+
+    def _compute(self) -> str:
+        if self.float32_compute:
+            return "float32"
+        if self.quantized_float32:
+            return "float32 for quantized models, native dtype for others"
+        return "native dtype"
 
 
 def _cpu_dtype(env: Mapping[str, str]) -> tuple[str, bool]:
@@ -165,6 +175,7 @@ def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
         fused_mlp=on_gpu and env.get(FUSE_MLP_ENV, "0").strip().lower() in ("1", "true", "on"),
         few_rows=cuda and few_rows not in ("0", "false", "off"),
         few_rows_batches=cuda and few_rows == "batches",
+        quantized_float32=not on_gpu and dtype == "float32",
     )
     if cuda:
         install_batched_decode()  # batch rows attend to their own keys, no mask

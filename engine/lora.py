@@ -18,13 +18,13 @@ routing, the base multiplied by a transposed view of its weight taken once (`nn.
 transpose to each call), and rows that all use one adapter on a layer (a lone row, a uniform
 batch) multiplied by its matrices directly, the sum in the second matmul (`addmm`): three
 operations where the base takes one. On MLX's CUDA build a float base decodes through
-`lora_cuda`'s kernels (the base matmuls and every row's terms of the projections sharing an input, grouped by `_Group`, in
-one call: two kernels for a lone row, the matmuls and one for several) and its stacks are held
-as A^T and B^T, whose rows those kernels read; other GPU rows take the `gather_mm`s. Ranks are
-padded with zeros to a multiple of 8 (exact): MLX's CUDA kernels fault on bf16 matrices of
-rank 4. DoRA's ratio
-m / ||W + s B^T A^T|| is a constant of the adapter and the base, computed once at mount (mlx-lm
-recomputes it, dequantizing W, on every call).
+`lora_cuda`'s kernels (the base matmuls and every row's terms of the projections sharing an
+input, grouped by `_Group`, in one call: two kernels for a lone row, the matmuls and one for
+several) and its stacks are held as A^T and B^T, whose rows those kernels read; other GPU rows
+take the `gather_mm`s. Ranks are padded with zeros to a multiple of 8 (exact): MLX's CUDA
+kernels fault on bf16 matrices of rank 4. DoRA's ratio m / ||W + s B^T A^T|| is a constant of
+the adapter and the base, computed once at mount (mlx-lm recomputes it, dequantizing W, on
+every call).
 
 Stacks are rebuilt when an adapter is mounted or dropped (between forwards, on the pairing's
 thread); slots stay where they are, so rows keep theirs.

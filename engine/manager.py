@@ -165,11 +165,13 @@ def estimate_need(entry: ModelEntry, rows: int, backend: Backend) -> MemoryNeed:
     spec = embedding_spec(entry)
     if spec is not None:  # weights and activations: no KV cache outlives a request
         path = locate(entry.target, "model")
-        return estimate_embedding(path, spec.max_length, backend.float32_compute)
+        return estimate_embedding(
+            path, spec.max_length, backend.float32_compute, backend.quantized_float32
+        )
     dirs: list[Path] = [locate(entry.target, "target")]
     if entry.draft:
         dirs.append(locate(entry.draft, "draft"))
-    return estimate(dirs, entry, rows, backend.float32_compute)
+    return estimate(dirs, entry, rows, backend.float32_compute, backend.quantized_float32)
 
 
 # -- waiting requests --------------------------------------------------------------------------

@@ -86,23 +86,33 @@ def _dtype_bytes(config: Mapping[str, Any]) -> int:
     return DEFAULT_KV_DTYPE_BYTES
 
 
-def computes_in_float32(config: Mapping[str, Any], widen: bool) -> bool:
-    """Whether a model computes in float32 rather than its files' 16-bit floats, where the
-    backend widens them (`Backend.float32_compute`). A quantized model widens its float
-    tensors (scales, biases, norms, embeddings) and keeps its packed weights: MLX's CPU
-    quantized matmul multiplied a 7B-shaped 4-bit MLP projection in 58 ms with float32 scales
-    and inputs against 468 ms with bf16 ones, and the code pair's target quantized to 4 bits
-    decoded a token in 25 ms against 185."""
-    return widen and _dtype_bytes(config) == 2
+def computes_in_float32(
+    config: Mapping[str, Any], widen: bool, widen_quantized: bool | None = None
+) -> bool:
+    """Whether a model computes in float32 rather than its files' 16-bit floats: a 16-bit
+    model where the backend widens them (`widen`: `Backend.float32_compute`), a quantized one
+    where it widens those (`widen_quantized`, default `widen`: `Backend.quantized_float32`).
+    A quantized model widens its float tensors (scales, biases, norms, embeddings) and keeps
+    its packed weights: MLX's CPU quantized matmul multiplied a 7B-shaped 4-bit MLP projection
+    in 58 ms with float32 scales and inputs against 468 ms with bf16 ones, and the code pair's
+    target quantized to 4 bits decoded a token in 24-27 ms against 184, with or without a fast
+    BLAS."""
+    if _dtype_bytes(config) != 2:
+        return False
+    if config.get("quantization") or config.get("quantization_config"):
+        return widen if widen_quantized is None else widen_quantized
+    return widen
 
 
-def computed_weight_bytes(model_dir: Path, config: Mapping[str, Any], widen: bool) -> int:
+def computed_weight_bytes(
+    model_dir: Path, config: Mapping[str, Any], widen: bool, widen_quantized: bool | None = None
+) -> int:
     """Bytes the weights take once loaded: the files' bytes, plus the 16-bit float tensors'
     bytes once more where they are widened to float32 (every tensor of a 16-bit model; a
     quantized one's scales, biases, norms and embeddings). Headers that cannot be read count
     the whole files twice."""
     on_disk = weight_bytes(model_dir)
-    if not computes_in_float32(config, widen):
+    if not computes_in_float32(config, widen, widen_quantized):
         return on_disk
     extra = 0
     for f in model_files(model_dir):
@@ -119,9 +129,11 @@ def computed_weight_bytes(model_dir: Path, config: Mapping[str, Any], widen: boo
     return on_disk + extra
 
 
-def as_computed(config: Mapping[str, Any], widen: bool) -> dict[str, Any]:
+def as_computed(
+    config: Mapping[str, Any], widen: bool, widen_quantized: bool | None = None
+) -> dict[str, Any]:
     """`config` with the dtype the model computes (and caches K/V) in."""
-    if not computes_in_float32(config, widen):
+    if not computes_in_float32(config, widen, widen_quantized):
         return dict(config)
     return {**config, "torch_dtype": "float32", "dtype": "float32"}
 
@@ -155,17 +167,27 @@ def kv_bytes_per_token(config: Mapping[str, Any], options: Mapping[str, Any] | N
     return int(2 * layers * kv_heads * head_dim(config) * element)
 
 
-def estimate(dirs: list[Path], entry: ModelEntry, rows: int, widen: bool) -> MemoryNeed:
-    """The need of a pairing whose files are in `dirs` (target first, then the draft); `widen`:
-    16-bit models compute in float32 (`Backend.float32_compute`). Each row reserves the
-    pairing's context (`context.row_context`)."""
+def estimate(
+    dirs: list[Path],
+    entry: ModelEntry,
+    rows: int,
+    widen: bool,
+    widen_quantized: bool | None = None,
+) -> MemoryNeed:
+    """The need of a pairing whose files are in `dirs` (target first, then the draft); `widen`
+    and `widen_quantized`: which models compute in float32 (`computes_in_float32`). Each row
+    reserves the pairing's context (`context.row_context`)."""
     files = [_read_config(d) for d in dirs]
-    configs = [as_computed(c, widen) for c in files]
+    configs = [as_computed(c, widen, widen_quantized) for c in files]
     context = row_context(entry, configs[0])
     rows = max(1, rows)
     kv = sum(kv_bytes_per_token(c, entry.options) for c in configs) * context * rows
+    weights = [
+        computed_weight_bytes(d, f, widen, widen_quantized)
+        for d, f in zip(dirs, files, strict=True)
+    ]
     return MemoryNeed(
-        weights=sum(computed_weight_bytes(d, f, widen) for d, f in zip(dirs, files, strict=True)),
+        weights=sum(weights),
         kv=kv,
         overhead=OVERHEAD_BYTES,
         context=context,
@@ -173,11 +195,14 @@ def estimate(dirs: list[Path], entry: ModelEntry, rows: int, widen: bool) -> Mem
     )
 
 
-def estimate_embedding(model_dir: Path, max_length: int, widen: bool) -> MemoryNeed:
-    """An embedding model's need: its weights (widened where 16-bit models compute in float32)
-    and the fixed allowance; it keeps no cache between requests."""
+def estimate_embedding(
+    model_dir: Path, max_length: int, widen: bool, widen_quantized: bool | None = None
+) -> MemoryNeed:
+    """An embedding model's need: its weights (widened where it computes in float32) and the
+    fixed allowance; it keeps no cache between requests."""
+    config = _read_config(model_dir)
     return MemoryNeed(
-        weights=computed_weight_bytes(model_dir, _read_config(model_dir), widen),
+        weights=computed_weight_bytes(model_dir, config, widen, widen_quantized),
         kv=0,
         overhead=OVERHEAD_BYTES,
         context=max_length,

@@ -136,16 +136,17 @@ def load_model(
     path: Path, backend: Backend, template: str | None = None
 ) -> tuple[nn.Module, Any, dict[str, Any]]:
     """A model as mlxd computes with it on `backend`: through mlx-lm, in float32 on the CPU
-    where the backend widens 16-bit models, its MLPs' gate and up projections one matmul where
-    it fuses them (`engine.fusedproj`), its few-token forwards' projections on mlxd's kernel
-    where it takes them (`engine.fewrows`), with its caches laid out as the backend says."""
+    where the backend widens its kind (16-bit or quantized: `computes_in_float32`), its MLPs'
+    gate and up projections one matmul where it fuses them (`engine.fusedproj`), its few-token
+    forwards' projections on mlxd's kernel where it takes them (`engine.fewrows`), with its
+    caches laid out as the backend says."""
     tokenizer_config = {"chat_template": template} if template else None
     try:
         loaded = mlx_load(str(path), tokenizer_config=tokenizer_config, return_config=True)
         model, tokenizer, config = loaded  # type: ignore[misc]
     except Exception as exc:
         raise ModelUnavailable(f"cannot load {path}: {exc}") from exc
-    if computes_in_float32(config, backend.float32_compute):
+    if computes_in_float32(config, backend.float32_compute, backend.quantized_float32):
         model.set_dtype(mx.float32)
     if backend.fused_mlp:
         fuse_gate_up(model)
@@ -158,7 +159,7 @@ def load_model(
 def revision_of(path: Path, config: dict[str, Any], backend: Backend) -> str:
     """The files' digest, and the dtype they compute in when that is not theirs: K/V computed
     in another dtype must never be restored from the prefix cache."""
-    widened = computes_in_float32(config, backend.float32_compute)
+    widened = computes_in_float32(config, backend.float32_compute, backend.quantized_float32)
     return model_digest(path) + ("+float32" if widened else "")
 
 

@@ -23,7 +23,7 @@ def load_distributed(
     config = load_config(path)
     extra = {"chat_template": template} if template else None
     tokenizer = load_tokenizer(path, extra, eos_token_ids=config.get("eos_token_id"))
-    float32 = computes_in_float32(config, backend.float32_compute)
+    float32 = computes_in_float32(config, backend.float32_compute, backend.quantized_float32)
     target = DistributedTarget(name, path, dist, float32)
     return target, tokenizer, config
 

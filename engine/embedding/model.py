@@ -148,7 +148,7 @@ class Embedder:
                 class_predicate=lambda p, m: f"{p}.scales" in weights,
             )
         self.network.load_weights(list(weights.items()), strict=True)
-        if computes_in_float32(config, backend.float32_compute):
+        if computes_in_float32(config, backend.float32_compute, backend.quantized_float32):
             self.network.set_dtype(mx.float32)
         self.network.eval()
         mx.eval(self.network.parameters())

@@ -161,7 +161,10 @@ def test_which_models_compute_in_float32() -> None:
     assert computes_in_float32(bf16, True)
     assert computes_in_float32({"dtype": "float16"}, True)
     assert not computes_in_float32(bf16, False)  # MLXD_CPU_DTYPE=native, a GPU, no fast BLAS
-    assert computes_in_float32({**bf16, "quantization": {"bits": 4}}, True)  # its float tensors
+    q4 = {**bf16, "quantization": {"bits": 4}}
+    assert computes_in_float32(q4, True)  # its float tensors, as 16-bit models by default
+    assert computes_in_float32(q4, False, True)  # a CPU without a fast BLAS
+    assert not computes_in_float32(q4, True, False)
     assert not computes_in_float32({"torch_dtype": "float32"}, True)
 
 
@@ -169,6 +172,8 @@ def test_the_backend_widens_only_on_the_cpu_over_a_fast_blas() -> None:
     backend = configure_backend()
     fast_cpu = backend.device == "cpu" and backend.cpu_blas is not None
     assert backend.float32_compute is (fast_cpu and os.environ.get(CPU_DTYPE_ENV) != "native")
+    cpu = backend.device == "cpu"
+    assert backend.quantized_float32 is (cpu and os.environ.get(CPU_DTYPE_ENV) != "native")
     assert (backend.kv_bucket is not None) is (backend.device == "gpu")
     assert backend.batched_attention is (backend.graph_cache_size is not None)  # both CUDA
 
@@ -211,9 +216,10 @@ def test_a_quantized_model_widens_its_float_tensors_only(tmp_path: Path) -> None
     path = tmp_path / "q4"
     convert(str(source), str(path), quantize=True, q_group_size=64, q_bits=4)
     entry = ModelEntry("q", str(path))
-    widening = Backend("cpu", None, "", True, None, False, None)
+    # no fast BLAS: 16-bit models keep their dtype, quantized ones still widen
+    widening = Backend("cpu", None, "", False, None, False, None, quantized_float32=True)
     pairing = load_pairing(entry, widening, costs=COSTS)
-    native = load_pairing(entry, replace(widening, float32_compute=False), costs=COSTS)
+    native = load_pairing(entry, replace(widening, quantized_float32=False), costs=COSTS)
     q_proj = pairing.target.model.layers[0].self_attn.q_proj
     assert isinstance(q_proj, nn.QuantizedLinear)
     assert q_proj.weight.dtype == mx.uint32 and q_proj.scales.dtype == mx.float32
@@ -224,8 +230,8 @@ def test_a_quantized_model_widens_its_float_tensors_only(tmp_path: Path) -> None
     assert wide.dtype == mx.float32
     assert mx.allclose(wide, narrow, atol=0.05 * mx.abs(narrow).max().item()).item()
 
-    widened = estimate([path], entry, 2, True)
-    files = estimate([path], entry, 2, False)
+    widened = estimate([path], entry, 2, False, True)
+    files = estimate([path], entry, 2, False, False)
     assert widened.weights == files.weights + tensor_bytes(path, "BF16")
     assert files.weights < widened.weights < 2 * files.weights  # the packed weights stay
     assert widened.kv == 2 * files.kv
