@@ -158,7 +158,8 @@ def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
     widen = not on_gpu and dtype == "float32" and blas.path is not None
     if dtype_set and dtype == "float32" and not on_gpu and not widen:
         log.warning(
-            "%s=float32: models keep their files' dtype (no optimized BLAS under MLX: %s)",
+            "%s=float32: 16-bit models keep their files' dtype, quantized ones alone compute"
+            " in float32 (no optimized BLAS under MLX: %s)",
             CPU_DTYPE_ENV,
             blas.reason,
         )
