@@ -13,7 +13,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.utils import load as mlx_load
 
-from mlxd.engine import branches, fewrows, rowpad
+from mlxd.engine import branches, dequant, fewrows, rowpad
 from mlxd.engine.adapters import DEFAULT_ADAPTER_BYTES, AdapterSet
 from mlxd.engine.backend import Backend
 from mlxd.engine.context import row_context
@@ -148,6 +148,8 @@ def load_model(
         raise ModelUnavailable(f"cannot load {path}: {exc}") from exc
     if computes_in_float32(config, backend.float32_compute, backend.quantized_float32):
         model.set_dtype(mx.float32)
+        if backend.float32_compute:  # an optimized BLAS: many rows multiply dequantized
+            dequant.install(model)
     if backend.fused_mlp:
         fuse_gate_up(model)
     if backend.few_rows:

@@ -19,6 +19,8 @@ from collections.abc import Mapping
 import mlx.core as mx
 import mlx.nn as nn
 
+from mlxd.engine.dequant import DequantizingLinear
+
 MARGIN = 0.75  # pad only where the wider forward costs at most this share of the narrower
 TIE = 1.05  # widths within this factor of the cheapest count as cheapest
 
@@ -58,7 +60,7 @@ def install(model: nn.Module, padded: Mapping[int, int]) -> int:
     changed = 0
     for _, layer in model.named_modules():
         base = layer.base_kind if isinstance(layer, _Padded) else type(layer)
-        if base not in (nn.Linear, nn.QuantizedLinear):
+        if base not in (nn.Linear, nn.QuantizedLinear, DequantizingLinear):
             continue
         if not table:
             layer.__class__ = base
