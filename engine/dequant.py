@@ -6,8 +6,11 @@ x86-64 machine a 4-bit 4864 x 896 projection took 3.8 ms for one row, 30 for 8 a
 So where an optimized BLAS serves MLX's float32 matmuls (`Backend.float32_compute`), a
 quantized projection's forward of `MIN_ROWS` rows or more (a prompt, a batch, a verify round)
 multiplies a float32 copy of its weight made for that call and dropped after it; fewer rows (a
-decode step) keep the packed kernel. On MLX's reference BLAS the float32 matmul is slower than
-the packed kernel at every row count, so nothing changes there.
+decode step) keep the packed kernel. A weight larger than `BLOCK_BYTES` in float32 (a large
+vocabulary's output projection: 2.2 GB for 152k x 3584) is copied and multiplied a block of
+output features at a time, so the copy held at once stays bounded. On MLX's reference BLAS
+the float32 matmul is slower than the packed kernel at every row count, so nothing changes
+there.
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ from __future__ import annotations
 import mlx.core as mx
 import mlx.nn as nn
 
-__all__ = ["MIN_ROWS", "DequantizingLinear", "install"]
+__all__ = ["BLOCK_BYTES", "MIN_ROWS", "DequantizingLinear", "install"]
 
 MIN_ROWS = 3  # 2 rows: 7.5 ms packed against 9.4 dequantized (the projection above)
+BLOCK_BYTES = 256 * 1024 * 1024  # the most of a float32 copy held at once
 
 
 class DequantizingLinear(nn.QuantizedLinear):
@@ -26,14 +30,27 @@ class DequantizingLinear(nn.QuantizedLinear):
     def __call__(self, x: mx.array) -> mx.array:
         if x.size < MIN_ROWS * x.shape[-1]:
             return super().__call__(x)
-        w = mx.dequantize(
-            self["weight"], self["scales"], self.get("biases"), self.group_size, self.bits,
-            mode=self.mode,
-        )  # fmt: skip
-        y = x @ w.T
+        weight, scales, biases = self["weight"], self["scales"], self.get("biases")
+        block = max(1, BLOCK_BYTES // (4 * x.shape[-1]))  # output features a copy holds
+        if block >= weight.shape[0]:
+            y = x @ self._dequantized(weight, scales, biases).T
+        else:
+            y = mx.concatenate(
+                [
+                    x @ self._dequantized(
+                        weight[a : a + block], scales[a : a + block],
+                        None if biases is None else biases[a : a + block],
+                    ).T
+                    for a in range(0, weight.shape[0], block)
+                ],
+                axis=-1,
+            )  # fmt: skip
         if "bias" in self:
             y = y + self["bias"]
         return y
+
+    def _dequantized(self, weight: mx.array, scales: mx.array, biases: mx.array | None) -> mx.array:
+        return mx.dequantize(weight, scales, biases, self.group_size, self.bits, mode=self.mode)
 
 
 def install(model: nn.Module) -> int:

@@ -37,6 +37,27 @@ def test_every_row_count_gives_the_packed_kernels_output(
     assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
 
 
+def test_a_large_weight_is_copied_a_block_of_outputs_at_a_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """96 outputs of 128 inputs, 40 outputs' float32 copy at a time: three blocks."""
+    monkeypatch.setattr(dequant, "BLOCK_BYTES", 40 * 128 * 4)
+    calls: list[int] = []
+    real = mx.dequantize
+
+    def counted(w: mx.array, *args: object, **kwargs: object) -> mx.array:
+        calls.append(w.shape[0])
+        return real(w, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mx, "dequantize", counted)
+    packed, routed = quantized(True), quantized(True)
+    dequant.install(routed)
+    x = mx.random.normal((2, 5, 128), key=mx.random.key(2))
+    want, got = packed(x), routed(x)
+    assert calls == [40, 40, 16]
+    assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
+
+
 def test_few_rows_keep_the_packed_kernel_and_many_dequantize(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
