@@ -103,19 +103,35 @@ def describe(exc: msgspec.ValidationError) -> str:
 # -- encoding -----------------------------------------------------------------------------------
 
 
+# Characters JSON allows raw inside strings (and msgspec writes raw) that httpx's `iter_lines`,
+# which ollama-python and LiteLLM read streams with, and Python's `str.splitlines` take for line
+# breaks: a generated U+2028 would cut an NDJSON line in two. Written escaped, as Go's encoder
+# writes U+2028 and U+2029; in valid UTF-8 these byte runs are only ever these characters.
+_LINE_BREAKS = (
+    (b"\xc2\x85", b"\\u0085"),
+    (b"\xe2\x80\xa8", b"\\u2028"),
+    (b"\xe2\x80\xa9", b"\\u2029"),
+)
+
+
 def encode(obj: Any) -> bytes:
-    return _encoder.encode(obj)
+    """JSON, with no character a line reader could split on."""
+    out = _encoder.encode(obj)
+    if b"\xc2\x85" in out or b"\xe2\x80" in out:
+        for raw, escaped in _LINE_BREAKS:
+            out = out.replace(raw, escaped)
+    return out
 
 
 def ndjson_line(obj: Any) -> bytes:
     """One NDJSON line (Ollama's streams)."""
-    return _encoder.encode(obj) + b"\n"
+    return encode(obj) + b"\n"
 
 
 def sse_event(obj: Any) -> bytes:
     """One server-sent event (OpenAI's streams)."""
-    return b"data: " + _encoder.encode(obj) + b"\n\n"
+    return b"data: " + encode(obj) + b"\n\n"
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(_encoder.encode(obj), status_code=status, media_type=JSON)
+    return Response(encode(obj), status_code=status, media_type=JSON)

@@ -8,6 +8,7 @@ import json
 from datetime import datetime, timezone
 from typing import Any
 
+import httpx
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -153,3 +154,17 @@ def test_openai_chunks_keep_a_null_finish_reason() -> None:
     obj = msgspec.json.decode(event[6:])
     assert obj["choices"] == [{"index": 0, "delta": {"content": ""}, "finish_reason": None}]
     assert "usage" not in obj
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_every_streamed_line_survives_a_line_reader(text: str) -> None:
+    """httpx's `iter_lines` (ollama-python's, LiteLLM's reader) and `str.splitlines` break lines
+    at U+0085, U+2028 and U+2029, which JSON allows raw: a token holding one must not cut its
+    NDJSON line or SSE event in two."""
+    obj = {"response": "a\u2028b\u2029c\x85d" + text}
+    for encoded, head in ((ndjson_line(obj), b""), (sse_event(obj), b"data: ")):
+        lines = [line for line in httpx.Response(200, content=encoded * 2).iter_lines() if line]
+        assert len(lines) == 2
+        assert lines[0].encode().startswith(head)
+        assert json.loads(lines[0].encode()[len(head) :]) == obj
