@@ -89,14 +89,22 @@ class Row:
     drafted: int = 0
     accepted: int = 0
     from_draft: int = 0
-    slow_steps: int = 0  # mlxd steps over SLOW x their measured cost (catch-ups, compiles)
-    slow_excess: float = 0.0  # seconds those steps took beyond that cost
     cut: int = 0  # draft-model chains ended short of the length asked (`DraftGate`)
     split: Split = field(default_factory=Split)
 
     @property
     def rate(self) -> float:
         return self.tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def slow_steps(self) -> int:
+        """mlxd steps over SLOW x their measured cost (catch-ups, compiles)."""
+        return len(self.split.slow)
+
+    @property
+    def slow_excess(self) -> float:
+        """Seconds those steps took beyond that cost."""
+        return sum(took - expected for _, took, expected, _ in self.split.slow) / 1e3
 
     @property
     def acceptance(self) -> float:
@@ -106,10 +114,10 @@ class Row:
 def mlxd_run(
     target: nn.Module, draft: nn.Module, prompt: list[int], opts: SamplingOptions,
     method: str, tokens: int, costs: Costs, max_k: int | None, seed: int, history: SpecHistory,
-) -> tuple[int, int, int, int, float, int, Split]:  # fmt: skip
-    """Tokens, drafted, accepted, the steps that took over `SLOW` times what the measured
-    costs say they should (a trial's catch-up, a shape's first forward) with their excess, the
-    draft model's chains its gate ended early, and where the time went."""
+) -> tuple[int, int, int, int, Split]:  # fmt: skip
+    """Tokens, drafted, accepted, the draft model's chains its gate ended early, and where the
+    time went (with the steps that took over `SLOW` times what the measured costs say they
+    should: a trial's catch-up, a shape's first forward)."""
     rng = Rng(seed)
     source: DraftSource | None = None
     controller = None
@@ -134,8 +142,7 @@ def mlxd_run(
         t0 = time.perf_counter()
         gen.prefill()
         split.prefill = time.perf_counter() - t0
-        n = slow = 0
-        excess = 0.0
+        n = 0
         step = iter(gen)
         while True:
             before, t0 = gen.stats.drafted, time.perf_counter()
@@ -147,8 +154,6 @@ def mlxd_run(
             k = gen.stats.drafted - before  # what the step should cost, by the measured costs
             expected = costs.v(k + 1) + k * draft_cost if k else costs.plain
             if took > SLOW * expected:
-                slow += 1
-                excess += took - expected
                 split.slow.append((k, took * 1e3, expected * 1e3, gen.produced))
             if k:
                 split.rounds += 1
@@ -159,7 +164,7 @@ def mlxd_run(
                 split.plain_seconds += took
         model = source.model_part() if source is not None else None
         cut = model.cut if model is not None else 0
-        return n, gen.stats.drafted, gen.stats.accepted, slow, excess, cut, split
+        return n, gen.stats.drafted, gen.stats.accepted, cut, split
     finally:
         branches.MAX_BRANCHES = most
         gen.close()
@@ -252,7 +257,16 @@ def main() -> None:
         mx.clear_cache()
     summary(rows, [float(t) for t in args.temps.split(",")], names)
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) | {"rate": r.rate} for r in rows], indent=1))
+        args.json.write_text(
+            json.dumps(
+                [
+                    asdict(r)
+                    | {"rate": r.rate, "slow_steps": r.slow_steps, "slow_excess": r.slow_excess}
+                    for r in rows
+                ],
+                indent=1,
+            )
+        )
 
 
 def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
@@ -317,10 +331,8 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
                     if name.startswith(("mlxd", "plain")):
                         row.drafted += out[1]
                         row.accepted += out[2]
-                        row.slow_steps += out[3]
-                        row.slow_excess += out[4]
-                        row.cut += int(out[5])
-                        row.split.add(out[6])
+                        row.cut += int(out[3])
+                        row.split.add(out[4])
                     elif len(out) > 1:
                         row.from_draft += out[1]
             done = ", ".join(f"{name} {table[temp, name].rate:.1f}" for name in group)
