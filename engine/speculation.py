@@ -244,6 +244,10 @@ class RoundClock:
             return 0.0
         return max(self.seconds, self.modelled) / self.tokens * floor / plain
 
+    def excess(self, plain: float) -> float:
+        """Plain steps these rounds took beyond what plain decoding would for their tokens."""
+        return max(self.seconds, self.modelled) / plain - self.tokens
+
 
 FREE_SOURCES = ("lookup", "forced")  # sources whose drafts cost no forward
 MODEL_ARM = "model"  # the arm of a mixed source (auto) judged on its own rounds
@@ -254,6 +258,11 @@ MODEL_ARM = "model"  # the arm of a mixed source (auto) judged on its own rounds
 # tokens and still ran at 0.95x of plain decoding.
 KNOWN_TRIES = 16
 HOPELESS = 0.8
+# A lost trial is repaid by the pause after it: at least its loss in plain steps over this share
+# (a trial 7 steps behind pauses 350 tokens), so trials cost under 2% of the tokens however
+# often a losing source is tried; doubling alone spent 3.6-4.6% on a CPU's 4-bit pair, sampled,
+# where prompt lookup's 16-token rounds cost 5 steps and committed 3.2 tokens.
+TRIAL_SHARE = 0.02
 
 
 def floor_on() -> bool:
@@ -378,12 +387,15 @@ class DraftLengthController:
             self.bench_pauses = min(self.bench_pauses + 1, 16)
 
     def _stop_paying(self) -> None:
-        """A trial lost: the next pause is twice the last (the pairing's clock when shared)."""
+        """A trial lost: the next pause is twice the last (the pairing's clock when shared),
+        and long enough to repay what the trial lost (`TRIAL_SHARE`)."""
         self.off = True
+        repay = math.ceil(max(self.clock.excess(self.costs.plain), 0.0) / TRIAL_SHARE)
+        least = max(self.base_pause, repay)
         if self.history is not None:
-            self.backoff = self.history.lengthen(self.key, self.base_pause, self.max_pause)
+            self.backoff = self.history.lengthen(self.key, least, self.max_pause)
         else:
-            self.backoff = min(max(2 * self.backoff, self.base_pause), self.max_pause)
+            self.backoff = min(max(2 * self.backoff, least), self.max_pause)
         self.pause_tokens = self.backoff
 
     def _paid(self) -> None:

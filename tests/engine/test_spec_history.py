@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+
+import pytest
 
 from mlxd.engine.drafting import (
     Draft,
@@ -14,7 +17,13 @@ from mlxd.engine.drafting import (
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
 from mlxd.engine.sampling import Rng
-from mlxd.engine.speculation import Costs, DraftLengthController, SourceRecord, SpecHistory
+from mlxd.engine.speculation import (
+    TRIAL_SHARE,
+    Costs,
+    DraftLengthController,
+    SourceRecord,
+    SpecHistory,
+)
 from tests.engine.conftest import Loaded
 from tests.engine.test_spec_floor import ReferenceDrafts
 from tests.engine.test_speculative import generate, prompts
@@ -213,7 +222,7 @@ def test_a_trial_cut_short_keeps_the_clock() -> None:
     trial.conclude()
     failed = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
     for _ in range(failed.patience):
-        failed.observe_time(3.0, 1)
+        failed.observe_time(1.5, 1)
     assert failed.off and failed.pause_tokens == 256  # doubled from 128, not restarted
 
 
@@ -223,7 +232,7 @@ def test_a_trial_that_pays_restarts_the_backoff_within_a_request() -> None:
     history = SpecHistory()
     ctl = DraftLengthController(FLAT, 4, 0.05, history=history, source="model")
     for _ in range(ctl.patience):
-        ctl.observe_time(3.0, 1)
+        ctl.observe_time(1.5, 1)
     assert ctl.off and ctl.pause_tokens == 256
     ctl.resume()
     for _ in range(ctl.patience):
@@ -236,14 +245,34 @@ def test_a_trial_that_pays_restarts_the_backoff_within_a_request() -> None:
 
 
 def test_without_a_history_lost_trials_still_back_off() -> None:
-    ctl = DraftLengthController(FLAT, 4, 0.0, pause_tokens=4)
+    ctl = DraftLengthController(FLAT, 4, 0.0, pause_tokens=64)
     pauses = []
     for _ in range(3):
         for _ in range(ctl.patience):
-            ctl.observe_time(3.0, 1)
+            ctl.observe_time(1.2, 1)  # a small loss: doubling is what sets the pause
         pauses.append(ctl.pause_tokens)
         ctl.resume()
-    assert pauses == [4, 8, 16]
+    assert pauses == [64, 128, 256]
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own", "pairing's"])
+def test_a_lost_trial_pauses_long_enough_to_repay_its_loss(shared: bool) -> None:
+    """Trials of a losing source cost at most `TRIAL_SHARE` of the tokens decoded between them,
+    however short the doubling pause would be: rounds 2 plain steps behind each pause ~50x
+    their loss."""
+    history = SpecHistory() if shared else None
+    ctl = DraftLengthController(FLAT, 4, 0.0, pause_tokens=4, history=history, source="lookup")
+    for _ in range(ctl.patience):
+        ctl.observe_time(3.0, 1)
+    lost = ctl.clock.excess(FLAT.plain)
+    assert 6.0 < lost < 8.0  # decayed: four rounds, each 2 steps behind
+    assert ctl.off and ctl.pause_tokens == math.ceil(lost / TRIAL_SHARE)
+    if history is not None:
+        assert history.pause_left("lookup", start=0) == ctl.pause_tokens
+    ctl.resume()
+    for _ in range(ctl.patience):
+        ctl.observe_time(3.0, 1)
+    assert ctl.pause_tokens == 2 * math.ceil(lost / TRIAL_SHARE)  # and doubling on from there
 
 
 def test_greedy_and_sampled_requests_keep_separate_histories() -> None:

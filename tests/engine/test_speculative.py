@@ -403,7 +403,9 @@ def test_paused_speculation_resumes_and_stays_lossless(loaded: Loaded) -> None:
     hopeless = Costs(verify={w: 1.0 for w in range(1, 10)}, draft_step=0.0, plain_step=1e-9)
     prompt = prompts(loaded.tokenizer, 1)[0]
     plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=96)
-    controller = DraftLengthController(hopeless, 3, 0.0, patience=2, pause_tokens=4)
+    controller = DraftLengthController(
+        hopeless, 3, 0.0, patience=2, pause_tokens=4, max_pause=8
+    )  # pauses that end within the request, not ones that repay the trials' losses
     source = ModelDraftSource(loaded.draft, GREEDY, Rng(0))
     gen = Generation(loaded.target, prompt, GREEDY, {0, 2}, 96, Rng(0), source, controller)
     try:
