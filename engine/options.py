@@ -20,6 +20,7 @@ DRAFT_METHODS = ("auto", "model", "lookup", "forced", "off")  # forced: a gramma
 MAX_DRAFT_TOKENS = 64  # options.draft_num_predict: drafts per round (verify cost grows with it)
 INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+FLOAT_FLOOR = 1e-7  # the least positive temperature, top-p and repeat penalty (`Bound.floor`)
 
 # Options Ollama accepts that do not change how mlxd samples (runner and legacy keys).
 _IGNORED = frozenset(
@@ -91,6 +92,10 @@ class Bound:
     low_open: bool = False  # low itself is excluded
     clamp_below: float | None = None
     says: str = ""  # the range in words, for the error message
+    # positive values under this are raised to it: the sampler computes in float32, where a
+    # temperature of 1e-40 (or a top-p, a penalty of 1e-300) is 0 or overflows the logits it
+    # divides, and a request that asked for one got no tokens (Ollama floors temperature alike)
+    floor: float = 0.0
 
     def apply(self, key: str, value: Any) -> int | float:
         number = _as_number(key, value, self.kind)
@@ -99,17 +104,23 @@ class Bound:
         too_low = number <= self.low if self.low_open else number < self.low
         if too_low or number > self.high:
             raise OptionsError(f'option "{key}" must be {self.says}')
-        return number
+        return max(number, self.floor) if number > 0 else number
 
 
 BOUNDS: dict[str, Bound] = {
-    "temperature": Bound(float, 0.0, 100.0, clamp_below=0.0, says="between 0 and 100"),
+    "temperature": Bound(
+        float, 0.0, 100.0, clamp_below=0.0, says="between 0 and 100", floor=FLOAT_FLOOR
+    ),
     "top_k": Bound(int, 0, INT32_MAX, clamp_below=0, says="a 32-bit integer"),
-    "top_p": Bound(float, 0.0, 1.0, low_open=True, says="greater than 0 and at most 1"),
+    "top_p": Bound(
+        float, 0.0, 1.0, low_open=True, says="greater than 0 and at most 1", floor=FLOAT_FLOOR
+    ),
     "min_p": Bound(float, 0.0, 1.0, says="between 0 and 1"),
     "seed": Bound(int, INT64_MIN, INT64_MAX, says="a 64-bit signed integer"),
     "num_predict": Bound(int, -2, INT32_MAX, says="-1, -2 or a count up to 2147483647"),
-    "repeat_penalty": Bound(float, 0.0, 100.0, low_open=True, says="greater than 0, at most 100"),
+    "repeat_penalty": Bound(
+        float, 0.0, 100.0, low_open=True, says="greater than 0, at most 100", floor=FLOAT_FLOOR
+    ),
     "repeat_last_n": Bound(int, -1, INT32_MAX, says="-1, 0 or a count up to 2147483647"),
     "presence_penalty": Bound(float, -100.0, 100.0, says="between -100 and 100"),
     "frequency_penalty": Bound(float, -100.0, 100.0, says="between -100 and 100"),

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from mlxd.engine.options import (
     BOUNDS,
+    FLOAT_FLOOR,
     INT64_MAX,
     INT64_MIN,
     MAX_DRAFT_TOKENS,
@@ -133,3 +134,11 @@ def test_any_value_parses_or_raises_options_error(options: dict[str, Any]) -> No
         assert math.isfinite(getattr(opts, name))
     assert opts.seed is None or 0 <= opts.seed <= INT64_MAX
     assert 0 < opts.top_p <= 1 and 0 <= opts.min_p <= 1 and opts.repeat_penalty > 0
+
+
+def test_positive_values_below_the_floor_are_raised_to_it() -> None:
+    """The sampler's float32 would make 1e-300 a 0 to divide by; 0 itself keeps its meaning."""
+    opts = parse_options({"temperature": 1e-300, "top_p": 1e-300, "repeat_penalty": 1e-300})
+    assert opts.temperature == opts.top_p == opts.repeat_penalty == FLOAT_FLOOR
+    assert parse_options({"temperature": 0}).greedy
+    assert parse_options({"temperature": 0.5}).temperature == 0.5

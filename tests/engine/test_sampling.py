@@ -107,3 +107,26 @@ def test_a_mask_chooses_the_same_in_the_logits_dtype(options: dict[str, float]) 
         want = sample(shaped(wide, shaping(opts)), gumbel_rows(rng.keys(30, 3), 97))
     assert choose(logits, opts, rng, 30, bias).tolist() == want.tolist()
     assert all(t % 3 == 0 for t in want.tolist())
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"temperature": 1e-300},
+        {"temperature": 1e-40, "top_k": 3},
+        {"temperature": 1.0, "top_p": 1e-300},
+        {"temperature": 1e-300, "repeat_penalty": 1e-300, "repeat_last_n": 0},
+    ],
+    ids=["temperature", "temperature-top-k", "top-p", "penalty"],
+)
+def test_vanishing_values_sample_the_most_likely_token(options: dict[str, float]) -> None:
+    """A positive temperature or top-p far below float32's range is floored, not divided by as
+    0: the draw is the argmax, as the limit of the distribution says (before the floor, such
+    requests drew a token from logits that were all infinite or all cut)."""
+    opts = parse_options(options)
+    rng = Rng(5)
+    mx.random.seed(3)
+    for position in range(0, 60, 6):
+        logits = mx.random.normal((2, 97)) * 3
+        got = choose(logits, opts, rng, position)
+        assert got.tolist() == mx.argmax(logits, axis=-1).tolist()
