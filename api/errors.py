@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 
 import msgspec
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
 from mlxd.api.durations import DurationError
@@ -47,6 +47,11 @@ class GenerationFailed(RuntimeError):
     """The engine reported a failure before the answer's first byte."""
 
 
+class GenerationRefused(ValueError):
+    """The request's own input ended its generation before the answer's first byte (its
+    grammar failed): a 400, as the same grammar refused before generating would be."""
+
+
 # The one table: the most specific class of an exception (along its MRO) decides its status;
 # anything not listed is a 500.
 STATUS: dict[type[BaseException], int] = {
@@ -66,6 +71,10 @@ STATUS: dict[type[BaseException], int] = {
     EmptyInput: 400,
     ModelUnavailable: 500,
     GenerationFailed: 500,
+    GenerationRefused: 400,
+    # the client left while its body was arriving: nobody reads the answer, and nothing failed
+    # (499, nginx's "client closed request"; nothing is logged)
+    ClientDisconnect: 499,
 }
 
 
@@ -91,9 +100,15 @@ def error_response(status: int, message: str) -> Response:
     return Response(body, status_code=status, media_type="application/json")
 
 
+def log_unexpected(request: Request, exc: BaseException) -> None:
+    """Log `exc` with its traceback where it is the server's own fault: a type the table does
+    not know (a 500 by default). Those it knows, 5xx included (a model that cannot load, a full
+    queue, a model that does not embed), are answers, not faults."""
+    if not isinstance(exc, ApiError) and not any(kind in STATUS for kind in type(exc).__mro__):
+        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
+
+
 async def error_handler(request: Request, exc: Exception) -> Response:
     """Every exception a route raises, as Ollama's error body with the table's status."""
-    status = status_of(exc)
-    if status >= 500 and not isinstance(exc, ApiError | ModelUnavailable | GenerationFailed):
-        log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
-    return error_response(status, message_of(exc))
+    log_unexpected(request, exc)
+    return error_response(status_of(exc), message_of(exc))

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
-from mlxd.api.errors import GenerationFailed, message_of
+from mlxd.api.errors import GenerationFailed, GenerationRefused, message_of
 from mlxd.engine.events import Done, Failed, GenerationRequest, TextChunk
 from mlxd.engine.logprobs import Logprob
 from mlxd.engine.manager import Loaded, ModelManager
@@ -72,7 +72,8 @@ class Answer:
 
 
 async def collect(manager: ModelManager, slot: Loaded, gen: GenerationRequest) -> Answer:
-    """Run the generation to its end; an engine failure is a GenerationFailed (500)."""
+    """Run the generation to its end; an engine failure is a GenerationFailed (500), one the
+    request's own input caused a GenerationRefused (400)."""
     parts: list[str] = []
     logprobs: list[Logprob] = []
     try:
@@ -81,7 +82,7 @@ async def collect(manager: ModelManager, slot: Loaded, gen: GenerationRequest) -
                 parts.append(event.text)
                 logprobs += event.logprobs
             elif isinstance(event, Failed):
-                raise GenerationFailed(event.message)
+                raise (GenerationRefused if event.by_request else GenerationFailed)(event.message)
             elif isinstance(event, Done):
                 return Answer("".join(parts), event, tuple(logprobs))
     finally:

@@ -109,10 +109,26 @@ class Ahead:
 
 @dataclass
 class Committed:
-    """What one row committed in a round."""
+    """What one row committed in a round, or why it could not (`error`: that row's own state
+    refused its tokens, e.g. its grammar; the batch's other rows go on)."""
 
     gen: Generation
     tokens: list[int]
+    error: Exception | None = None
+
+
+def _absorbed(
+    g: Generation,
+    draft: Draft,
+    verdict: Verdict,
+    walked: Walk | None = None,
+    logits: mx.array | None = None,
+) -> Committed:
+    """Row `g`'s commit of a round; a failure is that row's alone (`Committed.error`)."""
+    try:
+        return Committed(g, g.absorb(draft, verdict, walked, logits))
+    except Exception as exc:
+        return Committed(g, [], exc)
 
 
 def expected_tokens(gen: Generation, k: int) -> float:
@@ -172,6 +188,7 @@ SLOW_RATIO = 10.0
 # decoding with 2 rows and 1.26-1.34x with 4, but 0.83-0.86x with 8, whose plain rounds
 # serve more rows for the host's encoding of one forward than a wider forward gains
 GUESS_ROWS = 4
+MAX_PAID_PLAN = 8  # the longest draft-model round a batch plans past its rows' own choices
 
 
 def round_widths(draft_tokens: int, free_tokens: int) -> tuple[int, ...]:
@@ -351,25 +368,35 @@ def plan_widths(
     times: RoundTimes | None = None,
     widths: Sequence[int] | None = None,
     priors: Sequence[int] | None = None,
+    rooms: Sequence[int] | None = None,
 ) -> list[int]:
     """Drafts per row for this round: the batch-wide width with the best expected rate, each
     round priced as the batch measured it (`times`) or else by the probe's costs, at the width
-    it runs as (`padded_width` of the batch's `widths`). The widths tried are the rows' own
-    and, below the widest free one, the powers of two: a row's free drafts (prompt lookup) run
-    long where a lone row's verify costs little, and may still pay cut shorter in a batch,
-    whose verify grows with every row's width. `priors`: the drafts are guesses that follow
-    `priors[i]` drafts of the round in flight (`guessed_tokens`), and the round is queued
-    before that one is read, free of drafting costs."""
+    it runs as (`padded_width` of the batch's `widths`). Each row drafts at most its `rooms[i]`
+    (`Generation.draft_room`; default: its want). The widths tried are the rows' own wants and
+    rooms, a draft model's rows' lengths between the two, and, below the widest free room, the
+    powers of two: a row's free drafts (prompt lookup) run long where a lone row's verify
+    costs little, and may still pay cut shorter in a batch, whose verify grows with every
+    row's width. `priors`: the drafts are guesses that follow `priors[i]` drafts of the round
+    in flight (`guessed_tokens`), and the round is queued before that one is read, free of
+    drafting costs."""
     rows = len(gens)
+    rooms = wants if rooms is None else rooms
     times = times if times is not None else RoundTimes(costs)
     best, best_rate = 0, rows / times.plain_round(rows)
-    free = max((w for g, w in zip(gens, wants, strict=True) if _drafts_free(g)), default=0)
+    free = max((r for g, r in zip(gens, rooms, strict=True) if _drafts_free(g)), default=0)
     shorter = {1 << i for i in range(free.bit_length()) if 1 << i < free}
-    tried = {w for w in wants if w > 0} | shorter
+    longer = {  # a draft model's rows: each length from their own choice to their room
+        k
+        for g, w, r in zip(gens, wants, rooms, strict=True)
+        if not _drafts_free(g)
+        for k in range(w + 1, min(r, MAX_PAID_PLAN) + 1)
+    }
+    tried = {w for w in (*wants, *rooms) if w > 0} | shorter | longer
     if widths:  # no wider than the widest width run
         tried = {min(k, widths[-1] - 1) for k in tried}
     for k in sorted(tried):
-        ks = [min(w, k) for w in wants]
+        ks = [min(r, k) for r in rooms]
         width = padded_width(k + 1, widths)
         if priors is None:
             expected = sum(expected_tokens(g, n) for g, n in zip(gens, ks, strict=True))
@@ -380,7 +407,7 @@ def plan_widths(
         rate = expected / max(cost, 1e-12)
         if rate > best_rate:
             best, best_rate = k, rate
-    return [min(w, best) for w in wants]
+    return [min(r, best) for r in rooms]
 
 
 class RowBatch:
@@ -459,7 +486,8 @@ class RowBatch:
         if not any(maybe):
             return True
         wants = [g.next_want() if m else 0 for g, m in zip(gens, maybe, strict=True)]
-        if any(plan_widths(gens, wants, self.costs, self.times, self.widths)):
+        rooms = [g.draft_room(w, ahead=1) for g, w in zip(gens, wants, strict=True)]
+        if any(plan_widths(gens, wants, self.costs, self.times, self.widths, rooms=rooms)):
             return False
         for g, want in zip(gens, wants, strict=True):
             if bench and want and g.spec.on and g.controller is not None:
@@ -519,7 +547,8 @@ class RowBatch:
         t0 = time.perf_counter()
         ks = list(wants)
         if any(wants):
-            ks = plan_widths(gens, wants, self.costs, self.times, self.widths)
+            rooms = [g.draft_room(w) for g, w in zip(gens, wants, strict=True)]
+            ks = plan_widths(gens, wants, self.costs, self.times, self.widths, rooms=rooms)
         readying = 0.0
         for i, (g, want, k) in enumerate(zip(gens, wants, ks, strict=True)):
             if want and not k and g.controller is not None:
@@ -596,7 +625,7 @@ class RowBatch:
             if on_track is not None and not on_track[i]:
                 d = Draft.empty(d.source)
             rows = logits[i] if logits is not None else None
-            committed.append(Committed(g, g.absorb(d, v, w, rows)))
+            committed.append(_absorbed(g, d, v, w, rows))
         # each row keeps the K/V of what it committed, all but the last: 1 + accepted drafts,
         # fewer where EOS or the limit cut its commit (so its K/V length is its tokens' - 1)
         kept = [len(c.tokens) for c in committed]
@@ -877,7 +906,7 @@ class RowBatch:
             self.ahead = Ahead(list(gens), queued)
         chosen = to_ints(tokens)
         committed = [
-            Committed(g, g.absorb(Draft.empty(), Verdict(0, [t])))
+            _absorbed(g, Draft.empty(), Verdict(0, [t]))
             for g, t in zip(gens, chosen, strict=False)  # late rows: nothing yet
         ]
         end = self._ended(gens)

@@ -67,6 +67,7 @@ class Done:
 @dataclass(frozen=True)
 class Failed:
     message: str
+    by_request: bool = False  # the request's own input ended it (its grammar failed)
 
 
 Event = TextChunk | Done | Failed

@@ -47,6 +47,11 @@ class GrammarError(ValueError):
     """A grammar llguidance cannot compile; the message names the problem."""
 
 
+class GrammarFailed(GrammarError):
+    """A row's grammar stopped its output while generating (a parser limit reached, a token it
+    refused): the request's own doing, so its row alone ends, with this message."""
+
+
 @dataclass(frozen=True)
 class GrammarSpec:
     """What a request constrains its output to. `source` is the JSON text of the schema for
@@ -134,7 +139,8 @@ def _problem(spec: GrammarSpec) -> str:
 
 
 def _clean(message: str) -> str:
-    return " ".join(message.split())
+    """One line, without the parser state llguidance appends to its errors."""
+    return " ".join(message.split("<state>")[0].split())
 
 
 # -- tokenizers and compiled grammars ----------------------------------------------------------
@@ -182,13 +188,28 @@ def compile_grammar(spec: GrammarSpec, lltok: Any) -> Any:
             _compiled.move_to_end(key)
             return hit[1].deep_copy()
     template = llguidance.LLMatcher(lltok, spec.llguidance_grammar(), log_level=0)
-    if template.is_error():
-        raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_clean(template.get_error())}")
+    _first_step(template, spec)
     with _lock:
         _compiled[key] = (lltok, template)  # holding lltok keeps its id unique
         while len(_compiled) > CACHED_GRAMMARS:
             _compiled.popitem(last=False)
     return template.deep_copy()
+
+
+def _first_step(template: Any, spec: GrammarSpec) -> None:
+    """Raise GrammarError where `template` cannot take its first step: a copy consumes the
+    tokens it forces and computes the mask after them. Grammars that validate can still fail
+    there (a schema no finite output satisfies, a rule of 5,000 alternatives, `a{1000000}`:
+    llguidance's parser limits), and would otherwise fail at the request's first token."""
+    problem = template.get_error() if template.is_error() else ""
+    if not problem:
+        probe = template.deep_copy()
+        probe.try_consume_tokens(probe.compute_ff_tokens())
+        if not probe.is_error():
+            probe.compute_bitmask()
+        problem = probe.get_error() if probe.is_error() else ""
+    if problem:
+        raise GrammarError(f"invalid {spec.kind.replace('_', ' ')}: {_clean(problem)}")
 
 
 def logits_width(config: dict[str, Any], tokenizer: Any) -> int:
@@ -247,7 +268,7 @@ class Matcher:
 
     @property
     def error(self) -> str:
-        return str(self.inner.get_error()) if self.inner.is_error() else ""
+        return _clean(str(self.inner.get_error())) if self.inner.is_error() else ""
 
     # moving
 

@@ -29,7 +29,7 @@ from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSour
 from mlxd.engine.events import Failed
 from mlxd.engine.forced import ForcedDraftSource
 from mlxd.engine.generation import Generation
-from mlxd.engine.grammar import Matcher, row_grammar
+from mlxd.engine.grammar import GrammarError, Matcher, row_grammar
 from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import FREE_DRAFT_TOKENS, Pairing, draft_cap, warm_up
@@ -244,7 +244,7 @@ class Scheduler:
                 self._admit_one(job)
             except Exception as exc:
                 log.exception("could not start a request")
-                job.emit(Failed(str(exc) or type(exc).__name__))
+                job.emit(_failed(exc))
                 job.done()
 
     def _admit_one(self, job: Job) -> None:
@@ -463,7 +463,11 @@ class Scheduler:
             return
         by_gen = {id(r.gen): r for r in batched}
         for c in committed:
-            self._push(by_gen[id(c.gen)], c.tokens)
+            row = by_gen[id(c.gen)]
+            if c.error is not None:  # that row's own failure: it ends, the batch goes on
+                self._fail(row, c.error)
+            else:
+                self._push(row, c.tokens)
 
     def _push(self, row: Row, tokens: list[int]) -> bool:
         """Stream a row's new tokens; a finished row retires. True when it did."""
@@ -536,7 +540,7 @@ class Scheduler:
             self._unbatch(row)
         except Exception:
             log.exception("dropping a failed row from the batch failed")
-        row.job.emit(Failed(str(exc) or type(exc).__name__))
+        row.job.emit(_failed(exc))
         self._close(row)
 
     def _close(self, row: Row) -> None:
@@ -547,6 +551,12 @@ class Scheduler:
                 undo()
             row.release.clear()
             row.job.done()
+
+
+def _failed(exc: Exception) -> Failed:
+    """The event that ends a request `exc` ended: the request's own doing where its grammar
+    failed, the engine's otherwise."""
+    return Failed(str(exc) or type(exc).__name__, by_request=isinstance(exc, GrammarError))
 
 
 def _gains(row: Row, prompt: Sequence[int], block: int) -> bool:

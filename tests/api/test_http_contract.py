@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import re
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -542,6 +544,26 @@ def test_client_disconnect_mid_stream(http: httpx.Client, server: RunningServer)
     after = gen(http, model="tiny", prompt="after", options=GREEDY)
     assert after["response"] == before["response"]
     assert http.get("/").text == "Ollama is running"
+
+
+@pytest.mark.parametrize("path", ["/api/generate", "/api/chat", "/v1/chat/completions"])
+def test_a_client_that_leaves_mid_body_is_no_server_error(
+    server: RunningServer, path: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A request whose body stops arriving (the client closed the connection) is a client
+    gone, not a failure of the server: nothing is logged as an error, and the next request is
+    served."""
+    with (
+        caplog.at_level(logging.WARNING),
+        socket.create_connection((server.host, server.port)) as sock,
+    ):
+        head = f"POST {path} HTTP/1.1\r\nHost: {server.host}\r\nContent-Type: application/json"
+        sock.sendall(f'{head}\r\nContent-Length: 100\r\n\r\n{{"model": "tiny"'.encode())
+        time.sleep(0.3)  # the server is reading the body when the client goes
+    with httpx.Client(base_url=server.base_url, timeout=60) as http:
+        assert http.get("/").text == "Ollama is running"
+    time.sleep(0.3)  # the server noticed the closed connection by now
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 def test_disconnect_releases_the_model(registry_file: Path) -> None:

@@ -260,6 +260,9 @@ def test_langchain_with_structured_output(server: RunningServer) -> None:
 # -- bad requests ------------------------------------------------------------------------------
 
 BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "wat"}}}
+# valid, but no finite output satisfies it: llguidance's parser gives up at the first token
+ENDLESS = {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+WIDE = "start: " + " | ".join(f'"w{i}"' for i in range(5000))  # wider than the parser allows
 
 
 @pytest.mark.parametrize(
@@ -279,6 +282,9 @@ BAD_SCHEMA = {"type": "object", "properties": {"a": {"type": "wat"}}}
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "n"}}}, "needs a 'schema' object"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True, "response_format": {"type": "json_schema", "json_schema": {"schema": BAD_SCHEMA}}}, "Invalid type: wat"),
         ("/v1/completions", {"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "array", "if": {}}}}}, '"if"'),
+        ("/api/generate", {"prompt": "x", "format": ENDLESS, "stream": True}, "Too many items"),
+        ("/api/chat", {"messages": [{"role": "user", "content": "x"}], "options": {"grammar": WIDE}}, "items"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"schema": ENDLESS}}}, "Too many items"),
     ],
 )  # fmt: skip
 def test_bad_structured_requests_are_400s(
@@ -289,3 +295,30 @@ def test_bad_structured_requests_are_400s(
     error = response.json()["error"]
     text = error if isinstance(error, str) else error["message"]
     assert message in text, text
+
+
+# a first letter, then a rule wider than the parser allows: compiles, fails at the second token
+FAILS_LATER = "start: /[a-z]/ wide\nwide: " + " | ".join(f'"w{i}"' for i in range(5000))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_grammar_that_fails_while_generating_is_the_requests_error(
+    server: RunningServer, stream: bool
+) -> None:
+    """Not a 500: answered whole, a 400 naming the parser's limit (its state dump left out);
+    streamed, an error line ends the stream. Requests running beside it are untouched (the
+    engine's tests pin that), and the server serves the next request."""
+    body = {"model": "tiny", "prompt": "x", "stream": stream,
+            "options": {"grammar": FAILS_LATER, "temperature": 0, "num_predict": 8}}  # fmt: skip
+    response = httpx.post(f"{server.base_url}/api/generate", json=body, timeout=60)
+    if stream:
+        assert response.status_code == 200
+        last = json.loads(response.text.strip().splitlines()[-1])
+        error = last["error"]
+    else:
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+    assert "grammar failed" in error and "items" in error and "<state>" not in error
+    after = httpx.post(f"{server.base_url}/api/generate", json={"model": "tiny", "prompt": "x",
+                       "stream": False, "options": {"num_predict": 2}}, timeout=60)  # fmt: skip
+    assert after.status_code == 200

@@ -15,6 +15,7 @@ import pytest
 
 from mlxd.engine.attention import cuda_available
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
+from mlxd.engine.events import Failed
 from mlxd.engine.forced import ForcedDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import (
@@ -38,7 +39,7 @@ from mlxd.engine.prefill import feed
 from mlxd.engine.sampling import Rng, next_tokens, to_int
 from mlxd.engine.speculation import DraftLengthController
 from tests.engine.conftest import Loaded
-from tests.engine.test_rows import opts_of, pairing_of, serve
+from tests.engine.test_rows import opts_of, pairing_of, serve, solo_plain
 from tests.engine.test_speculative import CHEAP, chi2_pvalue, tiny_vocab_model
 from tests.fixtures.tiny_models import TinyPair
 
@@ -404,3 +405,53 @@ def test_closed_touches_subschemas_only() -> None:
     assert out["properties"]["e"] == {"enum": [{"properties": {"x": 1}}]}
     assert out["$defs"]["D"]["additionalProperties"] is True
     assert "additionalProperties" not in schema  # the caller's schema is left alone
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        (
+            GrammarSpec.schema(
+                {"type": "object", "properties": {"a": {"$ref": "#"}}, "required": ["a"]}
+            ),
+            "Too many items",
+        ),
+        (GrammarSpec("lark", "start: " + " | ".join(f'"w{i}"' for i in range(5000))), "items"),
+        (GrammarSpec("regex", "a{1000000}"), "too many expressions"),
+    ],
+    ids=["endless-schema", "wide-rule", "huge-repeat"],
+)
+def test_grammars_that_cannot_take_a_first_step_are_refused_when_compiled(
+    loaded: Loaded, spec: GrammarSpec, message: str
+) -> None:
+    """They validate, but llguidance's parser limits stop them at the first token: compiling
+    them for a model says so (the API's 400), rather than the request's first token."""
+    validate(spec)
+    with pytest.raises(GrammarError, match=message) as refused:
+        matcher(loaded, spec)
+    assert "<state>" not in str(refused.value)  # the parser's state dump stays out
+
+
+# Any first letter; then a rule wider than llguidance's parser allows: the grammar compiles and
+# takes its first step, and fails at its second token.
+FAILS_LATER = GrammarSpec(
+    "lark", "start: /[a-z]/ wide\nwide: " + " | ".join(f'"w{i}"' for i in range(5000))
+)
+
+
+def test_a_grammar_that_fails_mid_output_ends_its_row_alone(tiny_pair: TinyPair) -> None:
+    """Four rows decode together; one's grammar reaches a parser limit after its first token.
+    That row ends with a failure its request caused (a 400 at the API), the message free of
+    the parser's state; the other rows give their solo outputs, as if it had never run."""
+    pairing = pairing_of(tiny_pair)
+    loaded = Loaded(pairing.target, pairing.draft, pairing.tokenizer)  # type: ignore[arg-type]
+    matcher(loaded, FAILS_LATER)  # compiles, first step included
+    prompts = [list(pairing.tokenizer.encode(PROMPT_TEXTS[i % 3])) for i in range(4)]
+    specs = [(p, opts_of(temperature=0, num_predict=24, draft_method="off")) for p in prompts]
+    failed: dict[int, Failed] = {}
+    done = serve(pairing, specs, grammars=[None, FAILS_LATER, None, None], failed=failed)
+    assert list(failed) == [1]
+    assert failed[1].by_request and "grammar failed" in failed[1].message
+    assert "<state>" not in failed[1].message
+    for (prompt, opts), final in zip([specs[0], *specs[2:]], done, strict=True):
+        assert final.output_tokens == solo_plain(pairing, prompt, opts, 24)

@@ -17,7 +17,7 @@ from mlxd.engine.backend import Backend, configure_backend
 from mlxd.engine.batch import Committed, RowBatch
 from mlxd.engine.cache_use import namespace_for, restore
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
-from mlxd.engine.events import Done, Event, GenerationRequest
+from mlxd.engine.events import Done, Event, Failed, GenerationRequest
 from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import GrammarSpec
 from mlxd.engine.kvcache import BucketedBatchKVCache, make_cache, set_bucket
@@ -68,13 +68,17 @@ def serve(
     num_parallel: int = 8,
     prefix: PrefixCache | None = None,
     grammars: list[GrammarSpec | None] | None = None,
+    failed: dict[int, Failed] | None = None,
 ) -> list[Done]:
     """Run requests through one scheduler. `start_after[i] = (j, n)` queues request i once
     request j has streamed n events (a row joining mid-stream); others are queued at once.
-    `grammars[i]` constrains request i."""
+    `grammars[i]` constrains request i. A request that fails lands in `failed` (pass one
+    where a failure is expected; its place in the answer is then left out)."""
     start_after = start_after or {}
     jobs: queue.Queue[Job | None] = queue.Queue()
     done: dict[int, Done] = {}
+    failures = failed if failed is not None else {}
+    ended: set[int] = set()
     seen: Counter[int] = Counter()
     pending = dict(start_after)
 
@@ -89,6 +93,8 @@ def serve(
             seen[i] += 1
             if isinstance(event, Done):
                 done[i] = event
+            elif isinstance(event, Failed):
+                failures[i] = event
             for k, (j, n) in list(pending.items()):
                 if j == i and seen[i] >= n:
                     del pending[k]
@@ -97,14 +103,16 @@ def serve(
         return emit
 
     def finished(i: int) -> None:
-        if len(done) == len(specs) and not pending:
+        ended.add(i)
+        if len(ended) == len(specs) and not pending:
             jobs.put(None)
 
     for i in range(len(specs)):
         if i not in start_after:
             jobs.put(job(i))
     Scheduler(pairing, jobs, prefix=prefix, num_parallel=num_parallel).run()
-    return [done[i] for i in range(len(specs))]
+    assert failed is not None or not failures, failures
+    return [done[i] for i in range(len(specs)) if i in done]
 
 
 def opts_of(**kw: object) -> SamplingOptions:
