@@ -9,7 +9,6 @@ server-sent events otherwise. Errors keep the table's status and take OpenAI's s
 from __future__ import annotations
 
 import functools
-import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -24,7 +23,7 @@ from starlette.routing import Route
 
 from mlxd.api.chatprompt import ChatPrompt
 from mlxd.api.codec import json_response, read_request, sse_event
-from mlxd.api.errors import ApiError, message_of, status_of
+from mlxd.api.errors import ApiError, log_unexpected, message_of, status_of
 from mlxd.api.inference import (
     chat_head,
     native_messages,
@@ -39,7 +38,7 @@ from mlxd.api.state import ServerState, lookup, state_of
 from mlxd.api.structured import checked, from_format, from_response_format, one_of
 from mlxd.api.thinking import THINKING
 from mlxd.api.toolgrammar import AUTO, REQUIRED
-from mlxd.api.tools import ToolCall
+from mlxd.api.tools import ToolCall, tool_names
 from mlxd.api.types import (
     ZERO_USAGE,
     ChatChoice,
@@ -67,8 +66,6 @@ from mlxd.engine.manager import Loaded
 from mlxd.engine.pairing import Pairing
 from mlxd.engine.prompt import render_generate
 from mlxd.registry.names import InvalidModelName, parse_name
-
-log = logging.getLogger(__name__)
 
 SSE = "text/event-stream"
 FINGERPRINT = "fp_ollama"
@@ -98,9 +95,8 @@ def openai_errors(handler: Handler) -> Handler:
         try:
             return await handler(request)
         except Exception as exc:
+            log_unexpected(request, exc)
             status = status_of(exc)
-            if status >= 500:
-                log.error("%s %s failed", request.method, request.url.path, exc_info=exc)
             return json_response(error_body(status, message_of(exc)), status)
 
     return wrapped
@@ -184,14 +180,9 @@ def _tool_choice(body: ChatCompletionRequest) -> tuple[list[Any] | None, str]:
     name = fn.get("name") if isinstance(fn, dict) else None
     if not isinstance(name, str):
         raise ApiError(400, "invalid tool_choice")
-    chosen = [
-        t
-        for t in tools or ()
-        if isinstance(t, dict) and (t.get("function") or {}).get("name") == name
-    ]
-    if not chosen:
+    if name not in tool_names(tools):  # a malformed tool: the 400 it is without a choice
         raise ApiError(400, f"tool_choice names a function that is not in tools: {name}")
-    return chosen[:1], name
+    return [t for t in tools or () if t["function"]["name"] == name][:1], name
 
 
 def _image(part: dict[str, Any]) -> str:
@@ -269,6 +260,7 @@ def _native_messages(raw: list[OpenAIMessage], model: str) -> list[dict[str, Any
         thinking = msg.reasoning or msg.reasoning_content or None
         content = msg.content
         parts = _content_parts(content) if isinstance(content, list) else [(content or "", None)]
+        parts = parts or [("", None)]  # no parts: an empty message (its tool calls kept), not none
         for i, (text, images) in enumerate(parts):
             last = i == len(parts) - 1
             out.append(

@@ -184,6 +184,20 @@ def test_content_parts_and_text_response_format(http: httpx.Client) -> None:
     assert r.json()["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_message_of_no_parts_is_an_empty_message(http: httpx.Client) -> None:
+    """`content: []` keeps its turn (as `content: ""` would), rather than vanishing from the
+    prompt with whatever it carried."""
+
+    def prompt_tokens(content: Any) -> int:
+        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": content}]
+        body = {"model": "tiny", "messages": messages, "max_tokens": 1}
+        r = http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return int(r.json()["usage"]["prompt_tokens"])
+
+    assert prompt_tokens([]) == prompt_tokens("")
+
+
 def test_unknown_model_retrieve_and_v1_models_shape(http: httpx.Client) -> None:
     r = http.get("/v1/models/nope")
     assert r.status_code == 404 and r.json() == openai_error(404, "model 'nope' not found")

@@ -158,6 +158,21 @@ def test_openai_tool_choice_naming_an_undeclared_function_is_a_400(oai: openai.O
         )
 
 
+@pytest.mark.parametrize("function", ["x", [1], None])
+def test_openai_tool_choice_over_a_malformed_tool_is_a_400(
+    oai: openai.OpenAI, function: Any
+) -> None:
+    """A tool whose `function` is not an object, named by `tool_choice`: the same 400 as
+    without the choice, not a crash reading it."""
+    with pytest.raises(openai.BadRequestError, match="function with a name"):
+        oai.chat.completions.create(
+            model="qwen25-tools",
+            messages=[{"role": "user", "content": QUESTION}],
+            tools=[{"type": "function", "function": function}],  # type: ignore[list-item]
+            tool_choice={"type": "function", "function": {"name": "f"}},
+        )
+
+
 # -- LangChain and LiteLLM ----------------------------------------------------------------------
 
 
