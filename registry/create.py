@@ -28,7 +28,7 @@ from mlxd.registry.names import InvalidModelName, parse_name
 from mlxd.registry.pull import Progress
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import KNOWN_OPTIONS, _check_option
-from mlxd.registry.store import resolve_local
+from mlxd.registry.store import is_complete_model, resolve_local
 from mlxd.registry.userfile import entry_fields, set_entry
 
 __all__ = ["CreateError", "CreateSpec", "create_model"]
@@ -57,8 +57,10 @@ class CreateSpec:
     messages: list[dict[str, str]] | None = None
 
 
-def _base_fields(spec: CreateSpec, registry: Registry) -> dict[str, Any]:
-    """The new entry starts as a copy of `from`: a registry model, or a model directory."""
+def _base_fields(spec: CreateSpec, registry: Registry) -> tuple[dict[str, Any], str]:
+    """The new entry starts as a copy of `from`: a registry model, or a model directory. Also
+    the base's target as this installation finds it (the entry's field may name a model
+    shipped in the package, `embedded:...`)."""
     if not spec.from_:
         raise CreateError("neither 'from' or 'files' was specified")
     try:
@@ -66,10 +68,12 @@ def _base_fields(spec: CreateSpec, registry: Registry) -> dict[str, Any]:
     except InvalidModelName:
         entry = None
     if entry is not None:
-        return entry_fields(entry)
+        return entry_fields(entry), entry.target
     path = Path(spec.from_).expanduser()
-    if path.is_absolute() and resolve_local(str(path)) is not None:
-        return {"target": str(path.resolve())}
+    if path.is_absolute() and path.is_dir():
+        if not is_complete_model(path):
+            raise CreateError(f"'{spec.from_}' holds no model (a config.json and its weights)")
+        return {"target": str(path.resolve())}, str(path.resolve())
     raise CreateError(f"model '{spec.from_}' not found", 404)
 
 
@@ -144,8 +148,8 @@ def create_model(
         name = parse_name(spec.name).display
     except InvalidModelName:
         raise CreateError("invalid model name") from None
-    fields = _base_fields(spec, registry)
-    target = resolve_local(fields["target"])
+    fields, base = _base_fields(spec, registry)
+    target = resolve_local(base)
     if target is None:
         raise CreateError(f"model '{spec.from_}' not found, try pulling it first", 404)
     adapters: list[str] = []
@@ -188,6 +192,8 @@ def create_model(
         draft = Path(spec.draft).expanduser()
         if not draft.is_absolute() or resolve_local(str(draft)) is None:
             raise CreateError(f"draft model '{spec.draft}' not found", 404)
+        if not is_complete_model(draft):
+            raise CreateError(f"'{spec.draft}' holds no model (a config.json and its weights)")
         fields["draft"] = str(draft.resolve())
     fields.pop("description", None)
     yield Progress("writing manifest")

@@ -101,7 +101,7 @@ def _looks_like_path(ref: str) -> bool:
     )
 
 
-def _is_complete(model_dir: Path) -> bool:
+def is_complete_model(model_dir: Path) -> bool:
     """Whether a directory has a config and every weight file it promises."""
     if not (model_dir / "config.json").is_file():
         return False
@@ -146,7 +146,7 @@ def resolve_local(
     ):
         return None
     snapshot = Path(folder)
-    return snapshot if _is_complete(snapshot) else None
+    return snapshot if is_complete_model(snapshot) else None
 
 
 def model_files(model_dir: Path) -> list[Path]:

@@ -44,7 +44,8 @@ def served(
         f"  coder-sql:\n    target: {tiny_pair.target}\n    draft: {tiny_pair.draft}\n"
         f"    adapters: [{adapters.sql}]\n"
         f"  coder-tests:\n    target: {tiny_pair.target}\n    draft: {tiny_pair.draft}\n"
-        f"    adapters:\n      - path: {adapters.tests}\n",
+        f"    adapters:\n      - path: {adapters.tests}\n"
+        "  shipped:\n    target: embedded:tiny/target\n",  # the package's own model
         encoding="utf-8",
     )
     monkeypatch.setenv("MLXD_REGISTRY", f"{base}{os.pathsep}{home / 'models.yaml'}")
@@ -212,6 +213,7 @@ def test_bad_input_is_refused_and_nothing_is_registered(
         ({"from": "coder", "parameters": {"temprature": 1}}, 400, "unknown parameter"),
         ({"modelfile": "FROM coder\nADAPTER /no/such/dir\n"}, 400, "not a directory"),
         ({"modelfile": "FROM coder\nFROBNICATE x\n"}, 400, "unknown command"),
+        ({"from": str(tmp_path)}, 400, "holds no model"),  # a directory, but no model in it
     ]
     for body, status, message in cases:
         r = create(body)
@@ -222,6 +224,24 @@ def test_bad_input_is_refused_and_nothing_is_registered(
     assert not user.exists() or "bad" not in load_registry_file(user)
     adapters_dir = Path(os.environ["MLXD_HOME"]) / "adapters"
     assert not adapters_dir.exists() or not any(adapters_dir.iterdir())
+
+
+def test_a_model_shipped_in_the_package_is_a_base_to_create_from(
+    served: tuple[RunningServer, ServerThread],
+) -> None:
+    """`from` an entry whose target is the package's own model (`embedded:...`, as the
+    default registry's `tiny`): created, listed, and answering as its base does."""
+    server, _ = served
+    r = httpx.post(
+        f"{server.base_url}/api/create",
+        json={"model": "mine", "from": "shipped", "system": "be brief", "stream": False},
+        timeout=60,
+    )
+    assert r.status_code == 200 and r.json()["status"] == "success", r.text
+    assert "mine:latest" in tags(server)
+    assert answer(server, "mine") == answer(server, "shipped")  # raw: the system is not used
+    written = (Path(os.environ["MLXD_HOME"]) / "models.yaml").read_text(encoding="utf-8")
+    assert "target: embedded:tiny/target" in written  # portable, not this install's path
 
 
 def cli(args: list[str], server: RunningServer) -> subprocess.CompletedProcess[str]:
