@@ -188,7 +188,6 @@ SLOW_RATIO = 10.0
 # decoding with 2 rows and 1.26-1.34x with 4, but 0.83-0.86x with 8, whose plain rounds
 # serve more rows for the host's encoding of one forward than a wider forward gains
 GUESS_ROWS = 4
-MAX_PAID_PLAN = 8  # the longest draft-model round a batch plans past its rows' own choices
 
 
 def round_widths(draft_tokens: int, free_tokens: int) -> tuple[int, ...]:
@@ -368,35 +367,25 @@ def plan_widths(
     times: RoundTimes | None = None,
     widths: Sequence[int] | None = None,
     priors: Sequence[int] | None = None,
-    rooms: Sequence[int] | None = None,
 ) -> list[int]:
     """Drafts per row for this round: the batch-wide width with the best expected rate, each
     round priced as the batch measured it (`times`) or else by the probe's costs, at the width
-    it runs as (`padded_width` of the batch's `widths`). Each row drafts at most its `rooms[i]`
-    (`Generation.draft_room`; default: its want). The widths tried are the rows' own wants and
-    rooms, a draft model's rows' lengths between the two, and, below the widest free room, the
-    powers of two: a row's free drafts (prompt lookup) run long where a lone row's verify
-    costs little, and may still pay cut shorter in a batch, whose verify grows with every
-    row's width. `priors`: the drafts are guesses that follow `priors[i]` drafts of the round
-    in flight (`guessed_tokens`), and the round is queued before that one is read, free of
-    drafting costs."""
+    it runs as (`padded_width` of the batch's `widths`). The widths tried are the rows' own
+    and, below the widest free one, the powers of two: a row's free drafts (prompt lookup) run
+    long where a lone row's verify costs little, and may still pay cut shorter in a batch,
+    whose verify grows with every row's width. `priors`: the drafts are guesses that follow
+    `priors[i]` drafts of the round in flight (`guessed_tokens`), and the round is queued
+    before that one is read, free of drafting costs."""
     rows = len(gens)
-    rooms = wants if rooms is None else rooms
     times = times if times is not None else RoundTimes(costs)
     best, best_rate = 0, rows / times.plain_round(rows)
-    free = max((r for g, r in zip(gens, rooms, strict=True) if _drafts_free(g)), default=0)
+    free = max((w for g, w in zip(gens, wants, strict=True) if _drafts_free(g)), default=0)
     shorter = {1 << i for i in range(free.bit_length()) if 1 << i < free}
-    longer = {  # a draft model's rows: each length from their own choice to their room
-        k
-        for g, w, r in zip(gens, wants, rooms, strict=True)
-        if not _drafts_free(g)
-        for k in range(w + 1, min(r, MAX_PAID_PLAN) + 1)
-    }
-    tried = {w for w in (*wants, *rooms) if w > 0} | shorter | longer
+    tried = {w for w in wants if w > 0} | shorter
     if widths:  # no wider than the widest width run
         tried = {min(k, widths[-1] - 1) for k in tried}
     for k in sorted(tried):
-        ks = [min(r, k) for r in rooms]
+        ks = [min(w, k) for w in wants]
         width = padded_width(k + 1, widths)
         if priors is None:
             expected = sum(expected_tokens(g, n) for g, n in zip(gens, ks, strict=True))
@@ -407,7 +396,7 @@ def plan_widths(
         rate = expected / max(cost, 1e-12)
         if rate > best_rate:
             best, best_rate = k, rate
-    return [min(r, best) for r in rooms]
+    return [min(w, best) for w in wants]
 
 
 class RowBatch:
@@ -486,8 +475,7 @@ class RowBatch:
         if not any(maybe):
             return True
         wants = [g.next_want() if m else 0 for g, m in zip(gens, maybe, strict=True)]
-        rooms = [g.draft_room(w, ahead=1) for g, w in zip(gens, wants, strict=True)]
-        if any(plan_widths(gens, wants, self.costs, self.times, self.widths, rooms=rooms)):
+        if any(plan_widths(gens, wants, self.costs, self.times, self.widths)):
             return False
         for g, want in zip(gens, wants, strict=True):
             if bench and want and g.spec.on and g.controller is not None:
@@ -547,8 +535,7 @@ class RowBatch:
         t0 = time.perf_counter()
         ks = list(wants)
         if any(wants):
-            rooms = [g.draft_room(w) for g, w in zip(gens, wants, strict=True)]
-            ks = plan_widths(gens, wants, self.costs, self.times, self.widths, rooms=rooms)
+            ks = plan_widths(gens, wants, self.costs, self.times, self.widths)
         readying = 0.0
         for i, (g, want, k) in enumerate(zip(gens, wants, ks, strict=True)):
             if want and not k and g.controller is not None:

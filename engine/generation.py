@@ -208,18 +208,6 @@ class Generation:
             return 0
         return k
 
-    def draft_room(self, want: int, ahead: int = 0) -> int:
-        """The most drafts a row that wants `want` (its lone-row choice, 0: none) may take in a
-        batch round `ahead` rounds from now: up to its controller's longest draft, within the
-        limit. A batch prices B rows x L tokens and shares its draft model's steps, so the
-        length a lone row's costs pick is one candidate, not a cap: on a CPU a lone row of
-        the code pair picks 1 draft (a 2-token verify costs a plain step, 4 tokens 1.9), where
-        2 rows' 4 tokens cost what 6 do and 2-3 drafts each pay."""
-        ctl = self.controller
-        if want <= 0 or ctl is None:
-            return want
-        return max(want, min(ctl.max_k, self.limit - self.produced - 1 - ahead))
-
     def _plain_ahead(self) -> bool:
         """Whether the token after the next is decoded plainly too (so it can be queued)."""
         if self.spec.mode is Mode.PAUSED:

@@ -292,26 +292,3 @@ def test_batched_draft_costs_interpolate_and_survive_a_restart(tmp_path: Path) -
     store = ProbeStore(tmp_path)
     store.save("key", costs)
     assert store.load("key") == costs
-
-
-def test_a_batch_plans_past_the_length_a_lone_row_would_pick() -> None:
-    """A lone row's choice is priced by its own verify curve; a batch's by B rows x L tokens.
-    With verify free up to 2 tokens and a step dearer past them (a kink like a CPU's gemv
-    giving way to a matmul), a lone row picks 1 draft; 4 rows verify 8 tokens or 32 alike,
-    so the batch plans each row's longest draft, within its room."""
-    from tests.engine.test_speculative import tiny_vocab_model
-
-    target = tiny_vocab_model(3, 8)
-    kinked = Costs(verify={1: 1.0, 2: 1.0, **{w: 3.0 for w in range(3, 40)}})
-    opts = parse_options({"temperature": 0})
-    gens = []
-    for i in range(4):
-        controller = DraftLengthController(kinked, 7, 0.0)
-        source = LookupDraftSource()
-        gens.append(Generation(target, [1, 2, 3], opts, set(), 20, Rng(i), source, controller))
-    assert all(g.controller is not None and g.controller.wanted() == 1 for g in gens)
-    rooms = [g.draft_room(1) for g in gens]
-    assert rooms == [7] * 4
-    assert plan_widths(gens, [1] * 4, kinked) == [1] * 4  # capped at the lone choice
-    assert plan_widths(gens, [1] * 4, kinked, rooms=rooms) == [7] * 4
-    assert gens[0].draft_room(0) == 0  # a row that drafts nothing has no room
