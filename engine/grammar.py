@@ -180,19 +180,28 @@ def ll_tokenizer(tokenizer: Any, vocab: int, eos: Sequence[int]) -> Any:
 
 
 def compile_grammar(spec: GrammarSpec, lltok: Any) -> Any:
-    """A fresh matcher for `spec` over `lltok`, copied from the cached compiled one."""
+    """A fresh matcher for `spec` over `lltok`, copied from the cached compiled one. A grammar
+    refused is remembered as refused: finding out may take a parser most of a second."""
     key = (spec, id(lltok))
     with _lock:
         hit = _compiled.get(key)
         if hit is not None and hit[0] is lltok:
             _compiled.move_to_end(key)
+            if isinstance(hit[1], str):
+                raise GrammarError(hit[1])
             return hit[1].deep_copy()
     template = llguidance.LLMatcher(lltok, spec.llguidance_grammar(), log_level=0)
-    _first_step(template, spec)
+    refused = ""
+    try:
+        _first_step(template, spec)
+    except GrammarError as exc:
+        refused = str(exc)
     with _lock:
-        _compiled[key] = (lltok, template)  # holding lltok keeps its id unique
+        _compiled[key] = (lltok, refused or template)  # holding lltok keeps its id unique
         while len(_compiled) > CACHED_GRAMMARS:
             _compiled.popitem(last=False)
+    if refused:
+        raise GrammarError(refused)
     return template.deep_copy()
 
 

@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlxd.engine import grammar
 from mlxd.engine.attention import cuda_available
 from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Failed
@@ -422,14 +423,25 @@ def test_closed_touches_subschemas_only() -> None:
     ids=["endless-schema", "wide-rule", "huge-repeat"],
 )
 def test_grammars_that_cannot_take_a_first_step_are_refused_when_compiled(
-    loaded: Loaded, spec: GrammarSpec, message: str
+    loaded: Loaded, spec: GrammarSpec, message: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """They validate, but llguidance's parser limits stop them at the first token: compiling
-    them for a model says so (the API's 400), rather than the request's first token."""
+    them for a model says so (the API's 400), rather than the request's first token; asked
+    again, the refusal is remembered, not found out again."""
     validate(spec)
-    with pytest.raises(GrammarError, match=message) as refused:
-        matcher(loaded, spec)
-    assert "<state>" not in str(refused.value)  # the parser's state dump stays out
+    steps = []
+    first_step = grammar._first_step
+
+    def counted(template: Any, spec: GrammarSpec) -> None:
+        steps.append(spec)
+        first_step(template, spec)
+
+    monkeypatch.setattr(grammar, "_first_step", counted)
+    for _ in range(2):
+        with pytest.raises(GrammarError, match=message) as refused:
+            matcher(loaded, spec)
+        assert "<state>" not in str(refused.value)  # the parser's state dump stays out
+    assert len(steps) <= 1  # (none where an earlier test compiled it)
 
 
 # Any first letter; then a rule wider than llguidance's parser allows: the grammar compiles and
