@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from starlette.concurrency import run_in_threadpool
@@ -20,9 +21,18 @@ from mlxd.registry.schema import ModelEntry
 
 
 def entry_status(state: ServerState, entry: ModelEntry, pulled: bool) -> str:
-    """`not pulled`, `probing` (opening and checking it), `ok` or `unavailable: why`."""
+    """`not pulled`, `probing` (opening and checking it), `ok` or `unavailable: why` (also a
+    local directory the entry names that is not there: no pull can bring it)."""
     if not pulled:
-        return "not pulled"
+        missing = [
+            ref
+            for ref, local in (
+                (entry.target, entry.target_is_path),
+                (entry.draft, entry.draft_is_path),
+            )
+            if local and ref is not None and not os.path.isdir(ref)
+        ]
+        return f"unavailable: {missing[0]} does not exist" if missing else "not pulled"
     probed = state.manager.probe_result(entry)
     if probed is None:
         return "probing" if state.manager.probe_pending(entry) else "ok"

@@ -134,8 +134,9 @@ async def pull(request: Request) -> Response:
 
 
 async def delete(request: Request) -> Response:
-    """Unload the model, take its entry out of the user registry and delete its downloaded
-    files (see :func:`mlxd.registry.pull.delete_model` for entries from other registry files)."""
+    """Take the model's entry out of the user registry, delete its downloaded files (see
+    :func:`mlxd.registry.pull.delete_model` for entries from other registry files), then
+    unload it."""
     state = state_of(request)
     body = await read_request(request, ModelRequest, state.max_body)
     name = body.model or body.name
@@ -148,7 +149,6 @@ async def delete(request: Request) -> Response:
         raise ApiError(400, f'name "{name}" is invalid') from exc
     if entry is None:
         raise ApiError(404, f"model '{name}' not found")
-    state.manager.unload(entry.name)
     try:
         await run_in_threadpool(delete_model, entry, registry)
     except DeleteError as exc:
@@ -157,6 +157,7 @@ async def delete(request: Request) -> Response:
         raise ApiError(exc.status, str(exc)) from exc
     except (RegistryError, OSError) as exc:
         raise ApiError(500, str(exc)) from exc
+    state.manager.unload(entry.name)  # once deleted: a refused delete changes nothing
     await run_in_threadpool(state.reload)
     return Response(status_code=200)
 

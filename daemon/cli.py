@@ -5,11 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, TextIO
+
+import httpx
 
 from mlxd.daemon import autostart, repl
 from mlxd.daemon.client import Client, ClientError
@@ -181,7 +184,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     """Pulled models as `ollama list` shows them, then the registered ones not pulled yet."""
     client = _client()
     ensure_daemon(client)
-    models = client.get("/api/tags")["models"]
+    tags = client.get("/api/tags")
+    if tags.get("warning"):  # an edit of a registry file was refused
+        print(f"Warning: {tags['warning']}", file=sys.stderr)
+    models = tags["models"]
     statuses = _registry_statuses(client)
     rows = [["NAME", "ID", "SIZE", "MODIFIED", "STATUS"]]
     listed = set()
@@ -194,7 +200,10 @@ def cmd_list(args: argparse.Namespace) -> int:
     if not args.pulled:
         for name, entry in statuses.items():
             if name not in listed and not entry.get("pulled"):
-                rows.append([name, "-", "-", "-", f"not pulled (mlxd pull {_short(name)})"])
+                status = entry.get("status") or "not pulled"
+                if status == "not pulled":
+                    status = f"not pulled (mlxd pull {_short(name)})"
+                rows.append([name, "-", "-", "-", status])
     print(table(rows))
     return 0
 
@@ -658,6 +667,8 @@ def cmd_create(args: argparse.Namespace) -> int:
         body = create_body(client, args.model, Path(args.file))
     except (OSError, ModelfileError) as exc:
         return _fail(str(exc))
+    except UnicodeDecodeError:
+        return _fail(f"{args.file}: a Modelfile is UTF-8 text")
     for line in client.stream("/api/create", body):
         print(line.get("status", ""), file=sys.stderr)
     return 0
@@ -772,22 +783,31 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str]) -> argparse
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parse_args(parser, sys.argv[1:] if argv is None else argv)
-    if args.version:
-        client = _client()
-        server = "unknown (daemon not running)"
-        if client.heartbeat():
-            server = client.get("/api/version").get("version", "?")
-        print(f"mlxd version is {VERSION} (API {server})")
-        return 0
-    if not getattr(args, "func", None):
+    if not args.version and not getattr(args, "func", None):
         parser.print_help()
         return 0
     try:
-        return int(args.func(args))
-    except ClientError as exc:
+        return _version() if args.version else int(args.func(args))
+    except (ClientError, ConfigError) as exc:
+        return _fail(str(exc))
+    except httpx.HTTPError as exc:  # the daemon went away mid-command (killed, shut down)
+        return _fail(f"lost the connection to the mlxd daemon: {exc}")
+    except BrokenPipeError:  # stdout's reader left (`mlxd run ... | head -1`): end quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a process ended by SIGPIPE
+    except OSError as exc:  # e.g. MLXD_HOME cannot be created
         return _fail(str(exc))
     except KeyboardInterrupt:
         return 130
+
+
+def _version() -> int:
+    client = _client()
+    server = "unknown (daemon not running)"
+    if client.heartbeat():
+        server = client.get("/api/version").get("version", "?")
+    print(f"mlxd version is {VERSION} (API {server})")
+    return 0
 
 
 if __name__ == "__main__":

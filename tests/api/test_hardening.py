@@ -260,6 +260,17 @@ def test_delete_refuses_bad_bodies_with_400(http: httpx.Client) -> None:
     assert "model" in error_of(r, 400)
 
 
+def test_a_refused_delete_leaves_the_model_loaded(http: httpx.Client) -> None:
+    """`tiny` comes from a registry file mlxd does not edit and points at local files: the
+    delete is refused, and refused means no side effect (it used to unload the model first)."""
+    assert http.post("/api/generate", json={"model": "tiny", "prompt": "x",
+                     "stream": False, "options": {"num_predict": 1}}).status_code == 200  # fmt: skip
+    assert "does not manage" in error_of(
+        http.request("DELETE", "/api/delete", json={"model": "tiny"}), 400
+    )
+    assert "tiny:latest" in [m["name"] for m in http.get("/api/ps").json()["models"]]
+
+
 def test_a_prompt_far_beyond_the_context_is_cut_not_refused(http: httpx.Client) -> None:
     """10 MB of text for a 2048-token context: only its ends are tokenized, and the answer
     comes from the head and the most recent tokens (as Ollama truncates)."""

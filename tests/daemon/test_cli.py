@@ -6,8 +6,10 @@ import builtins
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterable, Iterator, Mapping
@@ -20,7 +22,7 @@ import pytest
 
 from mlxd.daemon import cli
 from mlxd.daemon.client import Client
-from tests.conftest import RunningServer, ServerThread, free_port
+from tests.conftest import RunningServer, ServerThread, free_port, wait_for
 from tests.fixtures.tiny_models import TinyPair
 
 REPO = Path(__file__).resolve().parents[2]
@@ -92,6 +94,30 @@ def test_list(server: RunningServer) -> None:
         assert m["digest"][:12] in rows[m["name"]]
     assert {"tiny:latest", "pair:latest", "selfdraft:latest", "sys:latest"} <= set(rows)
     assert "ago" in rows["tiny:latest"] or "Less than a minute" in rows["tiny:latest"]
+
+
+def test_list_says_what_no_pull_can_bring_and_a_refused_edit(
+    tiny_pair: TinyPair, tmp_path: Path
+) -> None:
+    """An entry naming a local directory that is not there is unavailable, not "not pulled"
+    (a pull cannot make it); an edit of the registry that was refused is said on stderr."""
+    path = tmp_path / "models.yaml"
+    gone = tmp_path / "gone"
+    path.write_text(
+        f"models:\n  tiny:\n    target: {tiny_pair.target}\n  ghost:\n    target: {gone}\n",
+        encoding="utf-8",
+    )
+    with ServerThread(path) as srv:
+        result = mlxd(["list"], srv.port)
+        [row] = [line for line in out(result).splitlines() if line.startswith("ghost")]
+        assert f"unavailable: {gone} does not exist" in row and "mlxd pull" not in row, row
+        assert "Warning" not in err(result)
+        path.write_text(path.read_text(encoding="utf-8") + "oops: [\n", encoding="utf-8")
+        tags = f"{srv.base_url}/api/tags"
+        assert wait_for(lambda: "warning" in httpx.get(tags, timeout=30).json(), 60)
+        result = mlxd(["list"], srv.port)
+        assert result.returncode == 0
+        assert "Warning: serving the last good registry" in err(result), err(result)
 
 
 def test_ls_alias(server: RunningServer) -> None:
@@ -242,6 +268,85 @@ def test_run_invalid_model_name(server: RunningServer) -> None:
     result = mlxd(["run", "bad name!", "hello"], server.port)
     assert result.returncode != 0
     assert "invalid model name" in err(result)
+
+
+def test_run_into_a_reader_that_leaves_ends_quietly(server: RunningServer) -> None:
+    """`mlxd run ... | head -1`: the pipe's reader goes, the CLI ends without a traceback."""
+    command = [sys.executable, "-m", "mlxd.daemon.cli", "run", "tiny", "write a long story"]
+    with subprocess.Popen(
+        command, cwd=REPO, env=cli_env(server.port), stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    ) as proc:  # fmt: skip
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.read(1)
+        proc.stdout.close()  # as `head` does once it has its line
+        stderr = proc.stderr.read().decode()
+        code = proc.wait(timeout=180)
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr, stderr
+    assert code in (0, 141)
+
+
+def _dies_mid_stream(sock: socket.socket) -> None:
+    """An HTTP server that answers heartbeats, then a stream's first line, then goes away (a
+    daemon killed while it streams)."""
+    while True:
+        try:
+            conn, _ = sock.accept()
+        except OSError:
+            return
+        with conn:
+            head = conn.recv(65536)
+            if head.startswith(b"HEAD"):
+                conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                continue
+            line = b'{"status":"pulling manifest"}\n'
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/x-ndjson\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n" + b"%x\r\n%s\r\n" % (len(line), line)
+            )
+
+
+def test_a_daemon_that_dies_mid_stream_is_an_error_line() -> None:
+    with socket.create_server(("127.0.0.1", 0)) as sock:
+        threading.Thread(target=_dies_mid_stream, args=(sock,), daemon=True).start()
+        result = mlxd(["pull", "some/model"], sock.getsockname()[1])
+    assert result.returncode == 1, err(result)
+    assert "lost the connection to the mlxd daemon" in err(result)
+    assert "Traceback" not in err(result)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"MLXD_HOST": "127.0.0.1:99999"}, "invalid host"),
+        ({"MLXD_HOST": "http://[::1"}, "invalid host"),
+    ],
+)
+def test_a_bad_host_is_an_error_line(env: dict[str, str], message: str) -> None:
+    for args in (["list"], ["-v"]):
+        result = mlxd(args, 0, env=cli_env(0, **env))
+        assert result.returncode == 1 and message in err(result), err(result)
+        assert "Traceback" not in err(result)
+
+
+def test_a_home_that_cannot_be_made_is_an_error_line(tmp_path: Path) -> None:
+    """No daemon answers, so the CLI would start one under MLXD_HOME: a file there is a
+    plain error, not a traceback."""
+    home = tmp_path / "afile"
+    home.write_text("", encoding="utf-8")
+    result = mlxd(["list"], free_port(), env=cli_env(free_port(), MLXD_HOME=str(home)))
+    assert result.returncode == 1 and err(result).startswith("Error: "), err(result)
+    assert "Traceback" not in err(result)
+
+
+def test_a_modelfile_that_is_not_text_is_an_error_line(
+    server: RunningServer, tmp_path: Path
+) -> None:
+    modelfile = tmp_path / "Modelfile"
+    modelfile.write_bytes(b"FROM tiny\n\xff\xfe\x80 not utf-8\n")
+    result = mlxd(["create", "bad", "-f", str(modelfile)], server.port)
+    assert result.returncode == 1 and "UTF-8" in err(result), err(result)
+    assert "Traceback" not in err(result)
 
 
 # -- serve -----------------------------------------------------------------------------------
