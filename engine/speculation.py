@@ -166,6 +166,17 @@ class SpecHistory:
                 clock.length = clock.left = start
             return clock.left
 
+    def pausing(self, source: str) -> bool:
+        """Whether a pause is running for `source`."""
+        with self._lock:
+            clock = self._clocks.get(source)
+            return clock is not None and clock.length > 0 and clock.left > 0
+
+    def hold(self, source: str, tokens: int) -> None:
+        """A pause of `tokens` for `source`, whatever ran before."""
+        with self._lock:
+            self._clocks[source] = PauseClock(tokens, tokens)
+
     def spend(self, source: str, tokens: int) -> None:
         """A request decoded `tokens` plain tokens of the pause."""
         with self._lock:
@@ -251,6 +262,7 @@ class RoundClock:
 
 FREE_SOURCES = ("lookup", "forced")  # sources whose drafts cost no forward
 MODEL_ARM = "model"  # the arm of a mixed source (auto) judged on its own rounds
+HELD_ARM = "#" + MODEL_ARM  # a history key's suffix: the pause after that arm lost
 # A draft model's trial is skipped where its best expected rate, at the acceptance seen over
 # this many rounds, is below this share of plain decoding's (`hopeless`). On an H200 the fat
 # 7B/0.5B pair's draft step costs 0.59 of a target step and a verify forward 1.5, so the draft
@@ -258,10 +270,11 @@ MODEL_ARM = "model"  # the arm of a mixed source (auto) judged on its own rounds
 # tokens and still ran at 0.95x of plain decoding.
 KNOWN_TRIES = 16
 HOPELESS = 0.8
-# A lost trial is repaid by the pause after it: at least its loss in plain steps over this share
-# (a trial 7 steps behind pauses 350 tokens), so trials cost under 2% of the tokens however
-# often a losing source is tried; doubling alone spent 3.6-4.6% on a CPU's 4-bit pair, sampled,
-# where prompt lookup's 16-token rounds cost 5 steps and committed 3.2 tokens.
+# A lost trial of a source whose record loses is repaid by the pause after it: at least its loss
+# in plain steps over this share (a trial 7 steps behind pauses 350 tokens), so trials cost under
+# 2% of the tokens however often a losing source is tried; doubling alone spent 3.6-4.6% on a
+# CPU's 4-bit pair, sampled, where prompt lookup's 16-token rounds cost 5 steps and committed
+# 3.2 tokens.
 TRIAL_SHARE = 0.02
 
 
@@ -348,13 +361,18 @@ class DraftLengthController:
         if past is not None:
             for i in range(min(max_k, len(past.tries))):
                 self.prior_hits[i], self.prior_tries[i] = past.hits[i], past.tries[i]
+            assert history is not None
             if past.spec_seconds * floor > past.plain_seconds > 0:
-                assert history is not None
                 start = pause_tokens if draft_cost > 0 else 4 * pause_tokens
                 left = history.pause_left(key, start=start)
                 # it did not pay lately: wait out the pause, then a trial
                 self.off = left > 0 and floor_on()
                 self.pause_tokens = left or pause_tokens
+            elif history.pausing(key + HELD_ARM) and floor_on():
+                # its record pays (its free arm wins) but its draft-model arm lost lately: the
+                # free arm runs until that pause ends (each request used to try the losing arm)
+                self.off = True
+                self.pause_tokens = history.pause_left(key + HELD_ARM, start=0)
             if not self.off and floor_on() and self.hopeless():
                 self.skip_trial()  # a trial due now would lose: wait a longer pause instead
 
@@ -362,6 +380,7 @@ class DraftLengthController:
         """`tokens` were decoded plainly during a pause (all of it, or the request ended)."""
         if self.history is not None:
             self.history.spend(self.key, tokens)
+            self.history.spend(self.key + HELD_ARM, tokens)
 
     def resume(self) -> None:
         """Try speculation again after a pause: a trial, judged after `patience` rounds. What
@@ -386,17 +405,33 @@ class DraftLengthController:
             self.pause_tokens = min(self.base_pause << self.bench_pauses, self.max_pause)
             self.bench_pauses = min(self.bench_pauses + 1, 16)
 
-    def _stop_paying(self) -> None:
+    def _stop_paying(self, arm_lost: bool = False) -> None:
         """A trial lost: the next pause is twice the last (the pairing's clock when shared),
-        and long enough to repay what the trial lost (`TRIAL_SHARE`)."""
+        and long enough to repay what the trial lost (`TRIAL_SHARE`). `arm_lost`: the loss was
+        the draft-model arm's, whose pause later requests wait out on the free arm."""
         self.off = True
-        repay = math.ceil(max(self.clock.excess(self.costs.plain), 0.0) / TRIAL_SHARE)
+        repay = 0
+        if self._record_loses():
+            repay = math.ceil(max(self.clock.excess(self.costs.plain), 0.0) / TRIAL_SHARE)
         least = max(self.base_pause, repay)
         if self.history is not None:
             self.backoff = self.history.lengthen(self.key, least, self.max_pause)
         else:
             self.backoff = min(max(2 * self.backoff, least), self.max_pause)
         self.pause_tokens = self.backoff
+        if arm_lost and self.history is not None:
+            self.history.hold(self.key + HELD_ARM, self.backoff)
+
+    def _record_loses(self) -> bool:
+        """Whether this source's rounds, this request's and the pairing's before it, commit
+        tokens slower than plain decoding would: only then must the pause repay a lost trial
+        (a source that pays now and then, prompt lookup's greedy copies, would miss its next
+        win waiting out a long one: on this CPU greedy lookup fell from 1.34x to 1.27x)."""
+        spec, plain = self.seen.spec_seconds, self.seen.plain_seconds
+        past = self.history.get(self.key) if self.history is not None else None
+        if past is not None:
+            spec, plain = spec + past.spec_seconds, plain + past.plain_seconds
+        return spec * self.floor > plain
 
     def _paid(self) -> None:
         """A trial was judged and paid: the backoff starts over."""
@@ -548,12 +583,13 @@ class DraftLengthController:
         if drafted:
             self.bench_pauses = 0
         losing = self._losing(self.clock)
+        arm_lost = False
         if drafted and arm == MODEL_ARM and not self.key.startswith(MODEL_ARM):
             own = self.arms.setdefault(arm, RoundClock())
             own.add(seconds, modelled, committed, self.decay)
-            losing = losing or self._losing(own)
-        if losing and floor_on():
-            self._stop_paying()
+            arm_lost = self._losing(own)
+        if (losing or arm_lost) and floor_on():
+            self._stop_paying(arm_lost)
         elif (
             self.clock.rounds >= self.patience
             and not self.judged

@@ -333,3 +333,36 @@ def test_a_paused_draft_model_whose_trials_would_lose_never_runs_them(loaded: Lo
         paused.append(gen.stats.paused)
     assert rounds[0] == 0 and paused[0] == 1  # one pause, lengthened at each of its ends
     assert rounds[1] > 0
+
+
+def test_a_mixed_source_whose_model_arm_lost_starts_the_next_request_on_its_free_arm() -> None:
+    """`auto`'s record pays (its prompt-lookup rounds win), but its draft-model arm lost: the
+    next request waits out the pause that loss started, on its free arm, instead of trying
+    the losing arm again at once (every request used to)."""
+    history = SpecHistory()
+    first = DraftLengthController(FLAT, 4, 0.05, history=history, source="auto")
+    for _ in range(8):  # lookup's rounds: 5 tokens for a plain step each
+        first.observe(4, 4)
+        first.observe_time(1.0, 5, drafted=4, arm="lookup")
+    for _ in range(first.patience):  # the draft model's: a token for three steps
+        first.observe_time(3.0, 1, drafted=4, arm="model")
+    assert first.off
+    first.conclude()
+    record = history.get("auto")
+    assert record is not None and record.spec_seconds < record.plain_seconds  # it pays overall
+    later = DraftLengthController(FLAT, 4, 0.05, history=history, source="auto")
+    assert later.off and later.pause_tokens == first.pause_tokens
+    later.paused_for(later.pause_tokens)  # its free arm decoded the pause's tokens
+    assert not DraftLengthController(FLAT, 4, 0.05, history=history, source="auto").off
+
+
+def test_a_source_that_pays_overall_backs_off_by_doubling_only() -> None:
+    """Its record pays (greedy prompt lookup: copies now and then): a lost trial pauses for
+    the doubling's length, not for one that repays the loss, which would sit out the next
+    copy."""
+    history = SpecHistory()
+    history.record("lookup", SourceRecord([8.0], [8.0], spec_seconds=10.0, plain_seconds=40.0))
+    ctl = DraftLengthController(FLAT, 4, 0.0, pause_tokens=4, history=history, source="lookup")
+    for _ in range(ctl.patience):
+        ctl.observe_time(3.0, 1)
+    assert ctl.off and ctl.pause_tokens == 4
