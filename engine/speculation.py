@@ -407,8 +407,9 @@ class DraftLengthController:
 
     def _stop_paying(self, arm_lost: bool = False) -> None:
         """A trial lost: the next pause is twice the last (the pairing's clock when shared),
-        and long enough to repay what the trial lost (`TRIAL_SHARE`). `arm_lost`: the loss was
-        the draft-model arm's, whose pause later requests wait out on the free arm."""
+        and, where the source's record loses, long enough to repay what the trial lost
+        (`TRIAL_SHARE`). `arm_lost`: the loss was the draft-model arm's, whose pause later
+        requests wait out on the free arm."""
         self.off = True
         repay = 0
         if self._record_loses():
