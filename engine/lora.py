@@ -238,9 +238,8 @@ class _Slots:
 
     by_slot: dict[int, LayerWeights] = field(default_factory=dict)
     stacks: _Stacks | None = None
-    # on a CPU (float32, LoRA): each slot's (A, sB) views and the base's product, which
-    # `RowLoRA._direct` takes (None: the general path)
-    direct: dict[int, tuple[mx.array, mx.array]] | None = None
+    # on a CPU (float32, LoRA): the base's product, which `RowLoRA._direct` takes with the
+    # slots' own views (None: the general path)
     base: Callable[[mx.array], mx.array] | None = None
 
 
@@ -361,7 +360,7 @@ class RowLoRA(nn.Module):
             self.group.restacked()
         held = self._slots.by_slot
         if not held:
-            self._slots.stacks = self._slots.direct = None
+            self._slots.stacks = self._slots.base = None
             return
         size = max(held) + 1
         rank = -(-max(w.a.shape[1] for w in held.values()) // RANK_ALIGN) * RANK_ALIGN
@@ -395,11 +394,8 @@ class RowLoRA(nn.Module):
             # slice shares the stacks' memory; an integer index (a gather) would copy it.
             held[slot] = replace(w, a=_view(stacks.a, slot), b=_view(stacks.b, slot))
         mx.eval([(w.a, w.b) for w in held.values()])
-        self._slots.direct = None
-        if stacks.direct and not dora and not fused:
-            self._slots.direct = {slot: (w.a, w.b) for slot, w in held.items()}
-            if self._slots.base is None:
-                self._slots.base = _base_product(self.base)
+        direct = stacks.direct and not dora and not fused
+        self._slots.base = _base_product(self.base) if direct else None
 
     def _plan(self, x: mx.array) -> Plan | None:
         stacks = self._slots.stacks
@@ -428,7 +424,7 @@ class RowLoRA(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         held = self._slots
-        if held.direct is not None and x.dtype == mx.float32:
+        if held.base is not None and x.dtype == mx.float32:
             return self._direct(x, held)
         if held.stacks is None and x.size == x.shape[-1]:
             return self.base(x)  # a lone row's step on the base: MLX's gemv, nothing to route
@@ -459,19 +455,22 @@ class RowLoRA(nn.Module):
         """A CPU's forward, in the fewest array operations and Python steps: rows all on one
         adapter multiply by its matrices, the sum in the second matmul; rows of several take
         the `gather_mm`s."""
-        assert held.direct is not None and held.base is not None and held.stacks is not None
+        assert held.base is not None and held.stacks is not None
         slots = self.selection.slots
         if slots is None:
             return held.base(x)
-        if len(slots) == 1:  # every row on one slot
-            ab = held.direct.get(slots[0])
-            return held.base(x) if ab is None else mx.addmm(held.base(x), x @ ab[0], ab[1])
-        plan = self.selection.plan(held.stacks.held, x.shape[0])
-        if plan is None:
-            return held.base(x)
-        if plan.single is not None:
-            a, b = held.direct[plan.single]
-            return mx.addmm(held.base(x), x @ a, b)
+        plan = None
+        if len(slots) == 1:  # every row on one slot (one this layer may not hold)
+            single: int | None = slots[0]
+        else:
+            plan = self.selection.plan(held.stacks.held, x.shape[0])
+            if plan is None:
+                return held.base(x)
+            single = plan.single
+        if single is not None:
+            w = held.by_slot.get(single)
+            return held.base(x) if w is None else mx.addmm(held.base(x), x @ w.a, w.b)
+        assert plan is not None
         return held.base(x) + self._gathered(x, held.stacks, plan)
 
     @staticmethod
