@@ -156,10 +156,25 @@ def _ordered(fields: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _plain(fields[k]) for k in _FIELD_ORDER if fields.get(k) is not None}
 
 
+class _Dumper(yaml.SafeDumper):
+    """Writes multi-line strings (a system prompt, a template) as ``|`` blocks, as people
+    write them by hand; PyYAML falls back to quoting where a block cannot hold the text. Text
+    ending in blank lines stays quoted: its block (``|+``) would end the document (``...``)."""
+
+
+def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value and not value.endswith("\n\n") else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_Dumper.add_representer(str, _str)
+
+
 def _dump(data: Any) -> str:
-    return yaml.safe_dump(
-        data, sort_keys=False, default_flow_style=False, allow_unicode=True, width=1_000_000
-    )
+    return yaml.dump(
+        data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, allow_unicode=True,
+        width=1_000_000,
+    )  # fmt: skip
 
 
 def _block(name: str, fields: Mapping[str, Any], indent: int) -> str:
@@ -198,9 +213,28 @@ def _content_end(node: yaml.Node) -> yaml.Mark:
 def _span_end(text: str, value: yaml.Node) -> int:
     mark = _content_end(value)
     index = mark.index
-    if text[_line_start(text, index) : index].strip() == "":
-        return _line_start(text, index)  # a block scalar ends at the start of the next line
-    return _line_end(text, index)  # include the rest of the line (e.g. an inline comment)
+    if text[_line_start(text, index) : index].strip() != "":
+        return _line_end(text, index)  # include the rest of the line (e.g. an inline comment)
+    # a block scalar ends at the start of the line after it, past the blank lines that
+    # follow it: those separate it from the next entry and stay
+    end = _line_start(text, index)
+    while end > 0:
+        start = _line_start(text, end - 1)
+        if text[start:end].strip():
+            break
+        end = start
+    return end
+
+
+def _comments_above(text: str, start: int) -> int:
+    """Where the comment lines directly above the line at ``start`` begin (no blank line
+    between): they describe that entry, and go with it when it is removed."""
+    while start > 0:
+        above = _line_start(text, start - 1)
+        if not text[above:start].lstrip().startswith("#"):
+            break
+        start = above
+    return start
 
 
 def _models_node(root: yaml.Node) -> tuple[yaml.Node, yaml.Node] | None:
@@ -264,6 +298,8 @@ def _edit_text(text: str, name: str, fields: Mapping[str, Any] | None) -> str | 
         if isinstance(key, yaml.ScalarNode) and _same_name(str(key.value), name):
             start = _line_start(text, key.start_mark.index)
             end = _span_end(text, value)
+            if fields is None:
+                start = _comments_above(text, start)
             replacement = "" if fields is None else _block(name, fields, indent)
             return text[:start] + replacement + text[end:]
     if fields is None:

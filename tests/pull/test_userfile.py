@@ -65,6 +65,23 @@ def test_edits_keep_comments_and_other_entries(tmp_path: Path) -> None:
     assert remove_entry("chat", path=path) is False
 
 
+def test_edits_keep_the_layout_around_the_entry(tmp_path: Path) -> None:
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        "version: 1\nmodels:\n"
+        "  a:\n    target: org/a\n    system: |\n      one\n      two\n\n"
+        "  # about b\n  b:\n    target: org/b\n"
+        "  # about c\n  c:\n    target: org/c\n"
+    )
+    set_entry("a", {"target": "org/a2", "system": "three\nfour\n"}, path=path)
+    text = path.read_text()
+    assert "    system: |\n      three\n      four\n\n  # about b\n" in text  # blank line kept
+    assert remove_entry("b", path=path)
+    text = path.read_text()
+    assert "about b" not in text and "  # about c\n  c:\n" in text  # its comment went with it
+    assert load_registry_file(path)["a:latest"].system == "three\nfour\n"
+
+
 def test_flow_style_models_are_rewritten_without_losing_data(tmp_path: Path) -> None:
     path = tmp_path / "models.yaml"
     path.write_text("version: 1\nmodels: {a: {target: org/a}, b: {target: org/b}}\n")
