@@ -7,9 +7,12 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import jinja2
 from jinja2 import meta
+
+from mlxd.engine.prompt import is_go_template
 
 HERMES = "hermes"  # Qwen2.5 / Qwen3 / Hermes: <tool_call>{json}</tool_call>
 QWEN_XML = "qwen_xml"  # Qwen3-Coder / Qwen3.5: <tool_call><function=f><parameter=p>...
@@ -86,7 +89,11 @@ def _tool_format(template: str) -> str | None:
 
 
 def chat_format(template: str | None) -> ChatFormat:
+    """What `template` says; Ollama's Go templates (which mlxd renders to the subset of
+    `.System`, `.Prompt`, `.Response`) carry no tools and no thinking."""
     text = template or ""
+    if is_go_template(text):
+        text = ""
     harmony = "<|channel|>" in text and "<|start|>" in text and "<|message|>" in text
     think: ThinkTags | None = None
     if not harmony:
@@ -101,6 +108,12 @@ def chat_format(template: str | None) -> ChatFormat:
         think_switch="enable_thinking" in text,
         think_levels="reasoning_effort" in text,
     )
+
+
+def model_format(template: str | None, tokenizer: Any) -> ChatFormat:
+    """The format of what renders a model's prompts: its entry's own `template` (Jinja, or Go),
+    else its tokenizer's chat template."""
+    return chat_format(template or getattr(tokenizer, "chat_template", None))
 
 
 def opens_thinking(prompt: str, tags: ThinkTags) -> bool:

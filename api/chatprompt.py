@@ -12,14 +12,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxd.api.chatformat import MISTRAL, ChatFormat, chat_format, opens_thinking
+from mlxd.api.chatformat import MISTRAL, ChatFormat, model_format, opens_thinking
 from mlxd.api.errors import ApiError
 from mlxd.api.reply import Parser, Plain, reply_parser
 from mlxd.api.toolgrammar import AUTO, tool_grammar
 from mlxd.api.tools import mistral_id, template_calls, tool_names
 from mlxd.engine.grammar import GrammarError, GrammarSpec, validate
 from mlxd.engine.pairing import Pairing
-from mlxd.engine.prompt import render_chat, with_system
+from mlxd.engine.prompt import go_template, render_chat, with_system
 from mlxd.registry.schema import ModelEntry
 
 THINK_LEVELS = ("low", "medium", "high", "max")
@@ -116,15 +116,16 @@ class ChatPrompt:
         self._parser: Any = Plain
 
     def __call__(self, pairing: Pairing) -> str:
-        fmt = chat_format(getattr(pairing.tokenizer, "chat_template", None))
+        fmt = model_format(self.entry.template, pairing.tokenizer)
         if self.tools and fmt.tools is None:
             raise ApiError(400, f"{self.entry.name} does not support tools")
         self.think = resolve_think(self.think_value, fmt, self.entry.name)
         seeded = [dict(m) for m in self.entry.messages] + self.messages  # MESSAGE lines first
         messages = with_system(template_messages(seeded, fmt), self.entry.system)
         text = render_chat(
-            pairing.tokenizer, messages, self.tools, template_kwargs(fmt, self.think)
-        )
+            pairing.tokenizer, messages, self.tools, template_kwargs(fmt, self.think),
+            go_template(self.entry.template),
+        )  # fmt: skip
         think, tools = self.think.on, self.tools
         self._parser = lambda: reply_parser(fmt, text, think, tools)
         if tools:

@@ -21,6 +21,7 @@ from mlxd.api.codec import NDJSON, ndjson_line, read_request
 from mlxd.api.errors import ApiError
 from mlxd.api.state import ServerState, state_of
 from mlxd.api.types import CreateRequest
+from mlxd.engine.prompt import PromptError, check_go_template, go_template
 from mlxd.registry.blobs import BlobError, blob_path, parse_digest, store_blob
 from mlxd.registry.create import CreateError, CreateSpec, create_model
 from mlxd.registry.modelfile import ModelfileError, parse_modelfile
@@ -88,6 +89,11 @@ def _spec(body: CreateRequest) -> CreateSpec:
         spec.messages = [
             {"role": m.role or "user", "content": m.content or ""} for m in body.messages
         ]
+    if go_template(spec.template):  # refused now, not by every request the model gets
+        try:
+            check_go_template(spec.template or "")
+        except PromptError as exc:
+            raise ApiError(400, str(exc)) from exc
     return spec
 
 

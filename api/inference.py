@@ -17,7 +17,7 @@ from mlxd.engine.grammar import GrammarError, GrammarSpec, row_grammar
 from mlxd.engine.manager import Loaded
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import ModelNotPulled, Pairing
-from mlxd.engine.prompt import PromptError, encode, render_chat, with_system
+from mlxd.engine.prompt import PromptError, encode, go_template, render_chat, with_system
 from mlxd.engine.truncation import Budget, fit
 from mlxd.registry.schema import ModelEntry
 
@@ -123,7 +123,10 @@ def tokenize(
 def chat_head(entry: ModelEntry, messages: list[dict[str, Any]]) -> Callable[[Pairing], str]:
     """A chat's head: its system messages alone (what truncation keeps first)."""
     system = [m for m in with_system(messages, entry.system) if m["role"] == "system"]
-    return lambda pairing: render_chat(pairing.tokenizer, system) if system else ""
+    template = go_template(entry.template)
+    return lambda pairing: (
+        render_chat(pairing.tokenizer, system, template=template) if system else ""
+    )
 
 
 def compile_for(pairing: Pairing, grammar: GrammarSpec) -> None:

@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from mlxd.api.chatformat import chat_format
+from mlxd.api.chatformat import model_format
 from mlxd.api.chatprompt import ChatPrompt, check_think_value, resolve_think, template_kwargs
 from mlxd.api.codec import NDJSON, json_response, ndjson_line, read_request
 from mlxd.api.durations import parse_keep_alive
@@ -49,7 +49,7 @@ from mlxd.api.types import (
 from mlxd.engine.events import Done, GenerationRequest
 from mlxd.engine.logprobs import Logprob
 from mlxd.engine.pairing import Pairing
-from mlxd.engine.prompt import render_generate
+from mlxd.engine.prompt import go_template, render_generate
 from mlxd.registry.schema import ModelEntry
 
 VERSION = "0.33.0"
@@ -225,7 +225,7 @@ async def generate(request: Request) -> Response:
     def render(pairing: Pairing) -> str:
         if context:
             _check_ids(context, pairing)
-        fmt = chat_format(getattr(pairing.tokenizer, "chat_template", None))
+        fmt = model_format(entry.template, pairing.tokenizer)
         think = resolve_think(body.think, fmt, entry.name)
         if raw:
             return prompt
@@ -234,7 +234,7 @@ async def generate(request: Request) -> Response:
         system = body.system or entry.system
         text = render_generate(
             pairing.tokenizer, prompt, system, body.template, suffix, pairing.fim,
-            template_kwargs(fmt, think),
+            template_kwargs(fmt, think), go_template(entry.template),
         )  # fmt: skip
         if not (suffix or body.template):
             parsers[0] = lambda: reply_parser(fmt, text, think.on, None)
@@ -242,7 +242,10 @@ async def generate(request: Request) -> Response:
 
     def head(pairing: Pairing) -> str:  # what truncation keeps first: all but the prompt
         system = body.system or entry.system
-        return render_generate(pairing.tokenizer, "", system, body.template, None, None)
+        return render_generate(
+            pairing.tokenizer, "", system, body.template, None, None,
+            model_template=go_template(entry.template),
+        )  # fmt: skip
 
     slot, load_seconds, prompt_tokens = await prepare(
         state, entry, keep, render, opts, list(context or []), templated=not raw,

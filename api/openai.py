@@ -64,7 +64,7 @@ from mlxd.engine.grammar import GrammarSpec
 from mlxd.engine.logprobs import Logprob
 from mlxd.engine.manager import Loaded
 from mlxd.engine.pairing import Pairing
-from mlxd.engine.prompt import render_generate
+from mlxd.engine.prompt import go_template, render_generate
 from mlxd.registry.names import InvalidModelName, parse_name
 
 SSE = "text/event-stream"
@@ -469,11 +469,15 @@ async def completions(request: Request) -> Response:
         if suffix and pairing.fim is None:
             raise ApiError(400, f"{entry.name} does not support insert")
         return render_generate(
-            pairing.tokenizer, prompt, entry.system, None, suffix or None, pairing.fim
-        )
+            pairing.tokenizer, prompt, entry.system, None, suffix or None, pairing.fim,
+            model_template=go_template(entry.template),
+        )  # fmt: skip
 
     def head(pairing: Pairing) -> str:
-        return render_generate(pairing.tokenizer, "", entry.system, None, None, None)
+        return render_generate(
+            pairing.tokenizer, "", entry.system, None, None, None,
+            model_template=go_template(entry.template),
+        )  # fmt: skip
 
     slot, load_seconds, tokens = await prepare(
         state, entry, None, render, opts, head=None if suffix else head, grammar=grammar

@@ -25,7 +25,7 @@ from mlxd.engine.kvquant import KvLayout, kv_layout
 from mlxd.engine.memory import computes_in_float32
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.prefill import CHUNK, bucketed, feed, warm_shapes
-from mlxd.engine.prompt import FimFormat, detect_fim
+from mlxd.engine.prompt import FimFormat, detect_fim, jinja_template
 from mlxd.engine.sampling import Rng
 from mlxd.engine.speculation import Costs, FixedDraftLength, SpecHistory
 from mlxd.registry.schema import ModelEntry
@@ -327,7 +327,9 @@ def _load_sharded(
 
     assert entry.distributed is not None
     try:
-        return load_distributed(entry.name, path, entry.distributed, backend, entry.template)
+        return load_distributed(
+            entry.name, path, entry.distributed, backend, jinja_template(entry.template)
+        )
     except (GroupError, OSError, ValueError) as exc:
         raise ModelUnavailable(f"cannot start the distributed target: {exc}") from exc
 
@@ -362,7 +364,7 @@ def load_pairing(
     if entry.distributed is not None:
         target, tokenizer, config = _load_sharded(entry, target_dir, backend)
     else:
-        target, tokenizer, config = load_model(target_dir, backend, entry.template)
+        target, tokenizer, config = load_model(target_dir, backend, jinja_template(entry.template))
     draft = None
     draft_dir = None
     draft_revision = ""

@@ -45,14 +45,11 @@ def detect_fim(vocab: Mapping[str, int]) -> FimFormat | None:
 # -- Ollama's Go templates (the subset prompts use) -------------------------------------------
 
 _ACTION = re.compile(r"{{(-?)\s*(.*?)\s*(-?)}}", re.S)
+GO_FIELDS = ("System", "Prompt", "Response", "Suffix")  # what Ollama's legacy templates name
 
 
-def render_go_template(template: str, values: Mapping[str, str]) -> str:
-    """Render `{{ .Field }}`, `{{ if .Field }}…{{ else }}…{{ end }}` with `{{-`/`-}}` trimming.
-
-    That subset covers the prompt templates Ollama users pass to /api/generate; anything else
-    is a clear error rather than a silently wrong prompt.
-    """
+def _go_parts(template: str) -> list[tuple[str, str]]:
+    """The template as ("text", ...) and ("action", body) parts, `{{-`/`-}}` trimming applied."""
     parts: list[tuple[str, str]] = []
     pos = 0
     for m in _ACTION.finditer(template):
@@ -72,7 +69,23 @@ def render_go_template(template: str, values: Mapping[str, str]) -> str:
         parts.pop()
         tail = tail.lstrip()
     parts.append(("text", tail))
+    return parts
 
+
+def render_go_template(
+    template: str, values: Mapping[str, str], open_response: bool = False
+) -> str:
+    """Render `{{ .Field }}`, `{{ if .Field }}…{{ else }}…{{ end }}` with `{{-`/`-}}` trimming.
+
+    That subset covers the prompt templates Ollama users pass to /api/generate and the legacy
+    model templates (`.System`, `.Prompt`, `.Response`); anything else is a clear error rather
+    than a silently wrong prompt. `open_response`: the turn the model is to write, so the
+    template ends where `{{ .Response }}` stands (as Ollama cuts it), not with what closes it.
+    """
+    parts = _go_parts(template)
+    if open_response:
+        at = next((i for i, p in enumerate(parts) if p == ("action", ".Response")), None)
+        parts = parts if at is None else parts[:at]
     out: list[str] = []
     stack: list[tuple[bool, bool]] = []  # (parent active, this branch taken)
 
@@ -100,8 +113,78 @@ def render_go_template(template: str, values: Mapping[str, str]) -> str:
                 out.append(values.get(m3.group(1), ""))
         else:
             raise PromptError(f"template: unsupported action {{{{ {body} }}}}")
-    if stack:
+    if stack and not open_response:
         raise PromptError("template: missing {{ end }}")
+    return "".join(out)
+
+
+_SUBSET = re.compile(rf"(?:if\s+)?\.(?:{'|'.join(GO_FIELDS)})|else|end")
+
+
+def check_go_template(template: str) -> None:
+    """Refuse a Go template mlxd cannot render (PromptError), naming its first action past the
+    subset (`range .Messages`, `.Tools`, functions) or its unbalanced blocks."""
+    for kind, body in _go_parts(template):
+        if kind == "action" and not _SUBSET.fullmatch(body):
+            raise PromptError(
+                "template: mlxd renders Ollama templates of {{ .System }}, {{ .Prompt }}, "
+                "{{ .Response }} and {{ .Suffix }} with {{ if }}/{{ else }}/{{ end }} on them "
+                f"(or a Jinja chat template), not {{{{ {body} }}}}"
+            )
+    for filled in ("", "x"):
+        render_go_template(template, dict.fromkeys(GO_FIELDS, filled))
+
+
+def go_template(template: str | None) -> str | None:
+    """A model's template when it is Ollama's Go, which mlxd renders itself; None for none or
+    Jinja (that one is the tokenizer's chat template, installed at load)."""
+    return template if template and is_go_template(template) else None
+
+
+def jinja_template(template: str | None) -> str | None:
+    """A model's template when it is Jinja, which its tokenizer renders (installed at load)."""
+    return template if template and not is_go_template(template) else None
+
+
+def _collated(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
+    """(role, content), consecutive messages of one role joined by a blank line, as Ollama
+    collates a conversation before a legacy template renders it."""
+    out: list[tuple[str, str]] = []
+    for m in messages:
+        role, content = str(m.get("role") or "user"), str(m.get("content") or "")
+        if out and out[-1][0] == role and role != "tool":
+            out[-1] = (role, out[-1][1] + "\n\n" + content)
+        else:
+            out.append((role, content))
+    return out
+
+
+def render_go_chat(template: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """A conversation through a legacy Go template, as Ollama renders it: one pass of the
+    template per turn (its system, prompt and response), the last one open where
+    `{{ .Response }}` stands. A template without `.Response` gets it at the end, as Ollama
+    appends it."""
+    if ".Response" not in {body for kind, body in _go_parts(template) if kind == "action"}:
+        template += "{{ .Response }}"
+    out: list[str] = []
+    turn = {"System": "", "Prompt": "", "Response": ""}
+
+    def flush() -> None:
+        out.append(render_go_template(template, turn))
+        turn.update(System="", Prompt="", Response="")
+
+    for role, content in _collated(messages):
+        if role == "system":
+            if turn["Prompt"] or turn["Response"]:
+                flush()
+            turn["System"] = content
+        elif role == "user":
+            if turn["Response"]:
+                flush()
+            turn["Prompt"] = content
+        elif role == "assistant":
+            turn["Response"] = content
+    out.append(render_go_template(template, turn, open_response=True))
     return "".join(out)
 
 
@@ -132,9 +215,11 @@ def render_chat(
     extra: Mapping[str, Any] | None = None,
     template: str | None = None,
 ) -> str:
-    """The chat template (or a Jinja `template` given instead) with the assistant turn opened;
-    a plain transcript when there is none. `tools` and `extra` (e.g. `enable_thinking`) go to
-    the template as it names them."""
+    """The chat template (or a `template` given instead: Jinja, or Ollama's Go) with the
+    assistant turn opened; a plain transcript when there is none. `tools` and `extra` (e.g.
+    `enable_thinking`) go to a Jinja template as it names them."""
+    if template and is_go_template(template):
+        return render_go_chat(template, messages)
     if template or getattr(tokenizer, "chat_template", None):
         chosen = {"chat_template": template} if template else {}
         try:
@@ -162,8 +247,11 @@ def render_generate(
     suffix: str | None,
     fim: FimFormat | None,
     extra: Mapping[str, Any] | None = None,
+    model_template: str | None = None,
 ) -> str:
-    """Ollama's /api/generate rendering (the raw case never reaches here)."""
+    """Ollama's /api/generate rendering (the raw case never reaches here): the request's
+    `template`, else the model's Go template (`model_template`, see `go_template`), else its
+    chat template. A suffix takes the request's Go template or the model's FIM tokens."""
     if suffix:
         if fim is None:
             raise PromptError("does not support insert")
@@ -172,16 +260,14 @@ def render_generate(
         if template:
             return render_go_template(template, {"Prompt": prompt, "Suffix": suffix})
         return fim.render(prompt, suffix)
+    template = template or model_template
+    user = with_system([{"role": "user", "content": prompt}], system)
     if template and is_go_template(template):
-        return render_go_template(
-            template, {"System": system or "", "Prompt": prompt, "Response": ""}
-        )
+        return render_go_chat(template, user)
     if template:  # Jinja: the chat template's language, as /api/show reports it
-        user = [{"role": "user", "content": prompt}]
-        return render_chat(tokenizer, with_system(user, system), extra=extra, template=template)
+        return render_chat(tokenizer, user, extra=extra, template=template)
     if getattr(tokenizer, "chat_template", None):
-        messages = with_system([{"role": "user", "content": prompt}], system)
-        return render_chat(tokenizer, messages, extra=extra)
+        return render_chat(tokenizer, user, extra=extra)
     return f"{system}\n\n{prompt}" if system else prompt
 
 

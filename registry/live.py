@@ -2,7 +2,8 @@
 
 Editors save by truncating a file and then writing it, so a reload can land between the two:
 an empty file that would change what is served is taken as not yet written, and a file that
-changes while it is read is read again on its next change. Either way, and for an invalid
+changes while it is read is read again (a few times: concurrent `create`s and `cp`s each replace
+it whole, and each one's reload must see its own entry), then on its next change. Either way, and for an invalid
 edit, the last good registry keeps serving and `errors()` says why until a reload succeeds.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -17,6 +19,8 @@ from mlxd.registry.registry import Registry
 from mlxd.registry.schema import RegistryError
 
 log = logging.getLogger(__name__)
+
+READS = 5  # reads of a registry that keeps changing while it is read, before giving up
 
 Stamp = tuple[int, int] | None  # (size, mtime_ns); None when the file is absent
 
@@ -77,13 +81,17 @@ class LiveRegistry:
 
     def _read(self) -> Registry:
         paths = self._current.paths
-        before = _stamps(paths)
-        fresh = self._load()
-        for path, was, now in zip(paths, before, _stamps(paths), strict=True):
-            if was != now:
+        for attempt in range(READS):
+            before = _stamps(paths)
+            fresh = self._load()
+            changed = [p for p, a, b in zip(paths, before, _stamps(paths), strict=True) if a != b]
+            if not changed:
+                break
+            if attempt == READS - 1:
                 raise RegistryError(
-                    f"{path}: changed while being read; read again on its next change"
+                    f"{changed[0]}: changed while being read; read again on its next change"
                 )
+            time.sleep(0.01 * (attempt + 1))
         if fresh.entries() != self._current.entries():
             for path in paths:
                 if _blank(path):

@@ -62,3 +62,36 @@ def test_invalid_edits_are_reported_until_fixed(tmp_path: Path) -> None:
     assert "models.yaml:" in message and "invalid YAML" in message
     path.write_text(GOOD, encoding="utf-8")
     assert live.reload() is None and live.errors() == []
+
+
+def rewriting_loader(path: Path, rewrites: int) -> tuple[LiveRegistry, list[int]]:
+    """A live registry whose next `rewrites` reads each see another writer replace the file
+    while they read it (as concurrent creates do)."""
+    reads = [0]
+
+    def load() -> Registry:
+        fresh = Registry.load([path], optional=())
+        reads[0] += 1
+        if 1 < reads[0] <= rewrites + 1:  # not the first load, at construction
+            path.write_text(GOOD + f"  extra{reads[0]}: {{target: org/x{'x' * reads[0]}}}\n")
+        return fresh
+
+    return LiveRegistry(load), reads
+
+
+def test_a_file_replaced_while_read_is_read_again(tmp_path: Path) -> None:
+    path = tmp_path / "models.yaml"
+    path.write_text(GOOD, encoding="utf-8")
+    live, reads = rewriting_loader(path, rewrites=2)
+    assert live.reload() is None
+    assert reads[0] == 4  # construction, two reads overtaken, one clean
+    assert "extra3:latest" in names(live)  # what the last writer wrote
+
+
+def test_a_file_that_never_settles_keeps_the_last_good(tmp_path: Path) -> None:
+    path = tmp_path / "models.yaml"
+    path.write_text(GOOD, encoding="utf-8")
+    live, _ = rewriting_loader(path, rewrites=100)
+    error = live.reload()
+    assert error is not None and "changed while being read" in str(error)
+    assert names(live) == {"coder:latest", "chat:latest"}
