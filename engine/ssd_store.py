@@ -248,12 +248,24 @@ def _move_aside(directory: Path, why: str) -> None:
     log.error("prefix cache: %s is damaged (%s); moved to %s.damaged", db, why, db)
 
 
+# SQLite's errors about access to a database (locks, permissions, a full disk, a write the OS
+# refused) rather than its contents: a full disk at startup turns the tier off for the run and
+# must not discard what it holds. A failed *read* (SQLITE_IOERR_SHORT_READ) is damage.
+ACCESS_ERRORS = (
+    "SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_CANTOPEN", "SQLITE_READONLY", "SQLITE_PERM",
+    "SQLITE_FULL", "SQLITE_NOMEM", "SQLITE_IOERR_WRITE", "SQLITE_IOERR_FSYNC",
+    "SQLITE_IOERR_DIR_FSYNC", "SQLITE_IOERR_TRUNCATE", "SQLITE_IOERR_SHM", "SQLITE_IOERR_NOMEM",
+    "SQLITE_IOERR_LOCK", "SQLITE_IOERR_ACCESS",
+)  # fmt: skip
+ACCESS_WORDS = ("locked", "busy", "unable to open", "readonly", "disk is full")
+
+
 def _temporary(exc: sqlite3.Error) -> bool:
     """An error about access to the database rather than its contents."""
-    text = str(exc).lower()
-    return isinstance(exc, sqlite3.OperationalError) and any(
-        word in text for word in ("locked", "busy", "unable to open", "readonly")
-    )
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    name = getattr(exc, "sqlite_errorname", None) or ""
+    return name.startswith(ACCESS_ERRORS) or any(w in str(exc).lower() for w in ACCESS_WORDS)
 
 
 def _scrub(db: Path) -> tuple[int, set[str]]:

@@ -182,3 +182,35 @@ def test_a_damaged_database_in_the_daemon_cache_does_not_lose_the_ram_tier(
     finally:
         cache.close()
     assert value_files(directory) == {}
+
+
+FULL_DISK_OPEN = """
+import resource, signal, sys
+from pathlib import Path
+from mlxd.engine.prefix_cache import PrefixCache
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, resource.RLIM_INFINITY))  # no file may grow
+cache = PrefixCache(1 << 26, Path(sys.argv[1]), 1 << 26)
+print(cache.ssd_off)
+cache.close()
+"""
+
+
+def test_a_disk_with_no_room_turns_the_tier_off_and_keeps_what_it_holds(tmp_path: Path) -> None:
+    """A full disk at startup is a condition of the run, not damage: the database and its
+    value files stay for the next start."""
+    import subprocess
+    import sys
+
+    directory = tmp_path / "ssd"
+    written(directory)
+    files = value_files(directory)
+    out = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_OPEN, str(directory)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip(), "the tier opened on a disk that could not take a write"
+    assert not (directory / f"{DB_NAME}.damaged").exists()
+    assert value_files(directory) == files
+    check_tier(directory, set())  # room again: everything is there
