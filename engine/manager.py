@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import mlx.core as mx
@@ -93,6 +93,25 @@ class ProbeResult:
     costs: Costs | None = None
     seconds: float = 0.0
     remembered: bool = False  # read back from an earlier run's probe of the same files
+    files: tuple[tuple[str, int, int], ...] = ()  # `files_stamp` when it was probed
+
+
+def files_stamp(entry: ModelEntry) -> tuple[tuple[str, int, int], ...]:
+    """The entry's model and adapter files as they are now (path, size, modification time):
+    a failed probe is tried again once they change (a pull that repaired a damaged file, a
+    file put back by hand), not only after a restart."""
+    dirs = [resolve_local(ref) for ref in (entry.target, entry.draft) if ref is not None]
+    refs = (*entry.adapters, *entry.draft_adapters)
+    dirs += [Path(a.ref) for a in refs if a.is_path]
+    found: list[tuple[str, int, int]] = []
+    for folder in dirs:
+        if folder is None or not folder.is_dir():
+            continue
+        for path in sorted(folder.iterdir()):
+            with contextlib.suppress(OSError):
+                st = path.stat()  # through the hub cache's links to the blobs they name
+                found.append((str(path), st.st_size, st.st_mtime_ns))
+    return tuple(found)
 
 
 def files_present(entry: ModelEntry) -> bool:
@@ -390,6 +409,7 @@ class ModelManager:
                 return self._probes[entry]
             if self._closing:
                 return None
+            files = await asyncio.to_thread(files_stamp, entry)
             result = self._base_probes.get(entry.load_key)
             if result is None:
                 result = await run_in_mlx_thread(
@@ -401,6 +421,7 @@ class ModelManager:
                 problem = await asyncio.to_thread(_check_adapters, entry)
                 if problem is not None:
                     result = ProbeResult(False, problem, None, result.seconds)
+            result = replace(result, files=files)
             self._probes[entry] = result
         if result.remembered:
             log.info("probe %s: ok (unchanged since it was last probed)", entry.name)
@@ -409,6 +430,20 @@ class ModelManager:
         else:
             log.error("probe %s: unavailable: %s", entry.name, result.reason)
         return result
+
+    async def _probe_again(self, entry: ModelEntry, failed: ProbeResult) -> ProbeResult | None:
+        """`failed` stands while the files it was probed on are unchanged; once they change,
+        the entry (and its base) is probed anew."""
+        if await asyncio.to_thread(files_stamp, entry) == failed.files:
+            return failed
+        async with self._probe_lock:
+            if self._probes.get(entry) is failed:
+                del self._probes[entry]
+                base = self._base_probes.get(entry.load_key)
+                if base is not None and not base.ok:
+                    del self._base_probes[entry.load_key]
+        log.info("probe %s: its files changed since it failed; probing again", entry.name)
+        return await self.probe(entry)
 
     def start_probes(self, entries: list[ModelEntry]) -> None:
         """Probe `entries` in the background, one after another; each is `probing` until its
@@ -450,6 +485,8 @@ class ModelManager:
         if entry in self._pending:  # probing: take its turn now rather than after the others
             await self.probe(entry)
         probed = self._probes.get(entry)
+        if probed is not None and not probed.ok:
+            probed = await self._probe_again(entry, probed)
         if probed is not None and not probed.ok:
             raise ModelUnavailable(f"model '{entry.name}' is unavailable: {probed.reason}")
         if entry.distributed is not None:
@@ -766,6 +803,21 @@ class ModelManager:
         found = [m for m in self._loaded.values() if m.entry.name == name or name in m.names]
         forget_loss(name)  # a lost distributed group is tried afresh on the next load
         for model in found:
+            model.keep_alive = 0
+            if model.users == 0:
+                self._retire(model)
+        return bool(found)
+
+    def forget(self, name: str) -> bool:
+        """`name` is served no more as it was (deleted, or changed in the registry): a pairing
+        only it used unloads once idle; a base other entries share stays loaded for them
+        (removing one adapter entry is no reason to drop the base the others decode on)."""
+        found = [m for m in self._loaded.values() if m.entry.name == name or name in m.names]
+        forget_loss(name)
+        for model in found:
+            model.names.discard(name)
+            if model.names:
+                continue
             model.keep_alive = 0
             if model.users == 0:
                 self._retire(model)

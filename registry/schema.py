@@ -173,8 +173,10 @@ class ModelEntry:
     draft_adapters: tuple[AdapterRef, ...] = ()  # mounted on the draft model
     messages: tuple[Mapping[str, str], ...] = field(default=(), hash=False)  # chats start so
     distributed: Distribution | None = None  # the target sharded over several processes
-    source: Path = field(default_factory=lambda: Path("<memory>"))
-    line: int | None = None
+    # where it was read (for messages): not part of what the entry is, so a line moved by an
+    # edit elsewhere in the file changes nothing served
+    source: Path = field(default_factory=lambda: Path("<memory>"), compare=False)
+    line: int | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         # Canonical name and a read-only copy of options, whoever builds the entry.

@@ -101,6 +101,24 @@ def test_an_adapter_added_by_a_registry_edit_is_served_without_reloading_the_bas
     assert loads(thread) == 1
 
 
+def test_removing_or_moving_entries_keeps_the_base_the_others_use(
+    served: tuple[RunningServer, ServerThread],
+) -> None:
+    """A comment that moves every entry's line changes nothing served; removing one adapter
+    entry leaves the base its siblings decode on loaded."""
+    server, thread = served
+    base, sql = answer(server, "coder"), answer(server, "coder-sql")
+    tests = answer(server, "coder-tests")
+    text = server.registry.read_text(encoding="utf-8")
+    server.registry.write_text("# moved every line down\n" + text, encoding="utf-8")
+    kept = text.split("  coder-tests:")[0] + "  shipped:" + text.split("  shipped:")[1]
+    server.registry.write_text(kept, encoding="utf-8")
+    assert wait_for(lambda: "coder-tests:latest" not in tags(server))
+    assert httpx.get(f"{server.base_url}/api/ps").json()["models"]  # still loaded
+    assert answer(server, "coder") == base and answer(server, "coder-sql") == sql != tests
+    assert loads(thread) == 1
+
+
 def test_ollama_client_create_blob_then_create_then_generate(
     served: tuple[RunningServer, ServerThread], adapters: Adapters
 ) -> None:

@@ -73,6 +73,29 @@ def test_broken_pairings_are_unavailable_and_others_serve(
         assert ok.status_code == 200 and ok.json()["done"]
 
 
+def test_a_model_whose_files_are_repaired_serves_without_a_restart(
+    tiny_pair: TinyPair, tmp_path: Path
+) -> None:
+    """A failed probe stands while the files are as they were; a pull that repairs them (here
+    the good weights put back) is served on the next request."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_pair.target, model)
+    weights = model / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[: len(good) // 2])
+    registry = tmp_path / "models.yaml"
+    registry.write_text(f"models:\n  fixed:\n    target: {model}\n", encoding="utf-8")
+    body = {"model": "fixed", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+    with ServerThread(registry) as srv:
+        for _ in range(2):
+            r = httpx.post(f"{srv.base_url}/api/generate", json=body, timeout=60)
+            assert r.status_code == 500 and "unavailable" in r.json()["error"]
+        weights.write_bytes(good)
+        r = httpx.post(f"{srv.base_url}/api/generate", json=body, timeout=60)
+        assert r.status_code == 200 and r.json()["done"], r.text
+        assert "unavailable" not in tags(srv.base_url)["fixed:latest"]
+
+
 def test_hot_reload_add_change_remove_and_invalid(
     tiny_pair: TinyPair, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
