@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import logging
 import os
 import re
 import shutil
@@ -73,8 +74,18 @@ from mlxd.registry.home import user_registry_path
 from mlxd.registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, ModelName, parse_name
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import ModelEntry, RegistryError
-from mlxd.registry.store import MODEL_FILE_PATTERNS, hub_cache_dir, model_files, resolve_local
+from mlxd.registry.store import (
+    MODEL_FILE_PATTERNS,
+    ModelFilesError,
+    file_hashes,
+    hub_cache_dir,
+    model_files,
+    remember_hash,
+    resolve_local,
+)
 from mlxd.registry.userfile import entry_fields, file_lock, remove_entry, set_entry
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "DEFAULT_ENDPOINT",
@@ -472,12 +483,46 @@ def _offline_manifest(ref: HubRef, cache: Path, env: Mapping[str, str]) -> _Mani
 
 
 def _plan_job(manifest: _Manifest, file: _RemoteFile) -> _Job:
-    if manifest.offline or _size(manifest.snapshot / file.path) == file.size:
+    """What a file needs: nothing where the snapshot holds it intact, a link where its blob
+    is there, else a download. A file of the right size whose content no longer hashes to
+    what the hub lists (damaged on disk) is downloaded again: pulling again repairs a model.
+    Hashes come from the digest cache while a file's size and mtime are unchanged, so a
+    model is read once, not at every pull."""
+    pointer = manifest.snapshot / file.path
+    if manifest.offline or (_size(pointer) == file.size and _intact(pointer, file)):
         return _Job(manifest, file, "cached")
     job = _Job(manifest, file, "download")
     if _size(job.blob) == file.size:
-        job.state = "link"
+        if _intact(job.blob, file):
+            job.state = "link"
+        else:
+            _drop_damaged(job)
     return job
+
+
+def _intact(path: Path, file: _RemoteFile) -> bool:
+    """Whether the file at `path` hashes to what the hub lists for `file`."""
+    try:
+        if file.sha256:
+            ((_, sha256),) = file_hashes([path])
+            return sha256 == file.sha256
+        if file.oid:
+            return _file_hashes(path, file.size)[1] == file.oid
+    except (OSError, ModelFilesError):
+        return False
+    return True
+
+
+def _drop_damaged(job: _Job) -> None:
+    """Remove a blob whose content does not match its name, so the download replaces it."""
+    log.warning(
+        "pull %s: %s does not match the hub's digest; downloading it again",
+        job.repo_id, job.file.path,
+    )  # fmt: skip
+    with file_lock(job.lock):
+        if _size(job.blob) == job.file.size and not _intact(job.blob, job.file):
+            with contextlib.suppress(FileNotFoundError):
+                job.blob.unlink()
 
 
 def _check_space(jobs: Sequence[_Job], cache: Path) -> None:
@@ -700,6 +745,8 @@ def _verify_and_commit(job: _Job, cancel: threading.Event) -> None:
                 f" hashes to {actual[:12]}…"
             )
         os.replace(job.partial, job.blob)
+        if job.file.sha256:
+            remember_hash(job.blob, sha256)  # verified now: later pulls need not read it again
         job.state = "link"
 
 

@@ -8,6 +8,7 @@ the digest, is cached per file.
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import hashlib
 import json
@@ -15,7 +16,7 @@ import math
 import os
 import struct
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -457,14 +458,29 @@ def model_digest(model_dir: Path, *, cache_path: Path | None = None) -> str:
     files = model_files(model_dir)
     if not files:
         raise ModelFilesError(f"no model files in {model_dir}")
-    if cache_path is None:
-        try:
-            cache_path = ensure_home() / DIGEST_CACHE_FILENAME
-        except OSError:
-            cache_path = None
+    hashes = file_hashes(files, cache_path=cache_path)
+    total = hashlib.sha256()
+    for file, (size, file_hash) in zip(files, hashes, strict=True):
+        total.update(f"{file.name}\0{size}\0{file_hash}\n".encode())
+    return total.hexdigest()
+
+
+def _digest_cache(cache_path: Path | None) -> Path | None:
+    if cache_path is not None:
+        return cache_path
+    try:
+        return ensure_home() / DIGEST_CACHE_FILENAME
+    except OSError:
+        return None
+
+
+def file_hashes(files: Sequence[Path], *, cache_path: Path | None = None) -> list[tuple[int, str]]:
+    """(size, sha256) of each file, read from the digest cache while a file's size and
+    modification time are those it was hashed at, else hashed (and remembered)."""
+    cache_path = _digest_cache(cache_path)
     cache = _load_cache(cache_path) if cache_path is not None else {}
     updates: dict[str, dict[str, Any]] = {}
-    total = hashlib.sha256()
+    out: list[tuple[int, str]] = []
     for file in files:
         st = _stat(file)
         real = str(file.resolve())
@@ -479,7 +495,18 @@ def model_digest(model_dir: Path, *, cache_path: Path | None = None) -> str:
         else:
             file_hash = _hash_file(file)
             updates[real] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_hash}
-        total.update(f"{file.name}\0{st.st_size}\0{file_hash}\n".encode())
+        out.append((st.st_size, file_hash))
     if updates and cache_path is not None:
         _save_cache(cache_path, updates)
-    return total.hexdigest()
+    return out
+
+
+def remember_hash(path: Path, sha256: str, *, cache_path: Path | None = None) -> None:
+    """Record a file's sha256 just verified (a download), so it is not read again."""
+    cache_path = _digest_cache(cache_path)
+    if cache_path is None:
+        return
+    with contextlib.suppress(OSError):
+        st = path.stat()
+        entry = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": sha256}
+        _save_cache(cache_path, {str(path.resolve()): entry})

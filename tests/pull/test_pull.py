@@ -116,6 +116,28 @@ def test_files_already_in_the_hf_cache_are_not_downloaded(hub_env: HubEnv) -> No
     assert "hf.co/org/tiny:latest" in user_entries(hub_env)
 
 
+def flip_middle(path: Path) -> None:
+    """Damage a file in place, its size unchanged (a bad sector, a stray write)."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json"])
+def test_pulling_again_repairs_a_file_damaged_on_disk(hub_env: HubEnv, name: str) -> None:
+    run("org/tiny")
+    snapshot = resolve_local(TARGET_REPO)
+    assert snapshot is not None
+    flip_middle(snapshot / name)
+    hub_env.hub.clear()
+    run("org/tiny")
+    assert [g.path.rsplit("/", 1)[-1] for g in hub_env.hub.gets()] == [name]  # that file only
+    assert model_files(snapshot) == model_files(hub_env.pair.target)
+    hub_env.hub.clear()
+    run("org/tiny")  # intact again, and its hash remembered: nothing more is fetched
+    assert hub_env.hub.gets() == []
+
+
 def test_a_cut_connection_resumes_with_a_range_request(hub_env: HubEnv) -> None:
     hub_env.hub.cut(TARGET_REPO, "model.safetensors", after=100_000)
     run("org/tiny")
