@@ -22,7 +22,7 @@ from mlxd.api.errors import ApiError
 from mlxd.api.state import ServerState, state_of
 from mlxd.api.types import CreateRequest
 from mlxd.engine.prompt import PromptError, check_go_template, go_template
-from mlxd.registry.blobs import BlobError, blob_path, parse_digest, store_blob
+from mlxd.registry.blobs import BlobError, blob_intact, parse_digest, store_blob
 from mlxd.registry.create import CreateError, CreateSpec, create_model
 from mlxd.registry.modelfile import ModelfileError, parse_modelfile
 from mlxd.registry.pull import Progress, user_file_in_use
@@ -40,7 +40,7 @@ def _digest(request: Request) -> str:
 
 async def head_blob(request: Request) -> Response:
     digest = _digest(request)
-    if not blob_path(digest).is_file():
+    if not blob_intact(digest):  # a damaged copy is as good as none: the client sends it again
         raise ApiError(404, f'blob "{digest}" not found')
     return Response(status_code=200)
 

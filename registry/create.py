@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.registry.adapterfiles import AdapterFileError, check_fits, read_adapter
-from mlxd.registry.blobs import BlobError, blob_path, parse_digest
+from mlxd.registry.blobs import BlobError, blob_intact, blob_path, holds, parse_digest
 from mlxd.registry.home import mlxd_home, user_registry_path
 from mlxd.registry.names import InvalidModelName, parse_name
 from mlxd.registry.pull import Progress
@@ -102,12 +102,17 @@ def _assemble(files: Mapping[str, str], env: Mapping[str, str]) -> tuple[Path, s
             raise CreateError(f"adapter file '{name}': {exc}") from None
         if not blob_path(digests[name], env).is_file():
             raise CreateError(f"blob {digests[name]} ({name}) not found: upload it first", 404)
+        if not blob_intact(digests[name], env):
+            raise CreateError(
+                f"blob {digests[name]} ({name}) is damaged on disk: upload it again", 404
+            )
     key = hashlib.sha256(
         "".join(f"{n}:{d};" for n, d in sorted(digests.items())).encode()
     ).hexdigest()
     final = mlxd_home(env) / "adapters" / key
-    if final.is_dir():
+    if final.is_dir() and all(holds(final / n, d) for n, d in digests.items()):
         return final, "sha256:" + key, False
+    # absent, or built from a copy damaged since (its files are links to the blobs): anew
     tmp = final.with_name(f".{key}.{os.getpid()}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -118,6 +123,8 @@ def _assemble(files: Mapping[str, str], env: Mapping[str, str]) -> tuple[Path, s
             except OSError:
                 shutil.copyfile(blob_path(digest, env), tmp / name)
         read_adapter(tmp)  # a broken upload never gets a directory of its own
+        if final.is_dir():
+            shutil.rmtree(final)
         os.replace(tmp, final)
     except AdapterFileError as exc:
         raise CreateError(str(exc).replace(str(tmp), "the uploaded adapter")) from None

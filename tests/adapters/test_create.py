@@ -150,6 +150,33 @@ def test_ollama_client_create_blob_then_create_then_generate(
     )  # one directory per distinct upload
 
 
+def test_a_blob_damaged_on_disk_is_taken_for_absent_and_uploaded_again(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters
+) -> None:
+    server, _ = served
+    c = client(server)
+    want = answer(server, "coder-sql")
+    files = {
+        name: c.create_blob(adapters.sql / name)
+        for name in ("adapter_config.json", "adapters.safetensors")
+    }
+    assert c.create(model="fine", from_="coder", adapters=files).status == "success"
+    digest = files["adapters.safetensors"]
+    blob = Path(os.environ["MLXD_HOME"]) / "blobs" / digest.replace(":", "-")
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # in place, same size: the adapter directory's link too
+    blob.write_bytes(bytes(data))
+    head = httpx.head(f"{server.base_url}/api/blobs/{digest}")
+    assert head.status_code == 404
+    with pytest.raises(ollama.ResponseError, match="damaged"):
+        c.create(model="broken", from_="coder", adapters=files)
+    assert "broken:latest" not in tags(server)
+    assert c.create_blob(adapters.sql / "adapters.safetensors") == digest  # sent again
+    assert httpx.head(f"{server.base_url}/api/blobs/{digest}").status_code == 200
+    assert c.create(model="mended", from_="coder", adapters=files).status == "success"
+    assert answer(server, "mended") == want
+
+
 def test_modelfile_create_raw_and_from_the_cli_and_show_modelfile_recreates_it(
     served: tuple[RunningServer, ServerThread], adapters: Adapters, tmp_path: Path
 ) -> None:
