@@ -15,7 +15,7 @@ from typing import Any
 from mlxd.api.chatformat import MISTRAL, ChatFormat, model_format, opens_thinking
 from mlxd.api.errors import ApiError
 from mlxd.api.reply import Parser, Plain, reply_parser
-from mlxd.api.toolgrammar import AUTO, tool_grammar
+from mlxd.api.toolgrammar import AUTO, after_thinking, tool_grammar
 from mlxd.api.tools import mistral_id, template_calls, tool_names
 from mlxd.engine.grammar import GrammarError, GrammarSpec, validate
 from mlxd.engine.pairing import Pairing
@@ -103,7 +103,11 @@ class ChatPrompt:
         tools: Sequence[Any] | None,
         think: bool | str | None,
         choice: str = AUTO,
+        answer_format: GrammarSpec | None = None,
     ) -> None:
+        """`answer_format`: the request's structured output (`format`, `response_format`,
+        `options.grammar`), held by the reply after any thinking (`after_thinking`); it
+        takes the place of the tools' grammar."""
         check_think_value(think)
         tool_names(tools)  # a malformed tool is a 400 before the model is loaded
         self.entry = entry
@@ -112,7 +116,8 @@ class ChatPrompt:
         self.think_value = think
         self.think = Think(False)
         self.choice = choice
-        self.grammar: GrammarSpec | None = None
+        self.answer_format = answer_format
+        self.grammar: GrammarSpec | None = answer_format
         self._parser: Any = Plain
 
     def __call__(self, pairing: Pairing) -> str:
@@ -128,8 +133,10 @@ class ChatPrompt:
         )  # fmt: skip
         think, tools = self.think.on, self.tools
         self._parser = lambda: reply_parser(fmt, text, think, tools)
-        if tools:
-            inside = fmt.think is not None and think and opens_thinking(text, fmt.think)
+        inside = fmt.think is not None and think and opens_thinking(text, fmt.think)
+        if self.answer_format is not None:
+            self.grammar = after_thinking(self.answer_format, fmt, pairing.tokenizer, think, inside)
+        elif tools:
             self.grammar = tool_grammar(fmt, pairing.tokenizer, tools, self.choice, inside)
             self._validate()
         return text

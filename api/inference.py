@@ -156,13 +156,14 @@ async def prepare(
     templated: bool = True,
     what: str = "generate",
     head: Callable[[Pairing], str] | None = None,
-    grammar: GrammarSpec | None = None,
+    grammar: GrammarSpec | Callable[[], GrammarSpec | None] | None = None,
 ) -> tuple[Loaded, float, list[int]]:
     """Acquire the model, render and tokenize the prompt (cut to leave room in its row's
     context; `head` renders what of it is kept first: the request without its content); the
     slot is released if that fails. `what` ("generate", "chat") names the task an embedding
-    model refuses. A grammar is compiled for the model's tokenizer here, off the model's
-    thread (which then only copies it)."""
+    model refuses. A grammar (or what `grammar()` gives once `render` has run: one that
+    depends on the model's template) is compiled for the model's tokenizer here, off the
+    model's thread (which then only copies it)."""
     slot, load_seconds = await acquire(state, entry, keep_alive)
     try:
         pairing = state.manager.pairing(slot, what)  # an embedding model: 400
@@ -172,8 +173,9 @@ async def prepare(
             tokenize, pairing, opts, before or [], text, templated,
             lambda: _render_head(head, pairing), entry.name,
         )  # fmt: skip
-        if grammar is not None:
-            await run_in_threadpool(compile_for, pairing, grammar)
+        spec = grammar() if callable(grammar) else grammar
+        if spec is not None:
+            await run_in_threadpool(compile_for, pairing, spec)
     except BaseException:
         state.manager.release(slot)
         raise

@@ -12,7 +12,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response, StreamingResponse
 
-from mlxd.api.chatformat import model_format
+from mlxd.api.chatformat import model_format, opens_thinking
 from mlxd.api.chatprompt import ChatPrompt, check_think_value, resolve_think, template_kwargs
 from mlxd.api.codec import NDJSON, json_response, ndjson_line, read_request
 from mlxd.api.durations import parse_keep_alive
@@ -32,6 +32,7 @@ from mlxd.api.reply import Parser, Part, Plain, Reply, reply_parser
 from mlxd.api.state import ServerState, lookup, state_of
 from mlxd.api.structured import request_grammar
 from mlxd.api.thinking import THINKING
+from mlxd.api.toolgrammar import after_thinking
 from mlxd.api.tools import ToolCall
 from mlxd.api.types import (
     ChatRequest,
@@ -219,8 +220,10 @@ async def generate(request: Request) -> Response:
             lambda reason: GenerateResponse(name, now(), "", True, done_reason=reason),
         )  # fmt: skip
 
-    # how the reply is split (thinking): known once `render` has seen the model's template
+    # how the reply is split (thinking), and so where `format` starts to hold: known once
+    # `render` has seen the model's template
     parsers: list[Callable[[], Parser]] = [Plain]
+    grammars = [grammar]
 
     def render(pairing: Pairing) -> str:
         if context:
@@ -238,6 +241,9 @@ async def generate(request: Request) -> Response:
         )  # fmt: skip
         if not (suffix or body.template):
             parsers[0] = lambda: reply_parser(fmt, text, think.on, None)
+            if grammar is not None and fmt.think is not None:
+                inside = opens_thinking(text, fmt.think)
+                grammars[0] = after_thinking(grammar, fmt, pairing.tokenizer, think.on, inside)
         return text
 
     def head(pairing: Pairing) -> str:  # what truncation keeps first: all but the prompt
@@ -249,10 +255,10 @@ async def generate(request: Request) -> Response:
 
     slot, load_seconds, prompt_tokens = await prepare(
         state, entry, keep, render, opts, list(context or []), templated=not raw,
-        head=None if raw or suffix else head, grammar=grammar,
+        head=None if raw or suffix else head, grammar=lambda: grammars[0],
     )  # fmt: skip
     gen = GenerationRequest(
-        prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
+        prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammars[0]
     )
 
     def final(done: Done, reply: Reply | None = None, logprobs: Any = None) -> GenerateResponse:
@@ -307,7 +313,7 @@ async def chat(request: Request) -> Response:
         request_options(entry, body.options), asked(body.logprobs, body.top_logprobs)
     )
     keep = parse_keep_alive(body.keep_alive)  # DurationError: 400
-    prompt = ChatPrompt(entry, messages, body.tools, body.think)
+    prompt = ChatPrompt(entry, messages, body.tools, body.think, answer_format=grammar)
 
     def answer(message: ResponseMessage, done: bool, **extra: Any) -> ChatResponse:
         return ChatResponse(name, now(), message, done, **extra)
@@ -322,12 +328,11 @@ async def chat(request: Request) -> Response:
 
     head = chat_head(entry, messages)
     slot, load_seconds, prompt_tokens = await prepare(
-        state, entry, keep, prompt, opts, what="chat", head=head, grammar=grammar
+        state, entry, keep, prompt, opts, what="chat", head=head, grammar=lambda: prompt.grammar
     )
     gen = GenerationRequest(
-        prompt_tokens, opts, started=started, load_duration=load_seconds,
-        grammar=grammar or prompt.grammar,
-    )  # fmt: skip
+        prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=prompt.grammar
+    )
     if body.stream is False:
         whole = await collect(state.manager, slot, gen)
         reply = Reply.of(prompt.parser(), whole.text)

@@ -409,15 +409,14 @@ async def chat_completions(request: Request) -> Response:
     opts = with_logprobs(request_options(entry, _sampling(body)), top)
 
     tools, tool_choice = _tool_choice(body)
-    prompt = ChatPrompt(entry, messages, tools, think, tool_choice)
+    prompt = ChatPrompt(entry, messages, tools, think, tool_choice, answer_format=grammar)
     head = chat_head(entry, messages)
     slot, load_seconds, tokens = await prepare(
-        state, entry, None, prompt, opts, what="chat", head=head, grammar=grammar
+        state, entry, None, prompt, opts, what="chat", head=head, grammar=lambda: prompt.grammar
     )
     gen = GenerationRequest(
-        tokens, opts, started=started, load_duration=load_seconds,
-        grammar=grammar or prompt.grammar,
-    )  # fmt: skip
+        tokens, opts, started=started, load_duration=load_seconds, grammar=prompt.grammar
+    )
 
     if not body.stream:
         env = _envelope("chatcmpl", "chat.completion", name)

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlxd.api.chatformat import HERMES, JSON, LLAMA3, MISTRAL, ChatFormat
-from mlxd.engine.grammar import JSON_LAYOUT, GrammarSpec, closed
+from mlxd.engine.grammar import ANY_OBJECT, JSON_LAYOUT, GrammarSpec, closed
 
 AUTO, REQUIRED = "auto", "required"
 TEXT = "TEXT: /(.|\\n)*/"
@@ -49,6 +49,33 @@ def _body(tool: dict[str, Any], key: str) -> str:
     return f'{head} %json {_schema(tool)} "}}"'
 
 
+def _think(fmt: ChatFormat, tokenizer: Any, opens_thinking: bool) -> tuple[str, list[str]]:
+    """The start rule's think block (its prefix and rule) for a model that thinks first:
+    required where the prompt opened it, else optional."""
+    if fmt.think is None:
+        return "", []
+    start, end = _token(tokenizer, fmt.think.open), _token(tokenizer, fmt.think.close)
+    opener = "" if opens_thinking else f"{start} "
+    prefix = "think " if opens_thinking else "think? "
+    return prefix, [f"think: {opener}TEXT {end} {WS}"]
+
+
+def after_thinking(
+    spec: GrammarSpec, fmt: ChatFormat, tokenizer: Any, thinking: bool, opens_thinking: bool
+) -> GrammarSpec:
+    """A JSON `format` (or `response_format`) for a reply that thinks first: the reasoning
+    runs free and the answer after it keeps to the format, as Ollama applies a format once
+    thinking ends (held from the first token, the JSON would land in the thinking, or the
+    model would never think). Other grammars, and replies without thinking: `spec`."""
+    if not thinking or fmt.think is None or spec.kind not in ("json", "json_schema"):
+        return spec
+    schema = json.loads(ANY_OBJECT if spec.kind == "json" else spec.source)
+    body = json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+    prefix, rules = _think(fmt, tokenizer, opens_thinking)
+    lines = ["%llguidance {}", f"start: {prefix}{WS} %json {body}", *rules, TEXT]
+    return GrammarSpec("lark", "\n".join(lines))
+
+
 def tool_grammar(
     fmt: ChatFormat,
     tokenizer: Any,
@@ -64,12 +91,8 @@ def tool_grammar(
     key = "parameters" if fmt.tools == LLAMA3 else "arguments"
     bodies = " | ".join(f"call_{i}" for i in range(len(tools)))
     rules = [f"call_{i}: {_body(tool, key)}" for i, tool in enumerate(tools)]
-    think = ""
-    if fmt.think is not None:
-        start, end = _token(tokenizer, fmt.think.open), _token(tokenizer, fmt.think.close)
-        think = "think " if opens_thinking else "think? "
-        opener = "" if opens_thinking else f"{start} "
-        rules.append(f"think: {opener}TEXT {end} {WS}")
+    think, rule = _think(fmt, tokenizer, opens_thinking)
+    rules += rule
     many = "+" if choice == REQUIRED else ""
 
     if fmt.tools == HERMES:

@@ -75,6 +75,34 @@ def test_generate_has_top_level_thinking(server: RunningServer) -> None:
         assert "".join(x.get("thinking", "") for x in lines) == "Two plus two is four."
 
 
+ANSWER = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize("model", ["r1", "qwen3-think"])
+def test_a_format_holds_the_answer_after_the_thinking(client: ollama.Client, model: str) -> None:
+    """As Ollama applies `format` once thinking ends: the reasoning stays the model's own,
+    and the content is the JSON (never the thinking, never cut short)."""
+    thought = "Two plus two is four." if model == "r1" else THOUGHT
+    question = [{"role": "user", "content": "2+2?"}] if model == "r1" else SKY
+    r = client.chat(
+        model=model, messages=question, format=ANSWER, options={"num_predict": 96, "temperature": 0}
+    )
+    assert r.message.thinking == thought
+    assert set(json.loads(r.message.content or "")) == {"a"}
+    g = client.generate(
+        model=model, prompt="2+2?", format=ANSWER, options={"num_predict": 96, "temperature": 0}
+    )
+    assert g.thinking and set(json.loads(g.response)) == {"a"}
+    oai = openai.OpenAI(base_url=str(client._client.base_url) + "/v1", api_key="x")
+    o = oai.chat.completions.create(
+        model=model, messages=question, max_tokens=96, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": ANSWER}},
+    )  # fmt: skip
+    message = o.choices[0].message
+    assert (message.model_extra or {}).get("reasoning_content") == thought
+    assert set(json.loads(message.content or "")) == {"a"}
+
+
 def test_think_on_a_model_that_cannot_is_a_400(server: RunningServer) -> None:
     with httpx.Client(base_url=server.base_url, timeout=120) as http:
         body = {"model": "qwen25-tools", "messages": SKY, "think": True}
