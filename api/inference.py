@@ -77,6 +77,21 @@ async def acquire(
         raise ApiError(404, f'model "{entry.name}" not found, try pulling it first') from exc
 
 
+async def render_only(
+    state: ServerState,
+    entry: ModelEntry,
+    keep_alive: float | None,
+    render: Callable[[Pairing], str],
+    what: str = "generate",
+) -> str:
+    """Ollama's `_debug_render_only`: the prompt as the model would read it, nothing run."""
+    slot, _ = await acquire(state, entry, keep_alive)
+    try:
+        return render(state.manager.pairing(slot, what))
+    finally:
+        state.manager.release(slot)
+
+
 def _head_chars(text: str, head: str) -> int:
     """Characters of `text` that come before the request's own content: the longest start it
     shares with the rendering that leaves that content out."""

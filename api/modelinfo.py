@@ -80,7 +80,10 @@ def _mtime(dirs: list[Path]) -> datetime:
 
 def _read_local(entry: ModelEntry, target: Path, draft: Path | None) -> LocalModel:
     dirs = [target] + ([draft] if draft else [])
-    mtime = max((p.stat().st_mtime for d in dirs for p in d.iterdir() if p.is_file()), default=0.0)
+    # a model created on a base (its adapters uploaded then) is as new as its adapters
+    adapters = [Path(a.ref) for a in (*entry.adapters, *entry.draft_adapters) if a.is_path]
+    files = [p for d in dirs + [a for a in adapters if a.is_dir()] for p in d.iterdir()]
+    mtime = max((p.stat().st_mtime for p in files if p.is_file()), default=0.0)
     digest = model_digest(target)
     if draft is not None:
         digest = hashlib.sha256(f"{digest}:{model_digest(draft)}".encode()).hexdigest()
@@ -180,6 +183,7 @@ def show_json(m: LocalModel, unavailable: str | None = None, verbose: bool = Fal
         capabilities=capabilities(m),
         modified_at=rfc3339(m.modified_at),
         system=entry.system or None,
+        messages=[dict(m) for m in entry.messages] or None,
         draft=DraftInfo(entry.draft, str(m.draft_dir)) if entry.draft else None,
         unavailable=unavailable,
     )

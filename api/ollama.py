@@ -23,6 +23,7 @@ from mlxd.api.inference import (
     check_images,
     native_messages,
     prepare,
+    render_only,
     request_options,
 )
 from mlxd.api.logprobs import asked, ollama_json, with_logprobs
@@ -191,6 +192,13 @@ async def _load_or_unload(
     return json_response(make("load"))
 
 
+def _rendered(name: str, text: str, images: int, **reply: Any) -> Response:
+    """Ollama's answer to `_debug_render_only`: the rendered prompt, the model not run."""
+    debug = {"rendered_template": text, "image_count": images}
+    body = {"model": name, "created_at": now(), **reply, "done": False, "_debug_info": debug}
+    return json_response(body)
+
+
 # -- generate -------------------------------------------------------------------------------
 
 
@@ -252,6 +260,10 @@ async def generate(request: Request) -> Response:
             pairing.tokenizer, "", system, body.template, None, None,
             model_template=go_template(entry.template),
         )  # fmt: skip
+
+    if body.debug_render_only:
+        text = await render_only(state, entry, keep, render)
+        return _rendered(name, text, len(body.images or []), response="")
 
     slot, load_seconds, prompt_tokens = await prepare(
         state, entry, keep, render, opts, list(context or []), templated=not raw,
@@ -325,6 +337,11 @@ async def chat(request: Request) -> Response:
         return await _load_or_unload(
             state, entry, keep, lambda reason: answer(empty(), True, done_reason=reason)
         )
+
+    if body.debug_render_only:
+        text = await render_only(state, entry, keep, prompt, "chat")
+        images = sum(len(m.images or []) for m in body.messages or [])
+        return _rendered(name, text, images, message={"role": "", "content": ""})
 
     head = chat_head(entry, messages)
     slot, load_seconds, prompt_tokens = await prepare(

@@ -35,6 +35,7 @@ class GenerateRequest(msgspec.Struct):
     images: list[str] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    debug_render_only: bool | None = msgspec.field(default=None, name="_debug_render_only")
 
 
 class Message(msgspec.Struct):
@@ -58,6 +59,7 @@ class ChatRequest(msgspec.Struct):
     tools: list[Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    debug_render_only: bool | None = msgspec.field(default=None, name="_debug_render_only")
 
 
 class ModelRequest(msgspec.Struct):
@@ -206,6 +208,7 @@ class ShowResponse(msgspec.Struct, omit_defaults=True):
     capabilities: list[str]
     modified_at: str
     system: str | None = None
+    messages: list[dict[str, str]] | None = None  # the MESSAGE lines a chat starts with
     draft: DraftInfo | None = None  # mlxd's: the pairing's draft model
     unavailable: str | None = None
 

@@ -137,10 +137,16 @@ def test_ollama_client_create_blob_then_create_then_generate(
     assert "mine-sql:latest" in tags(server)
     assert answer(server, "mine-sql") == want
     assert loads(thread) == 1  # the new adapter was mounted on the loaded base
-    again = c.create(model="mine-sql2", from_="coder", adapters=files, system="Be brief.")
+    seed = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "SELECT 1;"}]
+    again = c.create(
+        model="mine-sql2", from_="coder", adapters=files, system="Be brief.", messages=seed
+    )
     assert again.status == "success"
     show = httpx.post(f"{server.base_url}/api/show", json={"model": "mine-sql2"}).json()
     assert "ADAPTER " in show["modelfile"] and show["system"] == "Be brief."
+    assert show["messages"] == seed
+    base_show = httpx.post(f"{server.base_url}/api/show", json={"model": "coder"}).json()
+    assert show["modified_at"] > base_show["modified_at"]  # as new as its uploaded adapter
     entry = load_registry_file(Path(os.environ["MLXD_HOME"]) / "models.yaml")["mine-sql2:latest"]
     assert (
         entry.adapters

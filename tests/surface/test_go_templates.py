@@ -130,3 +130,27 @@ def test_a_go_template_past_the_subset_is_refused_at_create(served: str) -> None
     home = Path(os.environ["MLXD_HOME"])
     registry = home / "models.yaml"
     assert not registry.exists() or "modern:latest" not in load_registry_file(registry)
+
+
+def test_debug_render_only_answers_the_prompt_without_running(served: str) -> None:
+    client = ollama.Client(host=served, timeout=120)
+    client.create(model="legacy", from_="tiny", template=CHATML)
+    r = httpx.post(
+        served + "/api/generate",
+        json={"model": "legacy", "prompt": "hi", "_debug_render_only": True},
+        timeout=60,
+    )
+    assert r.status_code == 200
+    body = r.json()
+    assert body["_debug_info"] == {
+        "rendered_template": "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+        "image_count": 0,
+    }
+    assert body["done"] is False and "eval_count" not in body
+    chat = httpx.post(
+        served + "/api/chat",
+        json={"model": "legacy", "messages": [{"role": "user", "content": "hi"}],
+              "_debug_render_only": True},
+        timeout=60,
+    ).json()  # fmt: skip
+    assert chat["_debug_info"]["rendered_template"] == body["_debug_info"]["rendered_template"]
