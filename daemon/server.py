@@ -24,6 +24,7 @@ from mlxd.engine.manager import ModelManager
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.probestore import ProbeStore
 from mlxd.registry.home import mlxd_home
+from mlxd.registry.leftovers import sweep_leftovers
 from mlxd.registry.live import LiveRegistry
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import RegistryError
@@ -58,6 +59,9 @@ def build_state(settings: Settings, backend: Backend) -> ServerState:
     live = LiveRegistry(lambda: Registry.from_env(cli_path=settings.registry))
     registry = live()
     log.info("registry: %d models from %s", len(registry), ", ".join(map(str, registry.paths)))
+    swept = sweep_leftovers(mlxd_home())
+    if swept:
+        log.info("removed %d temporary files left by processes that were killed", swept)
     # Not ensure_home(): a home that cannot be created turns the SSD tier off, not the daemon.
     cache_dir = settings.cache_dir or mlxd_home() / "kvcache"
     prefix = PrefixCache(settings.cache_ram_bytes, cache_dir, settings.cache_ssd_bytes)
