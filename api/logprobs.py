@@ -3,6 +3,7 @@ in Ollama's shape (/api) and OpenAI's (/v1 chat and completions)."""
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
@@ -48,16 +49,28 @@ def openai_chat_json(entries: Sequence[Logprob]) -> dict[str, Any]:
     return {"content": [{**_one(p), "top_logprobs": [_one(t) for t in p.top]} for p in entries]}
 
 
-def openai_completion_json(entries: Sequence[Logprob], offset: int = 0) -> dict[str, Any]:
-    """A text choice's legacy `logprobs`: parallel lists, `text_offset` counted from `offset`
-    (the characters of this choice sent before these tokens)."""
-    offsets = []
-    for p in entries:
-        offsets.append(offset)
-        offset += len(p.token)
+class TextOffsets:
+    """Where each token's text starts in a choice's text, in characters: those its tokens'
+    own bytes decode to before it. A token that continues a character shares that character's
+    offset; one pass over a response's tokens, whether they go out whole or in pieces."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._chars = 0
+
+    def take(self, entries: Sequence[Logprob]) -> list[int]:
+        out = []
+        for p in entries:
+            out.append(self._chars)
+            self._chars += len(self._decoder.decode(bytes(p.bytes)))
+        return out
+
+
+def openai_completion_json(entries: Sequence[Logprob], offsets: TextOffsets) -> dict[str, Any]:
+    """A text choice's legacy `logprobs`: parallel lists, `text_offset` from `offsets`."""
     return {
         "tokens": [p.token for p in entries],
         "token_logprobs": [p.logprob for p in entries],
         "top_logprobs": [{t.token: t.logprob for t in p.top} for p in entries],
-        "text_offset": offsets,
+        "text_offset": offsets.take(entries),
     }

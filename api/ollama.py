@@ -29,7 +29,7 @@ from mlxd.api.inference import (
 from mlxd.api.logprobs import asked, ollama_json, with_logprobs
 from mlxd.api.modelinfo import find_local, show_json, tag_json
 from mlxd.api.pump import collect, pump
-from mlxd.api.reply import Parser, Part, Plain, Reply, reply_parser
+from mlxd.api.reply import Parser, Part, Plain, Reply, reply_parser, with_held
 from mlxd.api.state import ServerState, lookup, state_of
 from mlxd.api.structured import request_grammar
 from mlxd.api.thinking import THINKING
@@ -160,7 +160,10 @@ class NdjsonWriter:
         return self._lines(self.parser.feed(text))
 
     def done(self, done: Done) -> Iterable[bytes]:
-        return (self._lines(self.parser.finish()), ndjson_line(self.final(done)))
+        return (
+            self._lines(with_held(self.parser.finish(), self.pending)),
+            ndjson_line(self.final(done)),
+        )
 
     def failed(self, message: str) -> bytes:
         return ndjson_line(ErrorResponse(message))
@@ -190,6 +193,15 @@ async def _load_or_unload(
     slot, _ = await acquire(state, entry, keep)
     state.manager.release(slot)
     return json_response(make("load"))
+
+
+def _continued(done: Done, tokenizer: Any) -> list[int]:
+    """The output as `context` carries it: its tokens, or where a stop string cut the text
+    short of them, the text sent, tokenized (as Ollama's `context` is: a client continues
+    from what it read, not from the stop it never saw)."""
+    if done.stopped_text is None:
+        return done.output_tokens
+    return list(tokenizer.encode(done.stopped_text, add_special_tokens=False))
 
 
 def _rendered(name: str, text: str, images: int, **reply: Any) -> Response:
@@ -232,8 +244,10 @@ async def generate(request: Request) -> Response:
     # `render` has seen the model's template
     parsers: list[Callable[[], Parser]] = [Plain]
     grammars = [grammar]
+    tokenizers: list[Any] = [None]
 
     def render(pairing: Pairing) -> str:
+        tokenizers[0] = pairing.tokenizer
         if context:
             _check_ids(context, pairing)
         fmt = model_format(entry.template, pairing.tokenizer)
@@ -274,7 +288,7 @@ async def generate(request: Request) -> Response:
     )
 
     def final(done: Done, reply: Reply | None = None, logprobs: Any = None) -> GenerateResponse:
-        tokens = None if raw else prompt_tokens + done.output_tokens
+        tokens = None if raw else prompt_tokens + _continued(done, tokenizers[0])
         text = "".join(reply.content) if reply else ""
         thinking = ("".join(reply.thinking) or None) if reply else None
         return GenerateResponse(

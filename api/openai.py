@@ -30,10 +30,16 @@ from mlxd.api.inference import (
     prepare,
     request_options,
 )
-from mlxd.api.logprobs import asked, openai_chat_json, openai_completion_json, with_logprobs
+from mlxd.api.logprobs import (
+    TextOffsets,
+    asked,
+    openai_chat_json,
+    openai_completion_json,
+    with_logprobs,
+)
 from mlxd.api.modelinfo import LocalModel, find_local
 from mlxd.api.pump import collect, pump
-from mlxd.api.reply import Parser, Part, Plain, Reply
+from mlxd.api.reply import Parser, Part, Plain, Reply, with_held
 from mlxd.api.state import ServerState, lookup, state_of
 from mlxd.api.structured import checked, from_format, from_response_format, one_of
 from mlxd.api.thinking import THINKING
@@ -365,7 +371,7 @@ class _SseWriter:
         return self._events(self.parser.feed(text))
 
     def done(self, done: Done) -> Iterable[bytes]:
-        out = [self._events(self.parser.finish())]
+        out = [self._events(with_held(self.parser.finish(), self.pending))]
         out += [sse_event(obj) for obj in self.finish(done, self.first, self.called)]
         if self.usage:
             out.append(sse_event(self.env.wrap([], _usage(done))))
@@ -488,18 +494,18 @@ async def completions(request: Request) -> Response:
 
     if not body.stream:
         answer = await collect(state.manager, slot, gen)
-        logprobs = openai_completion_json(answer.logprobs) if top is not None else None
+        logprobs = None
+        if top is not None:
+            logprobs = openai_completion_json(answer.logprobs, TextOffsets())
         choice = TextChoice(answer.text, 0, _finish_reason(answer.done), logprobs)
         return json_response(env.wrap([choice], _usage(answer.done)))
 
     each = ZERO_USAGE if usage else None
-    sent = [0]  # characters of this choice sent so far: the next text_offset
+    offsets = TextOffsets()  # over the whole stream
 
     def piece(part: Part, first: bool, lps: tuple[Logprob, ...] = ()) -> Completion:
-        text = _text(part)
-        logprobs = openai_completion_json(lps, sent[0]) if lps else None
-        sent[0] += len(text)
-        return env.wrap([TextChoice(text, 0, None, logprobs)], each)
+        logprobs = openai_completion_json(lps, offsets) if lps else None
+        return env.wrap([TextChoice(_text(part), 0, None, logprobs)], each)
 
     return _sse(
         state,

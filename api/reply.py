@@ -24,6 +24,13 @@ class Parser(Protocol):
     def finish(self) -> list[Part]: ...
 
 
+def with_held(parts: list[Part], held: Sequence[Any]) -> list[Part]:
+    """The parser's last parts, or an empty content part where it has none but tokens read
+    since the last part (`held`: their log-probabilities) still have to go out: a streamed
+    reply reports every token's log-probability, as the whole one does."""
+    return parts if parts or not held else [Piece(CONTENT, "")]
+
+
 class Plain:
     """No tools, no thinking: text is content."""
 

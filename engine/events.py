@@ -62,6 +62,9 @@ class Done:
     output_tokens: list[int]
     speculation: SpecStats
     cached_tokens: int = 0  # prompt tokens restored from the prefix cache
+    # the text sent, where a stop string cut it short of `output_tokens` (they include the
+    # tokens that wrote the stop): what a client continues from (Ollama's `context`)
+    stopped_text: str | None = None
 
 
 @dataclass(frozen=True)

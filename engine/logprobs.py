@@ -68,12 +68,18 @@ def position_logprobs(logits: mx.array, tokens: Sequence[int], k: int) -> list[T
     return out
 
 
-def readable(entry: TokenLogprob, decode: Callable[[Sequence[int]], str]) -> Logprob:
-    """`entry` with its tokens as text (a token that is part of a character decodes to U+FFFD;
-    its bytes then say what it is)."""
+def readable(
+    entry: TokenLogprob,
+    decode: Callable[[Sequence[int]], str],
+    raw: Callable[[int], bytes] | None = None,
+) -> Logprob:
+    """`entry` with its tokens as text and bytes: `raw` gives a token's own bytes (a token
+    that is part of a character decodes to U+FFFD; its bytes then say which part), so the
+    bytes of consecutive tokens join into the text."""
 
     def one(token: int, logprob: float, top: tuple[Logprob, ...] = ()) -> Logprob:
         text = decode([token])
-        return Logprob(text, logprob, tuple(text.encode("utf-8", "surrogatepass")), top)
+        data = raw(token) if raw is not None else text.encode("utf-8", "surrogatepass")
+        return Logprob(text, logprob, tuple(data), top)
 
     return one(entry.token, entry.logprob, tuple(one(t, v) for t, v in entry.top))

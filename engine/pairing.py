@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -28,6 +29,7 @@ from mlxd.engine.prefill import CHUNK, bucketed, feed, warm_shapes
 from mlxd.engine.prompt import FimFormat, detect_fim, jinja_template
 from mlxd.engine.sampling import Rng
 from mlxd.engine.speculation import Costs, FixedDraftLength, SpecHistory
+from mlxd.engine.textstream import TokenBytes, token_bytes
 from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import model_digest, resolve_local
 
@@ -109,6 +111,11 @@ class Pairing:
     @property
     def eos_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids)
+
+    @functools.cached_property
+    def token_bytes(self) -> TokenBytes:
+        """Each token's own bytes (`engine.textstream.token_bytes`), for log-probabilities."""
+        return token_bytes(self.tokenizer)
 
     @property
     def default_draft_tokens(self) -> int:

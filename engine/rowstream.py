@@ -29,11 +29,13 @@ class RowStream:
     stats: SpecStats = field(default_factory=SpecStats)
     t_prefill: float = field(default_factory=time.perf_counter)
     t_first: float | None = None
+    token_bytes: Callable[[int], bytes] | None = None  # a token's own bytes (logprobs)
 
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.decode)
         self._stops = StopMatcher(self.request.options.stop)
         self._logprobs: list[Logprob] = []  # of tokens whose text is held back
+        self._sent: list[str] = []  # the text emitted so far
 
     def _take_logprobs(self) -> tuple[Logprob, ...]:
         taken, self._logprobs = tuple(self._logprobs), []
@@ -60,9 +62,10 @@ class RowStream:
                 break
             self.output.append(tok)
             if i < len(logprobs):
-                self._logprobs.append(readable(logprobs[i], self.decode))
+                self._logprobs.append(readable(logprobs[i], self.decode, self.token_bytes))
             text = self._stops.feed(self._detok.add(tok))
             if text:
+                self._sent.append(text)
                 self.emit(TextChunk(text, self._take_logprobs()))
             if self._stops.stopped:
                 self.reason = "stop"
@@ -81,6 +84,7 @@ class RowStream:
         if not self._stops.stopped:
             tail = self._stops.feed(self._detok.flush()) + self._stops.flush()
             if tail or self._logprobs:
+                self._sent.append(tail)
                 self.emit(TextChunk(tail, self._take_logprobs()))
         now = time.perf_counter()
         first = self.t_first if self.t_first is not None else now
@@ -94,4 +98,7 @@ class RowStream:
             eval_duration=int((now - first) * 1e9),
         )
         done_reason = "length" if self.reason == "length" else "stop"
-        self.emit(Done(done_reason, metrics, list(self.output), self.stats, self.cached_tokens))
+        cut = "".join(self._sent) if self._stops.stopped else None
+        self.emit(
+            Done(done_reason, metrics, list(self.output), self.stats, self.cached_tokens, cut)
+        )

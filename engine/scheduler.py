@@ -273,6 +273,8 @@ class Scheduler:
         )
         limit = generation_limit(opts, len(req.prompt_tokens), pairing.row_context(opts))
         stream = RowStream(req, job.emit, pairing.tokenizer.decode, pairing.eos_ids, limit)
+        if opts.top_logprobs is not None:
+            stream.token_bytes = pairing.token_bytes
         ns = namespace_for(pairing, opts, adapter=_revision(target))
         draft_revision = pairing.draft_revision
         if isinstance(draft, AdaptedModel):

@@ -7,9 +7,53 @@ holds back any tail that could still become a stop string, so a client never see
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
+from typing import Any
 
 Decode = Callable[[Sequence[int]], str]
+TokenBytes = Callable[[int], bytes]
+
+SPM_SPACE = "\u2581".encode()
+
+
+def token_bytes(tokenizer: Any) -> TokenBytes:
+    """Each token's own bytes, what it adds to the text: a token that is part of a character
+    gives that part (decoding it alone gives U+FFFD). Read from the vocabulary mlx-lm's
+    streaming detokenizer holds (byte-level BPE: its byte alphabet; SentencePiece: `<0xNN>`
+    byte tokens and `▁` spaces); a tokenizer of another kind gives its decoded text's bytes."""
+    held = getattr(tokenizer, "_detokenizer", None)
+    table = getattr(held, "tokenmap", None)
+    decode: Decode = tokenizer.decode
+
+    def text_bytes(token: int) -> bytes:
+        return decode([token]).encode("utf-8", "surrogatepass")
+
+    if not isinstance(table, list) or not table:
+        return text_bytes
+    if isinstance(table[0], bytes):  # SentencePiece: bytes already, `▁` for a space
+        return lambda t: table[t].replace(SPM_SPACE, b" ") if t < len(table) else text_bytes(t)
+    alphabet = _byte_alphabet()
+
+    def bpe(token: int) -> bytes:
+        if token >= len(table):
+            return text_bytes(token)
+        piece = table[token]
+        return b"".join(bytes([alphabet[c]]) if c in alphabet else c.encode("utf-8") for c in piece)
+
+    return bpe
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet: a printable character for each of the 256 bytes (GPT-2's
+    `bytes_to_unicode`), back to its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]  # fmt: skip
+    shifted = [b for b in range(256) if b not in printable]
+    out = {chr(b): b for b in printable}
+    out.update({chr(256 + n): b for n, b in enumerate(shifted)})
+    return out
 
 
 class IncrementalDetokenizer:

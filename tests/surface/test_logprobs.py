@@ -71,7 +71,12 @@ def test_generate_logprobs_are_the_targets(http: httpx.Client, reference: Any) -
     check_exact(done, reference, 3)
     lps = done["logprobs"]
     assert "".join(lp["token"] for lp in lps) == done["response"]
-    assert all(lp["bytes"] == list(lp["token"].encode()) for lp in lps)
+    # each token's own bytes: joined, they are the text (a split character's parts included)
+    joined = bytes(b for lp in lps for b in lp["bytes"])
+    assert joined.decode("utf-8", "replace") == done["response"]
+    assert all(
+        lp["bytes"] == list(lp["token"].encode()) for lp in lps if "\ufffd" not in lp["token"]
+    )
     for lp in lps:  # greedy: the chosen token is the most likely one
         assert lp["top_logprobs"][0]["token"] == lp["token"]
 
@@ -155,9 +160,17 @@ def test_openai_chat_and_completions(server: RunningServer) -> None:
     )
     lp = text.choices[0].logprobs
     assert lp is not None and lp.tokens and len(lp.tokens) == len(lp.token_logprobs or [])
+    offsets = lp.text_offset or []
     if text.choices[0].text.isascii():
         assert "".join(lp.tokens) == text.choices[0].text
-    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+        assert offsets == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(lp.tokens))]
+    assert offsets == sorted(offsets) and all(o <= len(text.choices[0].text) for o in offsets)
+    pieces = client.completions.create(
+        model="tiny", prompt=PROMPT, logprobs=2, max_tokens=6, temperature=0, stream=True
+    )
+    streamed_offsets = [o for p in pieces for c in p.choices if c.logprobs
+                        for o in c.logprobs.text_offset or []]  # fmt: skip
+    assert streamed_offsets == offsets
     assert all(1 <= len(t) <= 2 for t in lp.top_logprobs or [])  # keys: text, may collide
 
 

@@ -141,3 +141,42 @@ def test_mlxd_run_think_shows_the_thinking_apart(server: RunningServer) -> None:
     assert out(result) == (
         "Thinking...\nTwo plus two is four.\n...done thinking.\n\nThe answer is 4.\n"
     )
+
+
+def test_a_stream_reports_the_logprobs_of_tokens_the_parser_swallows(
+    server: RunningServer,
+) -> None:
+    """The reply ends on `</think>`, which the splitter takes without a part: its
+    log-probability still goes out, so the streamed ones add up to the whole's."""
+    body = {"model": "r1", "messages": [{"role": "user", "content": "2+2?"}], "logprobs": True,
+            "options": {"num_predict": 3}}  # fmt: skip
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        whole = http.post("/api/chat", json={**body, "stream": False}).json()
+        with http.stream("POST", "/api/chat", json=body) as s:
+            lines = [json.loads(line) for line in s.iter_lines() if line]
+    assert len(whole["logprobs"]) == whole["eval_count"] == 3
+    assert [lp for x in lines for lp in x.get("logprobs") or []] == whole["logprobs"]
+    oai = openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", timeout=120)
+    chunks = oai.chat.completions.create(
+        model="r1", messages=body["messages"], logprobs=True, max_tokens=3, stream=True
+    )
+    streamed = [c for ch in chunks for choice in ch.choices if choice.logprobs
+                for c in choice.logprobs.content or []]  # fmt: skip
+    assert [c.token for c in streamed] == [lp["token"] for lp in whole["logprobs"]]
+
+
+def test_context_after_a_stop_string_is_the_text_sent(server: RunningServer, scripted: Any) -> None:
+    """As Ollama's `context` (the prompt and the output as sent, tokenized): a client that
+    sends it back continues after what it read, not after the stop it never saw."""
+    from mlx_lm.tokenizer_utils import load as load_tokenizer
+
+    tokenizer = load_tokenizer(scripted.parent / "r1")
+    body = {"model": "r1", "prompt": "2+2?", "stream": False, "options": {"num_predict": 3}}
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        stopped = http.post("/api/generate", json={**body, "options": {"stop": [" four"]}}).json()
+        whole = http.post("/api/generate", json=body).json()
+    n = stopped["prompt_eval_count"]
+    assert stopped["done_reason"] == "stop" and stopped["thinking"] == "Two plus two is"
+    assert tokenizer.decode(stopped["context"][n:]) == "Two plus two is"
+    assert whole["context"][:n] == stopped["context"][:n]
+    assert len(whole["context"]) == n + whole["eval_count"]  # no stop: the tokens themselves
