@@ -52,7 +52,9 @@ def restore(
 ) -> tuple[list[Any] | None, int]:
     """Target caches holding the longest cached prefix of the prompt (all but its last token),
     with the draft's state restored into `source` as far as the blocks carry it; (None, 0) on
-    a miss."""
+    a miss. A row that quantizes its K/V (`Namespace.kv`) takes only a hit of its whole head:
+    a cold prompt is read at full precision and quantized after, so the rest of a prompt read
+    against a quantized prefix would differ from it (see `offer_final`)."""
     remote = getattr(pairing.target, "restore_prefix", None)
     if remote is not None:  # a distributed target: the ranks restore what all of them hold
         return remote(ns, list(prompt[:-1]))
@@ -62,6 +64,8 @@ def restore(
         return None, 0
     layers = len(pairing.target.layers)
     tokens = sum(b.tokens for _, b in found)
+    if ns.kv and tokens < len(prompt) - 1:
+        return None, 0
     try:
         target = build_caches([b for _, b in found], 0, layers, bucket_of(pairing.target))
     except (ValueError, IndexError) as exc:
@@ -126,7 +130,10 @@ def offer_final(
         draft = _draft_state(gen, draft_revision)
         prompt = gen.tokens[: prompt_len - 1]
         offered = 0
-        for tokens in (prompt, gen.tokens):  # its caches are written no more: runs view them
+        # K/V decoded against a quantized cache are not what reading the same tokens as a
+        # prompt computes: a quantizing row offers its prompt's blocks alone
+        runs = (prompt,) if ns.kv else (prompt, gen.tokens)
+        for tokens in runs:  # its caches are written no more: runs view them
             offered += offer_caches(
                 cache, ns, gen.cache, tokens, draft, draft_revision,
                 finished=True, recompute_rate=recompute_rate,

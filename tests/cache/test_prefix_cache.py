@@ -305,6 +305,28 @@ def test_warm_equals_cold_with_kv_bits_8(shared: CacheServer, method: str) -> No
     assert warm["response"] == cold["response"]
 
 
+def test_a_quantized_kv_row_takes_only_a_hit_of_its_whole_head(
+    shared: CacheServer, models: Models, tmp_path: Path
+) -> None:
+    """A cold prompt is read at full precision and then quantized: the rest of a longer prompt
+    read against a quantized prefix would differ, so a quantizing row recomputes it (and what
+    it decoded against quantized K/V is not offered); an exact repeat still hits."""
+    opts = {"kv_bits": 4, "kv_group_size": 32, "draft_method": "off"}
+    base = prompt_text("kv4-extend", words=60)
+    first = generate(shared.base_url, "kv", base, **opts)
+    longer = base + " " + prompt_text("kv4-tail", 30)
+    extended = generate(shared.base_url, "kv", longer, **opts)
+    again = generate(shared.base_url, "kv", longer, **opts)
+    assert extended["prompt_cache_tokens"] == 0 < again["prompt_cache_tokens"]
+    assert again["response"] == extended["response"]
+    with CacheServer(models.registry, tmp_path / "fresh") as cold:  # nothing cached there
+        reference = generate(cold.base_url, "kv", longer, **opts)
+    assert reference["prompt_cache_tokens"] == 0
+    assert extended["response"] == reference["response"]
+    follow = generate(shared.base_url, "kv", base + first["response"], **opts)
+    assert follow["prompt_cache_tokens"] == 0  # the next turn: a part of its head, recomputed
+
+
 # -- 5. a restarted daemon serves from SSD -----------------------------------------------------
 
 
