@@ -15,6 +15,7 @@ from starlette.responses import PlainTextResponse, Response, StreamingResponse
 from mlxd.api.chatformat import model_format, opens_thinking
 from mlxd.api.chatprompt import ChatPrompt, check_think_value, resolve_think, template_kwargs
 from mlxd.api.codec import NDJSON, json_response, ndjson_line, read_request
+from mlxd.api.disconnect import while_connected
 from mlxd.api.durations import parse_keep_alive
 from mlxd.api.errors import ApiError
 from mlxd.api.inference import (
@@ -279,10 +280,10 @@ async def generate(request: Request) -> Response:
         text = await render_only(state, entry, keep, render)
         return _rendered(name, text, len(body.images or []), response="")
 
-    slot, load_seconds, prompt_tokens = await prepare(
+    slot, load_seconds, prompt_tokens = await while_connected(request, prepare(
         state, entry, keep, render, opts, list(context or []), templated=not raw,
         head=None if raw or suffix else head, grammar=lambda: grammars[0],
-    )  # fmt: skip
+    ))  # fmt: skip
     gen = GenerationRequest(
         prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammars[0]
     )
@@ -303,7 +304,7 @@ async def generate(request: Request) -> Response:
         )
 
     if body.stream is False:
-        answer = await collect(state.manager, slot, gen)
+        answer = await while_connected(request, collect(state.manager, slot, gen))
         reply = Reply.of(parsers[0](), answer.text)
         return json_response(final(answer.done, reply, ollama_json(answer.logprobs)))
 
@@ -358,14 +359,17 @@ async def chat(request: Request) -> Response:
         return _rendered(name, text, images, message={"role": "", "content": ""})
 
     head = chat_head(entry, messages)
-    slot, load_seconds, prompt_tokens = await prepare(
-        state, entry, keep, prompt, opts, what="chat", head=head, grammar=lambda: prompt.grammar
+    slot, load_seconds, prompt_tokens = await while_connected(
+        request,
+        prepare(
+            state, entry, keep, prompt, opts, what="chat", head=head, grammar=lambda: prompt.grammar
+        ),
     )
     gen = GenerationRequest(
         prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=prompt.grammar
     )
     if body.stream is False:
-        whole = await collect(state.manager, slot, gen)
+        whole = await while_connected(request, collect(state.manager, slot, gen))
         reply = Reply.of(prompt.parser(), whole.text)
         logprobs = ollama_json(whole.logprobs)
         return json_response(

@@ -23,6 +23,7 @@ from starlette.routing import Route
 
 from mlxd.api.chatprompt import ChatPrompt
 from mlxd.api.codec import json_response, read_request, sse_event
+from mlxd.api.disconnect import while_connected
 from mlxd.api.errors import ApiError, log_unexpected, message_of, status_of
 from mlxd.api.inference import (
     chat_head,
@@ -417,8 +418,11 @@ async def chat_completions(request: Request) -> Response:
     tools, tool_choice = _tool_choice(body)
     prompt = ChatPrompt(entry, messages, tools, think, tool_choice, answer_format=grammar)
     head = chat_head(entry, messages)
-    slot, load_seconds, tokens = await prepare(
-        state, entry, None, prompt, opts, what="chat", head=head, grammar=lambda: prompt.grammar
+    slot, load_seconds, tokens = await while_connected(
+        request,
+        prepare(
+            state, entry, None, prompt, opts, what="chat", head=head, grammar=lambda: prompt.grammar
+        ),
     )
     gen = GenerationRequest(
         tokens, opts, started=started, load_duration=load_seconds, grammar=prompt.grammar
@@ -426,7 +430,7 @@ async def chat_completions(request: Request) -> Response:
 
     if not body.stream:
         env = _envelope("chatcmpl", "chat.completion", name)
-        answer = await collect(state.manager, slot, gen)
+        answer = await while_connected(request, collect(state.manager, slot, gen))
         reply = Reply.of(prompt.parser(), answer.text)
         finish_reason = _finish_reason(answer.done, bool(reply.calls))
         logprobs = openai_chat_json(answer.logprobs) if top is not None else None
@@ -484,8 +488,9 @@ async def completions(request: Request) -> Response:
             model_template=go_template(entry.template),
         )  # fmt: skip
 
-    slot, load_seconds, tokens = await prepare(
-        state, entry, None, render, opts, head=None if suffix else head, grammar=grammar
+    slot, load_seconds, tokens = await while_connected(
+        request,
+        prepare(state, entry, None, render, opts, head=None if suffix else head, grammar=grammar),
     )
     gen = GenerationRequest(
         tokens, opts, started=started, load_duration=load_seconds, grammar=grammar
@@ -493,7 +498,7 @@ async def completions(request: Request) -> Response:
     env = _envelope("cmpl", "text_completion", name)
 
     if not body.stream:
-        answer = await collect(state.manager, slot, gen)
+        answer = await while_connected(request, collect(state.manager, slot, gen))
         logprobs = None
         if top is not None:
             logprobs = openai_completion_json(answer.logprobs, TextOffsets())

@@ -73,7 +73,8 @@ class Answer:
 
 async def collect(manager: ModelManager, slot: Loaded, gen: GenerationRequest) -> Answer:
     """Run the generation to its end; an engine failure is a GenerationFailed (500), one the
-    request's own input caused a GenerationRefused (400)."""
+    request's own input caused a GenerationRefused (400). Cancelled (the client left), the
+    engine's row ends too."""
     parts: list[str] = []
     logprobs: list[Logprob] = []
     try:
@@ -86,5 +87,6 @@ async def collect(manager: ModelManager, slot: Loaded, gen: GenerationRequest) -
             elif isinstance(event, Done):
                 return Answer("".join(parts), event, tuple(logprobs))
     finally:
+        gen.cancel.set()
         manager.release(slot)
     raise GenerationFailed(NO_RESULT)
