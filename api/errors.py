@@ -16,7 +16,7 @@ from starlette.responses import Response
 from mlxd.api.durations import DurationError
 from mlxd.api.types import ErrorResponse
 from mlxd.engine.embedding.model import EmptyInput, InputTooLong, NotAnEmbeddingModel
-from mlxd.engine.manager import NotAGenerativeModel, QueueFull
+from mlxd.engine.manager import NotAGenerativeModel, QueueFull, ServerClosing
 from mlxd.engine.options import OptionsError
 from mlxd.engine.pairing import ModelNotPulled, ModelUnavailable
 from mlxd.engine.prompt import PromptError
@@ -65,6 +65,7 @@ STATUS: dict[type[BaseException], int] = {
     PullNotFound: 404,
     PullRefused: 409,
     QueueFull: 503,
+    ServerClosing: 503,
     NotAGenerativeModel: 400,
     NotAnEmbeddingModel: 501,
     InputTooLong: 400,

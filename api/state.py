@@ -25,6 +25,7 @@ class ServerState:
     registry_errors: Callable[[], list[str]] = list  # why the last registry edit was not applied
     startup: Callable[[], Awaitable[None]] | None = None  # runs before the server is ready
     shutdown: Callable[[], Awaitable[None]] | None = None
+    stop_serving: Callable[[], object] = lambda: None  # told to stop: end requests now (any thread)
     max_body: int = DEFAULT_MAX_BODY  # bytes a request body may have (MLXD_MAX_BODY)
 
 

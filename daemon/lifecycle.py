@@ -64,6 +64,18 @@ class Lifecycle:
         for task in list(self._tasks):
             task.cancel()
 
+    def stop_serving(self) -> None:
+        """The daemon was told to stop (from any thread: a signal handler): running requests
+        end with an error line and waiting ones are refused now, so the server's connections
+        close at once instead of at its graceful-shutdown timeout."""
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._stop_serving)
+
+    def _stop_serving(self) -> None:
+        ended = self.manager.stop_serving()
+        if ended:
+            log.info("shutting down: ended %d running requests", ended)
+
     def reload(self) -> RegistryError | None:
         """Re-read the registry (from any thread); stale pairings unload once idle, new ones
         are probed in the background."""

@@ -10,6 +10,7 @@ import logging
 import os
 import socket
 import sys
+from collections.abc import Callable
 from types import FrameType
 
 import uvicorn
@@ -34,11 +35,18 @@ log = logging.getLogger("mlxd")
 
 class _Server(uvicorn.Server):
     """A signal asks for a graceful shutdown and the process then exits 0; uvicorn would
-    re-raise the signal after shutting down, turning a clean stop into status -15."""
+    re-raise the signal after shutting down, turning a clean stop into status -15. The
+    requests in flight end at once with an error (`ServerState.stop_serving`): uvicorn would
+    wait for them up to its timeout, then cut their connections."""
+
+    def __init__(self, config: uvicorn.Config, stop_serving: Callable[[], object]) -> None:
+        super().__init__(config)
+        self.stop_serving = stop_serving
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         super().handle_exit(sig, frame)
         self._captured_signals.clear()
+        self.stop_serving()
 
 
 def port_free(host: str, port: int) -> str | None:
@@ -79,6 +87,7 @@ def build_state(settings: Settings, backend: Backend) -> ServerState:
         memory_budget=settings.memory_budget,
         stall_limit=settings.runner_stall_s,
         probe_store=ProbeStore.default(),
+        lookup=lambda name: live().get(name),
     )
     life = Lifecycle(live, manager)
     return ServerState(
@@ -88,6 +97,7 @@ def build_state(settings: Settings, backend: Backend) -> ServerState:
         registry_errors=live.errors,
         startup=life.startup,
         shutdown=life.shutdown,
+        stop_serving=life.stop_serving,
         max_body=settings.max_body,
     )
 
@@ -132,7 +142,7 @@ def serve(settings: Settings, backend: Backend) -> int:
         timeout_graceful_shutdown=10,
         access_log=False,
     )
-    server = _Server(config)
+    server = _Server(config, state.stop_serving)
     log.info("mlxd listening on %s:%d", settings.host, settings.port)
     server.run()
     return 0

@@ -43,7 +43,14 @@ from mlxd.engine.memory import (
     resolve_budget,
 )
 from mlxd.engine.options import OptionsError, parse_options
-from mlxd.engine.pairing import ModelUnavailable, Pairing, close_target, load_pairing, locate
+from mlxd.engine.pairing import (
+    ModelNotPulled,
+    ModelUnavailable,
+    Pairing,
+    close_target,
+    load_pairing,
+    locate,
+)
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.probestore import ProbeStore
 from mlxd.engine.runner import PairingRunner
@@ -71,6 +78,16 @@ class QueueFull(RuntimeError):
 
     def __init__(self) -> None:
         super().__init__(QUEUE_FULL)
+
+
+class ServerClosing(RuntimeError):
+    """The daemon is stopping: a request waiting for a model is refused (503)."""
+
+    def __init__(self) -> None:
+        super().__init__(CLOSING)
+
+
+CLOSING = "mlxd is shutting down"
 
 
 class InsufficientMemory(ModelUnavailable):
@@ -265,6 +282,7 @@ class Resident:
     retired: bool = False  # leaving: stops once idle, then its memory comes back
     stopped: bool = False  # its runner was told to stop
     abandoned: bool = False  # its runner got stuck in a step: out of service and accounts
+    evicted: bool = False  # retired while busy to make room: what a waiting load waits for
     timer: asyncio.TimerHandle | None = None
     names: set[str] = field(default_factory=set)  # entries served on this base
     key: tuple[object, ...] = ()  # where the manager keeps it (`_key_for`)
@@ -371,6 +389,7 @@ class ModelManager:
         memory_budget: int | None = None,
         stall_limit: float = DEFAULT_STALL_LIMIT,
         probe_store: ProbeStore | None = None,
+        lookup: Callable[[str], ModelEntry | None] | None = None,
     ) -> None:
         """`stall_limit`: seconds a runner may hold requests without finishing a step before
         its requests fail and its pairing is reloaded (0: never)."""
@@ -386,6 +405,7 @@ class ModelManager:
         self._probes: dict[ModelEntry, ProbeResult] = {}
         self._pending: set[ModelEntry] = set()  # probes queued or running
         self.probe_store = probe_store  # passed probes kept across restarts
+        self.lookup = lookup  # the registry's entry of a name now (None: the request's stands)
         self._closing = False  # shutting down: no further probe starts
         self._base_probes: dict[tuple[object, ...], ProbeResult] = {}  # by load key
         self._probe_lock = asyncio.Lock()
@@ -482,6 +502,8 @@ class ModelManager:
         pairing can never fit, ModelUnavailable when it fails to load.
         """
         t0 = time.perf_counter()
+        if self._closing:
+            raise ServerClosing()
         if entry in self._pending:  # probing: take its turn now rather than after the others
             await self.probe(entry)
         probed = self._probes.get(entry)
@@ -498,8 +520,8 @@ class ModelManager:
                 lease = self._attach(model, keep_alive, ticket)
             else:
                 lease = await self._load(entry, keep_alive, ticket)
-            lease.entry = entry
-            lease.model.names.add(entry.name)
+            lease.entry = lease.entry or entry
+            lease.model.names.add(lease.entry.name)
         except BaseException:
             ticket.start()
             raise
@@ -619,6 +641,9 @@ class ModelManager:
 
     async def _load(self, entry: ModelEntry, keep_alive: float | None, ticket: Ticket) -> Loaded:
         async with self._load_lock:
+            if self._closing:
+                raise ServerClosing()
+            entry = self._current(entry)
             model = self._ready(entry)
             if model is None:
                 current = self._loaded.get(_key_for(entry))
@@ -629,8 +654,21 @@ class ModelManager:
                 )
                 spec = await asyncio.to_thread(embedding_spec, entry)  # cached by now
                 await self._make_room(need)
+                entry = self._current(entry)  # edited or removed while it waited for room
                 model = self._start(entry, need, spec)
-            return self._attach(model, keep_alive, ticket)
+            lease = self._attach(model, keep_alive, ticket)
+            lease.entry = entry
+            return lease
+
+    def _current(self, entry: ModelEntry) -> ModelEntry:
+        """The registry's entry of that name now: a request that waited for room while its
+        entry was edited loads the edited one, and one whose entry was removed loads nothing."""
+        if self.lookup is None:
+            return entry
+        found = self.lookup(entry.name)
+        if found is None:
+            raise ModelNotPulled(f"model '{entry.name}' was removed")
+        return found
 
     def _start(
         self, entry: ModelEntry, need: MemoryNeed, spec: EmbeddingSpec | None = None
@@ -727,8 +765,15 @@ class ModelManager:
         while not self._fits(need):
             self._evict_one()
             await self._changed()
+            if self._closing:
+                raise ServerClosing()
 
     def _evict_one(self) -> None:
+        """Unload the idle model that goes first, else choose a busy one and wait for it: as
+        Ollama's scheduler does, the one chosen is waited for, and a model that falls idle
+        meanwhile stays (evicting it too would free two places for one load)."""
+        if any(m.evicted for m in self._retiring):  # until its memory is free again
+            return
         order = sorted(self._loaded.values(), key=_eviction_order)
         idle = [m for m in order if m.users == 0]
         if idle:
@@ -738,6 +783,7 @@ class ModelManager:
         elif order and not self._retiring:  # nothing on its way out: let a busy one finish
             log.info("waiting for %s to finish to make room", order[0].entry.name)
             self.counts.note(EVICTION, order[0].entry.name)
+            order[0].evicted = True
             self._retire(order[0])
 
     async def _changed(self) -> None:
@@ -832,6 +878,19 @@ class ModelManager:
         now = time.monotonic()
         busy_leaving = [m for m in self._retiring if m.users > 0]
         return [_status(m, now) for m in [*self._loaded.values(), *busy_leaving]]
+
+    def stop_serving(self) -> int:
+        """The daemon was told to stop: refuse requests waiting for a model (`ServerClosing`)
+        and end the running ones with an error now (a stream's last line says why), so the
+        server's connections close at once rather than at its graceful-shutdown timeout.
+        Returns how many running requests were ended."""
+        self._closing = True
+        ended = 0
+        for model in [*self._loaded.values(), *self._retiring]:
+            if isinstance(model.runner, PairingRunner):
+                ended += model.runner.end_requests(CLOSING)
+        self._notify()  # waiters for room wake up and see the daemon closing
+        return ended
 
     async def shutdown(self) -> None:
         # A probe's thread runs MLX work that cannot be interrupted, and a process that exits

@@ -237,6 +237,16 @@ class PairingRunner:
         self._jobs.put(None)
         return len(callers)
 
+    def end_requests(self, message: str) -> int:
+        """End every request this runner holds with `message` (the daemon is stopping); each
+        one's row is cancelled as its caller stops reading. Returns how many."""
+        with self._lock:
+            callers = list(self._callers.values())
+        for loop, events in callers:
+            with contextlib.suppress(RuntimeError):  # that caller's loop is gone
+                loop.call_soon_threadsafe(events.put_nowait, Failed(message))
+        return len(callers)
+
     @property
     def busy(self) -> bool:
         return self._active > 0

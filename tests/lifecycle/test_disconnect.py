@@ -3,15 +3,22 @@ its model gives up its place and loads nothing; a non-streamed generation ends w
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.conftest import ServerThread, wait_for
+from tests.conftest import ServerThread, free_port, wait_for
 from tests.fixtures.tiny_models import TARGET_SHAPE, TinyPair, write_model
 
 # an answer far longer than the test waits: the grammar holds back the end of sequence
+REPO = Path(__file__).resolve().parents[2]
 LONG = {
     "num_predict": 30000,
     "num_ctx": 32768,
@@ -36,6 +43,13 @@ def registry(tiny_pair: TinyPair, tmp_path_factory: pytest.TempPathFactory) -> P
         encoding="utf-8",
     )
     return path
+
+
+def up(base: str) -> bool:
+    try:
+        return httpx.get(f"{base}/api/version", timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def stats(base: str) -> dict:
@@ -79,3 +93,129 @@ def test_a_request_waiting_for_room_leaves_the_queue_and_loads_nothing(registry:
         assert wait_for(lambda: running(base) == 0, 20)
         loaded = [m["name"] for m in httpx.get(f"{base}/api/ps").json()["models"]]
         assert "other:latest" not in loaded
+
+
+def test_sigterm_ends_running_streams_with_an_error_and_refuses_waiting_ones(
+    registry: Path, tmp_path: Path
+) -> None:
+    """The stream in flight ends with an error line (not a cut connection), a request waiting
+    for room gets a JSON 503, and the daemon exits 0 with nothing logged as a fault."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OLLAMA_", "MLXD_HOST"))}
+    env.update(MLXD_HOST=f"127.0.0.1:{port}", MLXD_MAX_LOADED_MODELS="1",
+               MLXD_NUM_PARALLEL="1", MLXD_CACHE_DIR=str(tmp_path / "kvcache"))  # fmt: skip
+    cmd = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(registry)]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w", encoding="utf-8") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=log_file)
+    base = f"http://127.0.0.1:{port}"
+    waited: list[httpx.Response] = []
+    try:
+        assert wait_for(lambda: up(base), timeout=90), "mlxd serve did not start"
+        body = {"model": "slow", "prompt": "hello", "options": LONG}
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", f"{base}/api/generate", json=body) as busy,
+        ):
+            lines = busy.iter_lines()
+            next(lines)
+            other = {"model": "other", "prompt": "hi", "stream": False}
+            waiter = threading.Thread(
+                target=lambda: waited.append(httpx.post(f"{base}/api/generate", json=other,
+                                                        timeout=120))
+            )  # fmt: skip
+            waiter.start()
+            assert wait_for(lambda: stats(base)["queue"]["waiting"] == 1, 20)
+            proc.send_signal(signal.SIGTERM)
+            last = json.loads([line for line in lines if line][-1])
+            waiter.join(60)
+        assert last == {"error": "mlxd is shutting down"}
+        assert waited and waited[0].status_code == 503
+        assert waited[0].json() == {"error": "mlxd is shutting down"}
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = log_path.read_text(encoding="utf-8")
+    assert "Exception in ASGI application" not in log and "Traceback" not in log, log
+
+
+def test_a_request_waiting_for_an_entry_removed_meanwhile_loads_nothing(
+    registry: Path, tmp_path: Path
+) -> None:
+    """The load decision reads the registry as it is then: a removed entry is not loaded for
+    the request that waited for it (404), and nothing of it stays resident."""
+    edited = tmp_path / "models.yaml"
+    edited.write_text(registry.read_text(encoding="utf-8"), encoding="utf-8")
+    with ServerThread(edited, max_loaded=1, num_parallel=1) as srv:
+        base = srv.base_url
+        waited: list[httpx.Response] = []
+        body = {"model": "slow", "prompt": "hello", "options": LONG}
+        with (
+            httpx.Client(timeout=120) as client,
+            client.stream("POST", f"{base}/api/generate", json=body) as busy,
+        ):
+            lines = busy.iter_lines()
+            next(lines)
+            other = {"model": "other", "prompt": "hi", "stream": False}
+            waiter = threading.Thread(
+                target=lambda: waited.append(httpx.post(f"{base}/api/generate", json=other,
+                                                        timeout=120))
+            )  # fmt: skip
+            waiter.start()
+            assert wait_for(lambda: stats(base)["queue"]["waiting"] == 1, 20)
+            kept = registry.read_text(encoding="utf-8").split("  other:")[0]
+            edited.write_text(kept, encoding="utf-8")
+            tags = f"{base}/api/tags"
+            assert wait_for(lambda: len(httpx.get(tags).json()["models"]) == 1, 20)
+        waiter.join(60)
+        assert waited and waited[0].status_code == 404, waited[0].text
+        loaded = [m["name"] for m in httpx.get(f"{base}/api/ps").json()["models"]]
+        assert "other:latest" not in loaded
+
+
+def test_one_load_evicts_one_model(registry: Path, tmp_path: Path) -> None:
+    """Both places busy: the model chosen to make room is waited for, and the other, idle
+    meanwhile, stays loaded (as Ollama's scheduler waits for the runner it chose)."""
+    three = tmp_path / "models.yaml"
+    other = registry.read_text(encoding="utf-8").split("target: ")[-1].strip()
+    three.write_text(
+        registry.read_text(encoding="utf-8") + f"  third:\n    target: {other}\n", "utf-8"
+    )
+    with ServerThread(three, max_loaded=2, num_parallel=1) as srv:
+        base = srv.base_url
+        done: list[httpx.Response] = []
+        with (
+            httpx.Client(timeout=120) as a,
+            a.stream(
+                "POST",
+                f"{base}/api/generate",
+                json={"model": "slow", "prompt": "a", "options": LONG},
+            ) as slow,
+        ):
+            slow_lines = slow.iter_lines()
+            next(slow_lines)
+            with httpx.Client(timeout=120) as b, b.stream(
+                "POST", f"{base}/api/generate",
+                json={"model": "other", "prompt": "b", "options": LONG},
+            ) as busy_other:  # fmt: skip
+                other_lines = busy_other.iter_lines()
+                next(other_lines)
+                body = {"model": "third", "prompt": "c", "stream": False}
+                waiter = threading.Thread(
+                    target=lambda: done.append(httpx.post(f"{base}/api/generate", json=body,
+                                                          timeout=120))
+                )  # fmt: skip
+                waiter.start()
+                assert wait_for(lambda: stats(base)["queue"]["waiting"] == 1, 20)
+
+            # `other` is idle now, `slow` (chosen, the least recently used) still streams
+            def active() -> dict[str, int]:
+                return {m["name"]: m["active"] for m in stats(base)["models"]}
+
+            assert wait_for(lambda: active() == {"slow:latest": 1, "other:latest": 0}, 20)
+        waiter.join(60)
+        assert done and done[0].status_code == 200
+        loaded = {m["name"] for m in httpx.get(f"{base}/api/ps").json()["models"]}
+        assert loaded == {"other:latest", "third:latest"}
