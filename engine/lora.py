@@ -213,6 +213,16 @@ class LayerWeights:
     b: mx.array  # (r, out)
     scale: float
     ratio: mx.array | None = None  # DoRA: (out,) m / ||W + s B^T A^T||
+    # its own rank, aligned (`RANK_ALIGN`); 0 until mounted. Held as views of stacks padded to
+    # the largest rank mounted beside it, it still restacks (and counts) at this one.
+    rank: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        """What it holds at its own rank: A, B and a DoRA ratio, in the stacks' dtype."""
+        d_in, d_out = self.a.shape[0], self.b.shape[1]
+        ratio = d_out if self.ratio is not None else 0
+        return ((d_in + d_out) * self.rank + ratio) * self.a.itemsize
 
     def folded(self) -> LayerWeights:
         """The same term with the scale folded into B (scale 1)."""
@@ -347,13 +357,13 @@ class RowLoRA(nn.Module):
         else:
             dtype = _stack_dtype(self.base)
             w = weights.folded()
-            self._slots.by_slot[slot] = replace(w, a=w.a.astype(dtype), b=w.b.astype(dtype))
+            rank = -(-w.a.shape[1] // RANK_ALIGN) * RANK_ALIGN
+            self._slots.by_slot[slot] = replace(
+                w, a=w.a.astype(dtype), b=w.b.astype(dtype), rank=rank
+            )
         self._restack()
         held = self._slots.by_slot.get(slot)
-        if held is None:
-            return 0
-        ratio = self._slots.stacks.ratio if self._slots.stacks is not None else None
-        return held.a.nbytes + held.b.nbytes + (ratio[slot].nbytes if ratio is not None else 0)
+        return 0 if held is None else held.nbytes
 
     def _restack(self) -> None:
         if self.group is not None:
@@ -363,7 +373,7 @@ class RowLoRA(nn.Module):
             self._slots.stacks = self._slots.base = None
             return
         size = max(held) + 1
-        rank = -(-max(w.a.shape[1] for w in held.values()) // RANK_ALIGN) * RANK_ALIGN
+        rank = max(w.rank for w in held.values())  # the largest held now: stacks shrink too
         first = next(iter(held.values()))
         d_in, d_out = first.a.shape[0], first.b.shape[1]
         dora = any(w.ratio is not None for w in held.values())
@@ -373,9 +383,10 @@ class RowLoRA(nn.Module):
         bt = mx.zeros((size, d_out, rank), dtype=first.b.dtype)
         ratio = mx.ones((size, d_out), dtype=at.dtype) if dora else None
         for slot, w in held.items():
-            r = w.a.shape[1]
-            at[slot, :r, :] = w.a.T.astype(at.dtype)
-            bt[slot, :, :r] = w.b.T.astype(bt.dtype)
+            a, b = w.a[:, : w.rank], w.b[: w.rank, :]  # a view of wider stacks: its own part
+            r = a.shape[1]
+            at[slot, :r, :] = a.T.astype(at.dtype)
+            bt[slot, :, :r] = b.T.astype(bt.dtype)
             if ratio is not None and w.ratio is not None:
                 ratio[slot] = w.ratio.astype(at.dtype)
         a, b = at.swapaxes(1, 2), bt.swapaxes(1, 2)

@@ -196,3 +196,24 @@ def test_adapters_are_held_once_in_the_stacks() -> None:
     assert stacks is not None
     copied = mx.get_active_memory() - before - (stacks.a.nbytes + stacks.b.nbytes)
     assert copied < loaded // 2  # a copy of each adapter would be `loaded`
+
+
+def test_stacks_shrink_to_the_largest_rank_held_and_each_counts_its_own() -> None:
+    """A rank-64 adapter pads the stacks while it is held; once it is dropped, the rank-4 ones
+    mounted beside it restack at their own (aligned) rank, answer as before, and each counts
+    its own bytes throughout (not the padding the big one imposed)."""
+    small, big, later = adapter(1, 4, 2.0), adapter(2, 64, 2.0), adapter(3, 4, 2.0)
+    layer, selection = layer_with(mx.float32, (1, small))
+    own = (D_IN + D_OUT) * 8 * 4  # rank 4 held at 8 (`RANK_ALIGN`), float32
+    assert layer.put(2, big) == (D_IN + D_OUT) * 64 * 4
+    assert layer.put(3, later) == own  # mounted while the stacks are 64 wide
+    x = mx.random.normal((2, 3, D_IN), key=mx.random.key(7))
+    before = run(layer, selection, [1, 3], x)
+    assert layer.put(2, None) == 0
+    stacks = layer._slots.stacks
+    assert stacks is not None and stacks.a.shape[-1] == 8
+    after = run(layer, selection, [1, 3], x)
+    assert mx.allclose(after, before, rtol=1e-5, atol=1e-5).item()
+    assert close(after[0:1], reference(layer.base, small, x[0:1]))
+    assert close(after[1:2], reference(layer.base, later, x[1:2]))
+    assert all(w.nbytes == own for w in layer._slots.by_slot.values())
