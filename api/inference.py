@@ -111,26 +111,34 @@ def tokenize(
     templated: bool,
     head: Callable[[], str] = lambda: "",
     model: str = "",
+    truncate: bool = True,
 ) -> list[int]:
-    """The prompt's tokens; one too long for its row keeps its head and its most recent
-    tokens (`engine.truncation`), with a warning in the log, as Ollama's runner does."""
-    budget = Budget.of(pairing.row_context(opts), opts.num_predict)
+    """The prompt's tokens: `before` (a `context` sent back: the conversation so far) and the
+    rendered text. One too long for its row drops the oldest of `before` first, then keeps the
+    text's head and its most recent tokens (`engine.truncation`), with a warning in the log,
+    as Ollama's runner does; with `truncate` false it is refused instead (400)."""
+    budget = Budget.of(pairing.row_context(opts), opts.num_predict, pairing.chars_per_token)
+    new: list[int] | None = None
     if len(text) <= budget.window:
-        tokens = before + encode(pairing.tokenizer, text, templated)
-        if not tokens:
+        new = encode(pairing.tokenizer, text, templated)
+        if not before and not new:
             raise ApiError(400, "prompt is empty after rendering")
-        if len(tokens) <= budget.prompt:
-            return tokens
-    start = head()  # rendered only when the prompt must be cut
-    cut = _head_chars(text, start) if start else 0
-    kept_head = before + encode(pairing.tokenizer, text[:cut], templated)
-    body = encode(pairing.tokenizer, text[cut:][-budget.window :], True)
-    tokens = fit(kept_head, body, budget.prompt)
+        if len(before) + len(new) <= budget.prompt:
+            return before + new
+    if not truncate:
+        raise ApiError(400, "the input length exceeds the context length")
+    if new is None or len(new) > budget.prompt:
+        start = head()  # rendered only when the prompt must be cut
+        cut = _head_chars(text, start) if start else 0
+        kept_head = encode(pairing.tokenizer, text[:cut], templated)
+        body = encode(pairing.tokenizer, text[cut:][-budget.window :], True)
+        new = fit(kept_head, body, budget.prompt)
+    room = budget.prompt - len(new)
+    tokens = (before[len(before) - room :] if room > 0 else []) + new
     log.warning(
         "truncating input prompt of %s: limit=%d prompt=%d characters (+%d context tokens)"
-        " keep=%d new=%d",
-        model or pairing.entry.name, budget.context, len(text), len(before),
-        min(len(kept_head), max(budget.prompt // 2, budget.prompt - len(body))), len(tokens),
+        " new=%d",
+        model or pairing.entry.name, budget.context, len(text), len(before), len(tokens),
     )  # fmt: skip
     return tokens
 
@@ -172,10 +180,12 @@ async def prepare(
     what: str = "generate",
     head: Callable[[Pairing], str] | None = None,
     grammar: GrammarSpec | Callable[[], GrammarSpec | None] | None = None,
+    truncate: bool = True,
 ) -> tuple[Loaded, float, list[int]]:
     """Acquire the model, render and tokenize the prompt (cut to leave room in its row's
-    context; `head` renders what of it is kept first: the request without its content); the
-    slot is released if that fails. `what` ("generate", "chat") names the task an embedding
+    context; `head` renders what of it is kept first: the request without its content; with
+    `truncate` false a prompt that does not fit is refused); the slot is released if that
+    fails. `what` ("generate", "chat") names the task an embedding
     model refuses. A grammar (or what `grammar()` gives once `render` has run: one that
     depends on the model's template) is compiled for the model's tokenizer here, off the
     model's thread (which then only copies it)."""
@@ -186,7 +196,7 @@ async def prepare(
         pairing.check_options(opts)
         tokens = await run_in_threadpool(
             tokenize, pairing, opts, before or [], text, templated,
-            lambda: _render_head(head, pairing), entry.name,
+            lambda: _render_head(head, pairing), entry.name, truncate,
         )  # fmt: skip
         spec = grammar() if callable(grammar) else grammar
         if spec is not None:

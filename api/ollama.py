@@ -283,6 +283,7 @@ async def generate(request: Request) -> Response:
     slot, load_seconds, prompt_tokens = await while_connected(request, prepare(
         state, entry, keep, render, opts, list(context or []), templated=not raw,
         head=None if raw or suffix else head, grammar=lambda: grammars[0],
+        truncate=body.truncate is not False,
     ))  # fmt: skip
     gen = GenerationRequest(
         prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=grammars[0]
@@ -359,12 +360,11 @@ async def chat(request: Request) -> Response:
         return _rendered(name, text, images, message={"role": "", "content": ""})
 
     head = chat_head(entry, messages)
-    slot, load_seconds, prompt_tokens = await while_connected(
-        request,
-        prepare(
-            state, entry, keep, prompt, opts, what="chat", head=head, grammar=lambda: prompt.grammar
-        ),
-    )
+    preparing = prepare(
+        state, entry, keep, prompt, opts, what="chat", head=head,
+        grammar=lambda: prompt.grammar, truncate=body.truncate is not False,
+    )  # fmt: skip
+    slot, load_seconds, prompt_tokens = await while_connected(request, preparing)
     gen = GenerationRequest(
         prompt_tokens, opts, started=started, load_duration=load_seconds, grammar=prompt.grammar
     )

@@ -35,6 +35,7 @@ class GenerateRequest(msgspec.Struct):
     images: list[str] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    truncate: bool | None = None  # false: a prompt too long for the context is a 400, not cut
     debug_render_only: bool | None = msgspec.field(default=None, name="_debug_render_only")
 
 
@@ -59,6 +60,7 @@ class ChatRequest(msgspec.Struct):
     tools: list[Any] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
+    truncate: bool | None = None  # false: a prompt too long for the context is a 400, not cut
     debug_render_only: bool | None = msgspec.field(default=None, name="_debug_render_only")
 
 

@@ -30,6 +30,7 @@ from mlxd.engine.prompt import FimFormat, detect_fim, jinja_template
 from mlxd.engine.sampling import Rng
 from mlxd.engine.speculation import Costs, FixedDraftLength, SpecHistory
 from mlxd.engine.textstream import TokenBytes, token_bytes
+from mlxd.engine.truncation import MAX_CHARS_PER_TOKEN
 from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import model_digest, resolve_local
 
@@ -111,6 +112,13 @@ class Pairing:
     @property
     def eos_ids(self) -> set[int]:
         return set(self.tokenizer.eos_token_ids)
+
+    @functools.cached_property
+    def chars_per_token(self) -> int:
+        """The longest token of the vocabulary, in characters (its written form: a byte-level
+        token's text is never longer): how much text a prompt's tokens can span."""
+        vocab = self.tokenizer.get_vocab() if hasattr(self.tokenizer, "get_vocab") else {}
+        return max((len(t) for t in vocab), default=MAX_CHARS_PER_TOKEN)
 
     @functools.cached_property
     def token_bytes(self) -> TokenBytes:

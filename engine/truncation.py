@@ -4,16 +4,16 @@ middle, and leave room to answer.
 
 Tokens are cut, never text, so a special token is kept whole or dropped whole: none becomes
 plain text. A text far longer than the context is only tokenized near its ends (a token spans at
-most `MAX_CHARS_PER_TOKEN` characters, so a window of `context × that` characters holds more
-tokens than the prompt keeps; the token cut at the window's edge is always among the dropped).
+most `chars_per_token` characters, the longest of the tokenizer's vocabulary, so a window of
+`context × that` characters holds more tokens than the prompt keeps; the token cut at the
+window's edge is always among the dropped).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-# No tokenizer mlxd serves has tokens longer than this many characters.
-MAX_CHARS_PER_TOKEN = 64
+MAX_CHARS_PER_TOKEN = 64  # a bound for a tokenizer whose vocabulary cannot be read
 
 
 @dataclass(frozen=True)
@@ -22,13 +22,16 @@ class Budget:
 
     context: int
     reserve: int  # tokens left to the answer when the prompt must be cut
+    chars_per_token: int = MAX_CHARS_PER_TOKEN  # the longest token, in characters
 
     @classmethod
-    def of(cls, context: int, num_predict: int) -> Budget:
+    def of(
+        cls, context: int, num_predict: int, chars_per_token: int = MAX_CHARS_PER_TOKEN
+    ) -> Budget:
         """Room for `num_predict` tokens (a quarter of the context when unbounded), never more
         than half the context, never less than one token."""
         wanted = num_predict if num_predict > 0 else context // 4
-        return cls(context, max(1, min(wanted, context // 2)))
+        return cls(context, max(1, min(wanted, context // 2)), max(1, chars_per_token))
 
     @property
     def prompt(self) -> int:
@@ -37,7 +40,7 @@ class Budget:
     @property
     def window(self) -> int:
         """Characters of a text's tail that hold more tokens than a prompt keeps."""
-        return self.context * MAX_CHARS_PER_TOKEN
+        return (self.context + 1) * self.chars_per_token
 
 
 def fit(head: list[int], body: list[int], limit: int) -> list[int]:

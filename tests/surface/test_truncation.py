@@ -109,3 +109,39 @@ def test_v1_routes_cut_too(short: RunningServer) -> None:
     assert chat.usage is not None and chat.usage.prompt_tokens == CTX - 3
     text = client.completions.create(model="short", prompt=story(60), max_tokens=3)
     assert text.usage is not None and text.usage.prompt_tokens == CTX - 3
+
+
+def test_a_long_context_array_drops_its_oldest_tokens_first(
+    short: RunningServer, tiny_pair: TinyPair
+) -> None:
+    """`context` is the conversation so far: cut from its start, the new turn kept whole."""
+    tokenizer = load_tokenizer(tiny_pair.target)
+    old = tokenizer.encode(story(80), add_special_tokens=False)
+    assert len(old) > 2 * CTX
+    body = {"model": "short", "prompt": "and then?", "context": old, "stream": False,
+            "options": {"num_predict": 4}}  # fmt: skip
+    out = httpx.post(short.base_url + "/api/generate", json=body, timeout=120).json()
+    kept = out["context"][: out["prompt_eval_count"]]
+    assert out["prompt_eval_count"] == CTX - 4
+    text = tokenizer.decode(kept)
+    assert text.endswith("and then?<|im_end|>\n<|im_start|>assistant\n")  # the new turn whole
+    assert tokenizer.decode(old[-8:]) in text  # the most recent of the old, not the oldest
+    assert tokenizer.decode(old[:8]) not in text
+
+
+def test_truncate_false_refuses_a_prompt_that_does_not_fit(short: RunningServer) -> None:
+    for route, extra in (
+        ("/api/generate", {"prompt": story(80)}),
+        ("/api/chat", {"messages": [{"role": "user", "content": story(80)}]}),
+    ):
+        body = {"model": "short", "truncate": False, "stream": False, **extra}
+        r = httpx.post(short.base_url + route, json=body, timeout=120)
+        assert r.status_code == 400, route
+        assert r.json() == {"error": "the input length exceeds the context length"}
+        fits = {**body, **({"prompt": "hi"} if "prompt" in extra else
+                           {"messages": [{"role": "user", "content": "hi"}]})}  # fmt: skip
+        assert httpx.post(short.base_url + route, json=fits, timeout=120).status_code == 200
+
+
+def test_a_vocabulary_of_long_tokens_widens_the_window_read() -> None:
+    assert Budget.of(100, 10, chars_per_token=65).window > 100 * 64
