@@ -15,6 +15,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from mlxd.api.codec import json_response, read_request
+from mlxd.api.disconnect import while_connected
 from mlxd.api.durations import parse_keep_alive
 from mlxd.api.errors import ApiError
 from mlxd.api.inference import acquire, request_options
@@ -116,7 +117,7 @@ async def embed(request: Request) -> Response:
         num_ctx=opts.num_ctx,
         prefix=body.prefix,
     )
-    out, load_seconds = await _embed(state, entry, engine_request, keep)
+    out, load_seconds = await while_connected(request, _embed(state, entry, engine_request, keep))
     return json_response(
         EmbedResponse(
             name,
@@ -139,7 +140,8 @@ async def embeddings(request: Request) -> Response:
     if not body.prompt:
         await _load_only(state, entry, keep)
         return json_response(EmbeddingsResponse([]))
-    out, _ = await _embed(state, entry, EngineRequest((body.prompt,), num_ctx=opts.num_ctx), keep)
+    job = EngineRequest((body.prompt,), num_ctx=opts.num_ctx)
+    out, _ = await while_connected(request, _embed(state, entry, job, keep))
     return json_response(EmbeddingsResponse(out.vectors[0].astype(np.float64).tolist()))
 
 
@@ -190,7 +192,7 @@ async def openai_embeddings(request: Request) -> Response:
         prefix=body.prefix,
         token_ids=token_ids,
     )
-    out, _ = await _embed(state, entry, engine_request, None)
+    out, _ = await while_connected(request, _embed(state, entry, engine_request, None))
     data = [
         EmbeddingItem("embedding", _encoded(vector, fmt), i) for i, vector in enumerate(out.vectors)
     ]

@@ -185,14 +185,22 @@ def chat_message(parts: Reply) -> ResponseMessage:
 
 
 async def _load_or_unload(
-    state: ServerState, entry: ModelEntry, keep: float | None, make: Callable[[str], Any]
+    state: ServerState,
+    entry: ModelEntry,
+    keep: float | None,
+    make: Callable[[str], Any],
+    what: str = "generate",
 ) -> Response:
-    """Empty prompt/messages: load the model, or with keep_alive 0 unload it."""
+    """Empty prompt/messages: load the model, or with keep_alive 0 unload it. An embedding
+    model is loaded and then refused (400), as Ollama checks the capability first."""
     if keep == 0:
         state.manager.unload(entry.name)
         return json_response(make("unload"))
     slot, _ = await acquire(state, entry, keep)
-    state.manager.release(slot)
+    try:
+        state.manager.pairing(slot, what)  # an embedding model: 400
+    finally:
+        state.manager.release(slot)
     return json_response(make("load"))
 
 
@@ -351,7 +359,7 @@ async def chat(request: Request) -> Response:
 
     if not messages:
         return await _load_or_unload(
-            state, entry, keep, lambda reason: answer(empty(), True, done_reason=reason)
+            state, entry, keep, lambda reason: answer(empty(), True, done_reason=reason), "chat"
         )
 
     if body.debug_render_only:

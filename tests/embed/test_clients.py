@@ -130,6 +130,14 @@ def test_embedding_model_does_not_generate(
     oa = openai.OpenAI(base_url=embed_server.base_url + "/v1", api_key="x")
     with pytest.raises(openai.BadRequestError, match="does not support chat"):
         oa.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "hi"}])
+    # an empty prompt asks to load a model for generating: refused alike, as Ollama does
+    for path, body, what in (
+        ("/api/generate", {"prompt": ""}, "generate"),
+        ("/api/chat", {"messages": []}, "chat"),
+    ):
+        r = httpx.post(embed_server.base_url + path, json={"model": "minilm", **body}, timeout=60)
+        assert r.status_code == 400, path
+        assert r.json() == {"error": f'"minilm:latest" does not support {what}'}
 
 
 def test_show_capabilities(client: ollama.Client) -> None:

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerThread, free_port, wait_for
+from tests.fixtures.tiny_embedders import build_wordpiece, write_bert
 from tests.fixtures.tiny_models import TARGET_SHAPE, TinyPair, write_model
 
 # an answer far longer than the test waits: the grammar holds back the end of sequence
@@ -37,9 +38,11 @@ def registry(tiny_pair: TinyPair, tmp_path_factory: pytest.TempPathFactory) -> P
         hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2, intermediate_size=768,
     )  # fmt: skip
     other = write_model(root / "other", tiny_pair.tokenizer_dir, seed=6, **TARGET_SHAPE)
+    embedder = write_bert(root / "minilm", build_wordpiece(root / "wordpiece"), seed=11)
     path = root / "models.yaml"
     path.write_text(
-        f"models:\n  slow:\n    target: {slow}\n  other:\n    target: {other}\n",
+        f"models:\n  slow:\n    target: {slow}\n  embedder:\n    target: {embedder}\n"
+        f"  other:\n    target: {other}\n",
         encoding="utf-8",
     )
     return path
@@ -78,21 +81,31 @@ def test_a_non_streamed_generation_ends_when_its_client_leaves(registry: Path) -
         assert wait_for(lambda: running(srv.base_url) == 0, 15)
 
 
-def test_a_request_waiting_for_room_leaves_the_queue_and_loads_nothing(registry: Path) -> None:
+@pytest.mark.parametrize(
+    ("model", "path", "body"),
+    [("other", "/api/generate", {"prompt": "hi", "stream": True}),
+     ("embedder", "/api/embed", {"input": "hi"}),
+     ("embedder", "/v1/embeddings", {"input": "hi"})],
+)  # fmt: skip
+def test_a_request_waiting_for_room_leaves_the_queue_and_loads_nothing(
+    registry: Path, model: str, path: str, body: dict
+) -> None:
     with ServerThread(registry, max_loaded=1, num_parallel=1) as srv:
         base = srv.base_url
-        body = {"model": "slow", "prompt": "hello", "options": LONG}
+        long = {"model": "slow", "prompt": "hello", "options": LONG}
         with (
             httpx.Client(timeout=120) as client,
-            client.stream("POST", f"{base}/api/generate", json=body) as busy,
+            client.stream("POST", f"{base}/api/generate", json=long) as busy,
         ):
             lines = busy.iter_lines()  # kept: a dropped iterator closes the response
             next(lines)  # `slow` holds the only place
-            leave_early(base, "other", stream=True)  # waits for room, then leaves
+            leaving = httpx.Client(timeout=httpx.Timeout(30, read=1.0))
+            with leaving, pytest.raises(httpx.TimeoutException):  # waits for room, then leaves
+                leaving.post(f"{base}{path}", json={"model": model, **body})
             assert wait_for(lambda: stats(base)["queue"]["waiting"] == 0, 20)
         assert wait_for(lambda: running(base) == 0, 20)
         loaded = [m["name"] for m in httpx.get(f"{base}/api/ps").json()["models"]]
-        assert "other:latest" not in loaded
+        assert f"{model}:latest" not in loaded
 
 
 def test_sigterm_ends_running_streams_with_an_error_and_refuses_waiting_ones(
@@ -168,7 +181,8 @@ def test_a_request_waiting_for_an_entry_removed_meanwhile_loads_nothing(
             kept = registry.read_text(encoding="utf-8").split("  other:")[0]
             edited.write_text(kept, encoding="utf-8")
             tags = f"{base}/api/tags"
-            assert wait_for(lambda: len(httpx.get(tags).json()["models"]) == 1, 20)
+            names = lambda: {m["name"] for m in httpx.get(tags).json()["models"]}  # noqa: E731
+            assert wait_for(lambda: "other:latest" not in names(), 20)
         waiter.join(60)
         assert waited and waited[0].status_code == 404, waited[0].text
         loaded = [m["name"] for m in httpx.get(f"{base}/api/ps").json()["models"]]
