@@ -125,7 +125,9 @@ def tokenize(
             raise ApiError(400, "prompt is empty after rendering")
         if len(before) + len(new) <= budget.prompt:
             return before + new
-    if not truncate:
+    if not truncate:  # uncut, it may leave less room to answer: refused only past the context
+        if new is not None and len(before) + len(new) < budget.context:
+            return before + new
         raise ApiError(400, "the input length exceeds the context length")
     if new is None or len(new) > budget.prompt:
         start = head()  # rendered only when the prompt must be cut

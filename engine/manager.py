@@ -762,11 +762,25 @@ class ModelManager:
                 f" {human_bytes(self.budget.bytes)} are available"
                 f" (memory budget: {self.budget.source})"
             )
-        while not self._fits(need):
-            self._evict_one()
-            await self._changed()
-            if self._closing:
-                raise ServerClosing()
+        try:
+            while not self._fits(need):
+                self._evict_one()
+                await self._changed()
+                if self._closing:
+                    raise ServerClosing()
+        except BaseException:
+            self._keep_evicted()
+            raise
+
+    def _keep_evicted(self) -> None:
+        """A load that gave up waiting (its client left) no longer needs the busy model it
+        chose to make room: that one stays in service rather than go for nobody."""
+        for model in list(self._retiring):
+            if model.evicted and not model.stopped and self._loaded.get(model.key) is None:
+                self._retiring.remove(model)
+                model.retired = model.evicted = False
+                self._loaded[model.key] = model
+                log.info("keeping %s: the load it was making room for gave up", model.entry.name)
 
     def _evict_one(self) -> None:
         """Unload the idle model that goes first, else choose a busy one and wait for it: as

@@ -106,6 +106,7 @@ def test_a_request_waiting_for_room_leaves_the_queue_and_loads_nothing(
         assert wait_for(lambda: running(base) == 0, 20)
         loaded = [m["name"] for m in httpx.get(f"{base}/api/ps").json()["models"]]
         assert f"{model}:latest" not in loaded
+        assert "slow:latest" in loaded  # chosen to make room for it, it stays: nobody waits
 
 
 def test_sigterm_ends_running_streams_with_an_error_and_refuses_waiting_ones(

@@ -141,6 +141,11 @@ def test_truncate_false_refuses_a_prompt_that_does_not_fit(short: RunningServer)
         fits = {**body, **({"prompt": "hi"} if "prompt" in extra else
                            {"messages": [{"role": "user", "content": "hi"}]})}  # fmt: skip
         assert httpx.post(short.base_url + route, json=fits, timeout=120).status_code == 200
+    # within the context but past the room the cut would keep for the answer: sent whole
+    r = httpx.post(short.base_url + "/api/generate", timeout=120, json={
+        "model": "short", "prompt": story(4), "truncate": False, "stream": False,
+        "options": {"num_predict": 60}})  # fmt: skip
+    assert r.status_code == 200 and CTX - 60 < r.json()["prompt_eval_count"] < CTX, r.text
 
 
 def test_a_vocabulary_of_long_tokens_widens_the_window_read() -> None:
