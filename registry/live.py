@@ -2,9 +2,10 @@
 
 Editors save by truncating a file and then writing it, so a reload can land between the two:
 an empty file that would change what is served is taken as not yet written, and a file that
-changes while it is read is read again (a few times: concurrent `create`s and `cp`s each replace
-it whole, and each one's reload must see its own entry), then on its next change. Either way, and for an invalid
-edit, the last good registry keeps serving and `errors()` says why until a reload succeeds.
+changes while it is read is read again (a few times: concurrent `create`s and `cp`s each
+replace it whole, and each one's reload must see its own entry), then on its next change.
+Either way, and for an invalid edit, the last good registry keeps serving and `errors()` says
+why until a reload succeeds.
 """
 
 from __future__ import annotations
