@@ -92,11 +92,18 @@ def _read_local(entry: ModelEntry, target: Path, draft: Path | None) -> LocalMod
         entry=entry,
         target_dir=target,
         draft_dir=draft,
-        details=read_details(target, context_length=entry.context_length),
+        details=read_details(target, context_length=_context_length(entry, target)),
         size=sum(model_size(d) for d in dirs),
         digest=digest,
         modified_at=datetime.fromtimestamp(mtime, tz=timezone.utc),
     )
+
+
+def _context_length(entry: ModelEntry, target: Path) -> int | None:
+    """What a request may use: the entry's, or an embedding model's serving limit (which can
+    differ from its config's positions), else the config's (None)."""
+    spec = spec_from_dir(entry, target)
+    return spec.max_length if spec is not None else entry.context_length
 
 
 def rfc3339(dt: datetime) -> str:

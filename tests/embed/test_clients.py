@@ -297,3 +297,14 @@ def test_concurrent_requests_share_forwards(embed_server: RunningServer) -> None
             assert got.json()["prompt_eval_count"] == want.json()["prompt_eval_count"]
         else:
             assert got.json() == want.json()
+
+
+def test_show_and_ps_give_an_embedders_one_context_length(client: ollama.Client) -> None:
+    """A rotary embedder serves up to its known length, not its config's positions: `show`
+    says what `ps` says and what a request may use."""
+    client.embed(model="qwen3-embedding", input="hi")
+    shown = client.show("qwen3-embedding")
+    running = [m for m in client.ps().models if m.model == "qwen3-embedding:latest"]
+    assert running and shown.details is not None and shown.modelinfo is not None
+    length = shown.modelinfo["qwen3.context_length"]
+    assert length == running[0].context_length
