@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -228,14 +228,19 @@ class Embedder:
         mx.eval(pooled)
         return np.array(pooled)
 
-    def vectors(self, inputs: Sequence[Sequence[int]]) -> np.ndarray:
+    def vectors(
+        self, inputs: Sequence[Sequence[int]], stop: Callable[[], bool] = lambda: False
+    ) -> np.ndarray:
         """Unit vectors of every input in order. Inputs are sorted by length and cut into
         padded batches of `MAX_BATCH` inputs or `MAX_BATCH_TOKENS` at most, a batch ending
         where padding would pass `MAX_PADDING` of its tokens (on the CPU a pad costs what a
-        token does); each forward done is progress for the runner's watchdog."""
+        token does); each forward done is progress for the runner's watchdog. `stop()` true
+        before a batch (nobody waits for the vectors any more) ends it with EmbeddingStopped."""
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]), reverse=True)
         out: np.ndarray | None = None
         for chunk in _batches([len(inputs[i]) for i in order]):
+            if stop():
+                raise EmbeddingStopped()
             rows = [order[i] for i in chunk]
             pooled = self.forward([inputs[i] for i in rows])
             if out is None:
@@ -249,6 +254,10 @@ class Embedder:
         ids = self.tokenize(request)
         vectors = truncate_dimensions(self.vectors(ids), request.dimensions)
         return Embedded(vectors, tuple(len(i) for i in ids), time.perf_counter() - t0)
+
+
+class EmbeddingStopped(RuntimeError):
+    """A forward ended before its last batch: every request waiting for it went away."""
 
 
 def load_embedder(entry: ModelEntry, backend: Backend) -> Embedder:

@@ -19,7 +19,13 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from mlxd.engine.backend import Backend
-from mlxd.engine.embedding.model import Embedded, Embedder, EmbedRequest, load_embedder
+from mlxd.engine.embedding.model import (
+    Embedded,
+    Embedder,
+    EmbeddingStopped,
+    EmbedRequest,
+    load_embedder,
+)
 from mlxd.engine.embedding.pooling import truncate_dimensions
 from mlxd.engine.embedding.spec import EmbeddingSpec
 from mlxd.engine.progress import beat_with
@@ -33,6 +39,7 @@ log = logging.getLogger(__name__)
 class EmbedJob:
     request: EmbedRequest
     future: concurrent.futures.Future[Embedded] = field(default_factory=concurrent.futures.Future)
+    gone: threading.Event = field(default_factory=threading.Event)  # its caller stopped waiting
 
 
 def _settle(job: EmbedJob, outcome: Embedded | BaseException) -> None:
@@ -115,8 +122,12 @@ class EmbeddingRunner:
         if not tokenized:
             return
         inputs = [ids for _, batch in tokenized for ids in batch]
-        try:
-            vectors = embedder.vectors(inputs)
+        try:  # a forward whose every caller left stops between its batches
+            vectors = embedder.vectors(inputs, lambda: all(j.gone.is_set() for j, _ in tokenized))
+        except EmbeddingStopped as exc:
+            for job, _ in tokenized:
+                _settle(job, exc)
+            return
         except Exception as exc:
             log.exception("embedding forward of %s failed", self.entry.name)
             for job, _ in tokenized:
@@ -148,6 +159,9 @@ class EmbeddingRunner:
         try:
             self._jobs.put(job)
             return await asyncio.wrap_future(job.future)
+        except asyncio.CancelledError:
+            job.gone.set()
+            raise
         finally:
             with self._lock:
                 self._active -= 1

@@ -234,3 +234,20 @@ def test_one_load_evicts_one_model(registry: Path, tmp_path: Path) -> None:
         assert done and done[0].status_code == 200
         loaded = {m["name"] for m in httpx.get(f"{base}/api/ps").json()["models"]}
         assert loaded == {"other:latest", "third:latest"}
+
+
+def test_an_embedding_forward_stops_when_its_client_leaves(registry: Path) -> None:
+    """Between its batches a forward nobody waits for any more ends: the next request on the
+    model is answered at once, not after the departed one's thousands of inputs."""
+    with ServerThread(registry, num_parallel=1) as srv:
+        base = srv.base_url
+        warm = httpx.post(
+            f"{base}/api/embed", json={"model": "embedder", "input": "hi"}, timeout=120
+        )
+        assert warm.status_code == 200
+        many = {"model": "embedder", "input": [f"line {i} of many " * 20 for i in range(20000)]}
+        leaving = httpx.Client(timeout=httpx.Timeout(60, read=1.0))
+        with leaving, pytest.raises(httpx.TimeoutException):
+            leaving.post(f"{base}/api/embed", json=many)
+        r = httpx.post(f"{base}/api/embed", json={"model": "embedder", "input": "hi"}, timeout=10)
+        assert r.status_code == 200 and r.json()["embeddings"][0] == warm.json()["embeddings"][0]
