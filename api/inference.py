@@ -6,7 +6,7 @@ from __future__ import annotations
 import binascii
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.concurrency import run_in_threadpool
 
@@ -24,6 +24,7 @@ from mlxd.registry.schema import ModelEntry
 ROLES = ("system", "user", "assistant", "tool")
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def request_options(entry: ModelEntry, options: dict[str, Any] | None) -> SamplingOptions:
@@ -77,17 +78,19 @@ async def acquire(
         raise ApiError(404, f'model "{entry.name}" not found, try pulling it first') from exc
 
 
-async def render_only(
+async def with_pairing(
     state: ServerState,
     entry: ModelEntry,
     keep_alive: float | None,
-    render: Callable[[Pairing], str],
+    use: Callable[[Pairing], T],
     what: str = "generate",
-) -> str:
-    """Ollama's `_debug_render_only`: the prompt as the model would read it, nothing run."""
+) -> T:
+    """`use` of the model's pairing, held (loaded if need be) only for that: an embedding
+    model is refused first (400, `what` naming the task). Ollama's `_debug_render_only`
+    renders the prompt this way, and an empty prompt loads the model."""
     slot, _ = await acquire(state, entry, keep_alive)
     try:
-        return render(state.manager.pairing(slot, what))
+        return use(state.manager.pairing(slot, what))
     finally:
         state.manager.release(slot)
 

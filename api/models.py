@@ -157,7 +157,7 @@ async def delete(request: Request) -> Response:
         raise ApiError(exc.status, str(exc)) from exc
     except (RegistryError, OSError) as exc:
         raise ApiError(500, str(exc)) from exc
-    state.manager.forget(entry.name)  # once deleted: a refused delete changes nothing
+    state.manager.unload(entry.name, shared=True)  # once deleted: a refused delete changes nothing
     await run_in_threadpool(state.reload)
     return Response(status_code=200)
 

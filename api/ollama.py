@@ -19,13 +19,12 @@ from mlxd.api.disconnect import while_connected
 from mlxd.api.durations import parse_keep_alive
 from mlxd.api.errors import ApiError
 from mlxd.api.inference import (
-    acquire,
     chat_head,
     check_images,
     native_messages,
     prepare,
-    render_only,
     request_options,
+    with_pairing,
 )
 from mlxd.api.logprobs import asked, ollama_json, with_logprobs
 from mlxd.api.modelinfo import find_local, show_json, tag_json
@@ -196,11 +195,7 @@ async def _load_or_unload(
     if keep == 0:
         state.manager.unload(entry.name)
         return json_response(make("unload"))
-    slot, _ = await acquire(state, entry, keep)
-    try:
-        state.manager.pairing(slot, what)  # an embedding model: 400
-    finally:
-        state.manager.release(slot)
+    await with_pairing(state, entry, keep, lambda pairing: None, what)
     return json_response(make("load"))
 
 
@@ -285,7 +280,7 @@ async def generate(request: Request) -> Response:
         )  # fmt: skip
 
     if body.debug_render_only:
-        text = await render_only(state, entry, keep, render)
+        text = await with_pairing(state, entry, keep, render)
         return _rendered(name, text, len(body.images or []), response="")
 
     slot, load_seconds, prompt_tokens = await while_connected(request, prepare(
@@ -363,7 +358,7 @@ async def chat(request: Request) -> Response:
         )
 
     if body.debug_render_only:
-        text = await render_only(state, entry, keep, prompt, "chat")
+        text = await with_pairing(state, entry, keep, prompt, "chat")
         images = sum(len(m.images or []) for m in body.messages or [])
         return _rendered(name, text, images, message={"role": "", "content": ""})
 

@@ -90,7 +90,7 @@ class Lifecycle:
 
     def _apply(self, stale: list[str], fresh: list[ModelEntry]) -> None:
         for name in stale:
-            self.manager.forget(name)
+            self.manager.unload(name, shared=True)
         if fresh:
             log.info("registry changed: %s", ", ".join(e.name for e in fresh) or "removals only")
             task = asyncio.get_running_loop().create_task(self.manager.probe_all(fresh))

@@ -858,25 +858,16 @@ class ModelManager:
                 self._retiring.remove(model)
             self._notify()
 
-    def unload(self, name: str) -> bool:
-        """Unload now if idle, else as soon as its requests finish; never waits."""
+    def unload(self, name: str, shared: bool = False) -> bool:
+        """Unload now if idle, else as soon as its requests finish; never waits. With `shared`
+        (`name` is served no more as it was: deleted, or changed in the registry) a base that
+        other entries use stays loaded for them: removing one adapter entry is no reason to
+        drop the base the others decode on."""
         found = [m for m in self._loaded.values() if m.entry.name == name or name in m.names]
         forget_loss(name)  # a lost distributed group is tried afresh on the next load
         for model in found:
-            model.keep_alive = 0
-            if model.users == 0:
-                self._retire(model)
-        return bool(found)
-
-    def forget(self, name: str) -> bool:
-        """`name` is served no more as it was (deleted, or changed in the registry): a pairing
-        only it used unloads once idle; a base other entries share stays loaded for them
-        (removing one adapter entry is no reason to drop the base the others decode on)."""
-        found = [m for m in self._loaded.values() if m.entry.name == name or name in m.names]
-        forget_loss(name)
-        for model in found:
             model.names.discard(name)
-            if model.names:
+            if shared and model.names:
                 continue
             model.keep_alive = 0
             if model.users == 0:

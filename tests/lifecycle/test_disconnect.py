@@ -3,12 +3,14 @@ its model gives up its place and loads nothing; a non-streamed generation ends w
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -18,14 +20,9 @@ from tests.conftest import ServerThread, free_port, wait_for
 from tests.fixtures.tiny_embedders import build_wordpiece, write_bert
 from tests.fixtures.tiny_models import TARGET_SHAPE, TinyPair, write_model
 
-# an answer far longer than the test waits: the grammar holds back the end of sequence
 REPO = Path(__file__).resolve().parents[2]
-LONG = {
-    "num_predict": 30000,
-    "num_ctx": 32768,
-    "temperature": 0,
-    "grammar": {"regex": "([a-z]{100}){300}"},
-}
+# an answer far longer than the test waits: the grammar holds back the end of sequence
+LONG = {"num_predict": 30000, "temperature": 0, "grammar": {"regex": "([a-z]{100}){300}"}}
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +63,43 @@ def running(base: str) -> int:
     return int(sum(float(v) for v in rows))
 
 
-def leave_early(base: str, model: str, stream: bool) -> None:
-    body = {"model": model, "prompt": "hello", "stream": stream, "options": LONG}
+def leave_early(base: str, path: str, body: dict) -> None:
+    """POST `body` and leave after a second without an answer."""
     client = httpx.Client(timeout=httpx.Timeout(30, read=1.0))
     with client, pytest.raises(httpx.TimeoutException):
-        client.post(f"{base}/api/generate", json=body)
+        client.post(f"{base}{path}", json=body)
+
+
+@contextlib.contextmanager
+def streaming(base: str, model: str) -> Iterator[Iterator[str]]:
+    """`model` decoding a long answer meanwhile (holding a place); its lines are yielded."""
+    body = {"model": model, "prompt": "hello", "options": LONG}
+    with (
+        httpx.Client(timeout=120) as client,
+        client.stream("POST", f"{base}/api/generate", json=body) as busy,
+    ):
+        lines = busy.iter_lines()  # kept: a dropped iterator closes the response
+        next(lines)
+        yield lines
+
+
+def in_background(base: str, model: str) -> tuple[threading.Thread, list[httpx.Response]]:
+    """A short non-streamed generate on `model` from a thread; its response lands in the list."""
+    body = {"model": model, "prompt": "hi", "stream": False}
+    got: list[httpx.Response] = []
+    thread = threading.Thread(
+        target=lambda: got.append(httpx.post(f"{base}/api/generate", json=body, timeout=120))
+    )
+    thread.start()
+    return thread, got
 
 
 def test_a_non_streamed_generation_ends_when_its_client_leaves(registry: Path) -> None:
     with ServerThread(registry, num_parallel=1) as srv:
         warm = {"model": "slow", "prompt": "", "keep_alive": -1}  # loaded before the clock runs
         assert httpx.post(f"{srv.base_url}/api/generate", json=warm, timeout=120).status_code == 200
-        leave_early(srv.base_url, "slow", stream=False)
+        leave_early(srv.base_url, "/api/generate",
+                    {"model": "slow", "prompt": "hello", "stream": False, "options": LONG})  # fmt: skip
         assert wait_for(lambda: running(srv.base_url) == 0, 15)
 
 
@@ -92,16 +114,8 @@ def test_a_request_waiting_for_room_leaves_the_queue_and_loads_nothing(
 ) -> None:
     with ServerThread(registry, max_loaded=1, num_parallel=1) as srv:
         base = srv.base_url
-        long = {"model": "slow", "prompt": "hello", "options": LONG}
-        with (
-            httpx.Client(timeout=120) as client,
-            client.stream("POST", f"{base}/api/generate", json=long) as busy,
-        ):
-            lines = busy.iter_lines()  # kept: a dropped iterator closes the response
-            next(lines)  # `slow` holds the only place
-            leaving = httpx.Client(timeout=httpx.Timeout(30, read=1.0))
-            with leaving, pytest.raises(httpx.TimeoutException):  # waits for room, then leaves
-                leaving.post(f"{base}{path}", json={"model": model, **body})
+        with streaming(base, "slow"):  # `slow` holds the only place
+            leave_early(base, path, {"model": model, **body})  # waits for room, then leaves
             assert wait_for(lambda: stats(base)["queue"]["waiting"] == 0, 20)
         assert wait_for(lambda: running(base) == 0, 20)
         loaded = [m["name"] for m in httpx.get(f"{base}/api/ps").json()["models"]]
@@ -123,22 +137,10 @@ def test_sigterm_ends_running_streams_with_an_error_and_refuses_waiting_ones(
     with open(log_path, "w", encoding="utf-8") as log_file:
         proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=log_file)
     base = f"http://127.0.0.1:{port}"
-    waited: list[httpx.Response] = []
     try:
         assert wait_for(lambda: up(base), timeout=90), "mlxd serve did not start"
-        body = {"model": "slow", "prompt": "hello", "options": LONG}
-        with (
-            httpx.Client(timeout=120) as client,
-            client.stream("POST", f"{base}/api/generate", json=body) as busy,
-        ):
-            lines = busy.iter_lines()
-            next(lines)
-            other = {"model": "other", "prompt": "hi", "stream": False}
-            waiter = threading.Thread(
-                target=lambda: waited.append(httpx.post(f"{base}/api/generate", json=other,
-                                                        timeout=120))
-            )  # fmt: skip
-            waiter.start()
+        with streaming(base, "slow") as lines:
+            waiter, waited = in_background(base, "other")
             assert wait_for(lambda: stats(base)["queue"]["waiting"] == 1, 20)
             proc.send_signal(signal.SIGTERM)
             last = json.loads([line for line in lines if line][-1])
@@ -164,20 +166,8 @@ def test_a_request_waiting_for_an_entry_removed_meanwhile_loads_nothing(
     edited.write_text(registry.read_text(encoding="utf-8"), encoding="utf-8")
     with ServerThread(edited, max_loaded=1, num_parallel=1) as srv:
         base = srv.base_url
-        waited: list[httpx.Response] = []
-        body = {"model": "slow", "prompt": "hello", "options": LONG}
-        with (
-            httpx.Client(timeout=120) as client,
-            client.stream("POST", f"{base}/api/generate", json=body) as busy,
-        ):
-            lines = busy.iter_lines()
-            next(lines)
-            other = {"model": "other", "prompt": "hi", "stream": False}
-            waiter = threading.Thread(
-                target=lambda: waited.append(httpx.post(f"{base}/api/generate", json=other,
-                                                        timeout=120))
-            )  # fmt: skip
-            waiter.start()
+        with streaming(base, "slow"):
+            waiter, waited = in_background(base, "other")
             assert wait_for(lambda: stats(base)["queue"]["waiting"] == 1, 20)
             kept = registry.read_text(encoding="utf-8").split("  other:")[0]
             edited.write_text(kept, encoding="utf-8")
@@ -200,29 +190,9 @@ def test_one_load_evicts_one_model(registry: Path, tmp_path: Path) -> None:
     )
     with ServerThread(three, max_loaded=2, num_parallel=1) as srv:
         base = srv.base_url
-        done: list[httpx.Response] = []
-        with (
-            httpx.Client(timeout=120) as a,
-            a.stream(
-                "POST",
-                f"{base}/api/generate",
-                json={"model": "slow", "prompt": "a", "options": LONG},
-            ) as slow,
-        ):
-            slow_lines = slow.iter_lines()
-            next(slow_lines)
-            with httpx.Client(timeout=120) as b, b.stream(
-                "POST", f"{base}/api/generate",
-                json={"model": "other", "prompt": "b", "options": LONG},
-            ) as busy_other:  # fmt: skip
-                other_lines = busy_other.iter_lines()
-                next(other_lines)
-                body = {"model": "third", "prompt": "c", "stream": False}
-                waiter = threading.Thread(
-                    target=lambda: done.append(httpx.post(f"{base}/api/generate", json=body,
-                                                          timeout=120))
-                )  # fmt: skip
-                waiter.start()
+        with streaming(base, "slow"):
+            with streaming(base, "other"):
+                waiter, done = in_background(base, "third")
                 assert wait_for(lambda: stats(base)["queue"]["waiting"] == 1, 20)
 
             # `other` is idle now, `slow` (chosen, the least recently used) still streams
@@ -246,8 +216,6 @@ def test_an_embedding_forward_stops_when_its_client_leaves(registry: Path) -> No
         )
         assert warm.status_code == 200
         many = {"model": "embedder", "input": [f"line {i} of many " * 20 for i in range(20000)]}
-        leaving = httpx.Client(timeout=httpx.Timeout(60, read=1.0))
-        with leaving, pytest.raises(httpx.TimeoutException):
-            leaving.post(f"{base}/api/embed", json=many)
+        leave_early(base, "/api/embed", many)
         r = httpx.post(f"{base}/api/embed", json={"model": "embedder", "input": "hi"}, timeout=10)
         assert r.status_code == 200 and r.json()["embeddings"][0] == warm.json()["embeddings"][0]
