@@ -47,6 +47,18 @@ def call_id() -> str:
     return "call_" + "".join(secrets.choice(_ID_CHARS) for _ in range(8))
 
 
+def tool_params(tools: Sequence[Any] | None) -> dict[str, dict[str, Any]]:
+    """Each declared function's parameter schemas by name (what a call's text values convert
+    to); tools are assumed checked (`tool_names`)."""
+    out: dict[str, dict[str, Any]] = {}
+    for tool in tools or ():
+        fn = tool["function"]
+        params = fn.get("parameters")
+        props = params.get("properties") if isinstance(params, dict) else None
+        out[fn["name"]] = props if isinstance(props, dict) else {}
+    return out
+
+
 def tool_names(tools: Sequence[Any] | None) -> set[str]:
     """The declared functions' names; a tool that is not an object naming a function is a 400."""
     names = set()
@@ -127,26 +139,60 @@ _XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.S)
 _XML_PARAMETER = re.compile(r"<parameter=([^>\s]+)>\n?(.*?)\n?</parameter>", re.S)
 
 
-def _xml_calls(body: str) -> list[Any] | None:
-    """Qwen3-Coder's `<function=f><parameter=p>value</parameter></function>`; a value that is
-    JSON (a number, a list) is read as JSON, anything else is a string."""
+def _types(schema: Any) -> set[str]:
+    """The JSON types a parameter schema names (`type`, a list of them, or `anyOf` branches)."""
+    if not isinstance(schema, dict):
+        return set()
+    named = schema.get("type")
+    types = {named} if isinstance(named, str) else {t for t in named or () if isinstance(t, str)}
+    for branch in schema.get("anyOf") or schema.get("oneOf") or ():
+        types |= _types(branch)
+    return types
+
+
+_JSON_TYPES = {int: {"integer", "number"}, float: {"number"}, dict: {"object"}, list: {"array"}}
+
+
+def _typed(raw: str, schema: Any) -> Any:
+    """An XML call's parameter text as its schema's type, as Ollama's and vLLM's Qwen3-Coder
+    parsers convert it: a string parameter stays text ("2024" is not a number), an integer,
+    number, boolean, object or array is read as one where the text is one; a parameter of no
+    known type is text."""
+    types, text = _types(schema), raw.strip()
+    if "null" in types and text.lower() == "null":
+        return None
+    if "boolean" in types and text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return raw
+    return value if types & _JSON_TYPES.get(type(value), set()) else raw
+
+
+def _xml_calls(body: str, params: Mapping[str, Mapping[str, Any]]) -> list[Any] | None:
+    """Qwen3-Coder's `<function=f><parameter=p>value</parameter></function>`, each value
+    converted by its tool's schema (`_typed`)."""
     calls = []
     for fn in _XML_FUNCTION.finditer(body):
-        args: dict[str, Any] = {}
-        for param in _XML_PARAMETER.finditer(fn.group(2)):
-            value = param.group(2)
-            try:
-                args[param.group(1)] = json.loads(value)
-            except ValueError:
-                args[param.group(1)] = value
+        schemas = params.get(fn.group(1), {})
+        args = {
+            param.group(1): _typed(param.group(2), schemas.get(param.group(1)))
+            for param in _XML_PARAMETER.finditer(fn.group(2))
+        }
         calls.append({"name": fn.group(1), "arguments": args})
     leftover = _XML_FUNCTION.sub("", body).strip()
     return calls if calls and not leftover else None
 
 
-def parse_calls(body: str, names: set[str]) -> list[tuple[str, dict[str, Any]]] | None:
-    """The calls in a call body, or None when it is not calls to declared tools."""
-    items = _xml_calls(body) if "<function=" in body else _objects(body)
+def parse_calls(
+    body: str, names: set[str], params: Mapping[str, Mapping[str, Any]] | None = None
+) -> list[tuple[str, dict[str, Any]]] | None:
+    """The calls in a call body, or None when it is not calls to declared tools. A body that
+    opens with `<function=` is Qwen3-Coder's XML (`params`: the tools' parameter schemas its
+    text values convert by); JSON otherwise, whose strings may hold `<function=` too."""
+    xml = body.lstrip().startswith("<function=")
+    items = _xml_calls(body, params or {}) if xml else _objects(body)
     if items is None and "[ARGS]" in body:
         items = _mistral_v11(body)
     if not items:
@@ -171,6 +217,7 @@ class ToolCallParser:
     def __init__(self, fmt: str, tools: Sequence[Any] | None) -> None:
         self.markers = MARKERS[fmt]
         self.names = tool_names(tools)
+        self.params = tool_params(tools)
         self._state = "begin" if self.markers.leading_json else "text"  # | text | call
         self._held = ""  # text not yet given out
         self._opener = ""  # the marker that opened the current call
@@ -221,7 +268,7 @@ class ToolCallParser:
         return out
 
     def _close(self, body: str, closer: str) -> list[Piece | ToolCall]:
-        calls = parse_calls(body, self.names)
+        calls = parse_calls(body, self.names, self.params)
         if calls is None:
             return [Piece(CONTENT, self._opener + body + closer)]
         out: list[Piece | ToolCall] = []

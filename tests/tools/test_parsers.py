@@ -14,7 +14,17 @@ from mlxd.api.thinking import ThinkSplitter
 from mlxd.api.tools import ToolCallParser, mistral_id
 from tests.fixtures.scripted_models import TEMPLATES
 
-TOOLS = [{"type": "function", "function": {"name": n}} for n in ("get_weather", "get_time")]
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "at": {"type": ["number", "null"]}, "hours": {"type": "array"},
+    },
+}  # fmt: skip
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": WEATHER_PARAMS}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
 PARIS = {"city": "Paris"}
 
 
@@ -64,6 +74,18 @@ CASES = [
     (QWEN_XML, 'Ok <tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
      '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>',
      "Ok ", [("get_weather", {"city": "Paris", "days": 3})]),
+    # XML values convert by the tool's schema: a string stays text, whatever it looks like
+    (QWEN_XML, '<tool_call>\n<function=get_weather>\n<parameter=city>\n2024\n</parameter>\n'
+     '<parameter=metric>\ntrue\n</parameter>\n<parameter=at>\nnull\n</parameter>\n'
+     '<parameter=hours>\n[1, 2]\n</parameter>\n</function>\n</tool_call>', "",
+     [("get_weather", {"city": "2024", "metric": True, "at": None, "hours": [1, 2]})]),
+    (QWEN_XML, '<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n'
+     '<parameter=at>\n1.5\n</parameter>\n<parameter=note>\n{"a": 1}\n</parameter>\n'
+     '</function>\n</tool_call>', "",
+     [("get_weather", {"days": "three", "at": 1.5, "note": '{"a": 1}'})]),
+    # a JSON call whose argument text holds `<function=` is still a JSON call
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a <function=f> b"}}\n'
+     '</tool_call>', "", [("get_weather", {"city": "a <function=f> b"})]),
 ]  # fmt: skip
 
 
