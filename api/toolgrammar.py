@@ -30,10 +30,15 @@ TEXT = "TEXT: /(.|\\n)*/"
 WS = "/[ \\t\\n]*/"
 
 
+def _token_id(tokenizer: Any, text: str) -> int | None:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return ids[0] if len(ids) == 1 else None
+
+
 def _token(tokenizer: Any, text: str) -> str:
     """A marker as a grammar item: its token by id when it is one token, else its text."""
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return f"<[{ids[0]}]>" if len(ids) == 1 else json.dumps(text)
+    token = _token_id(tokenizer, text)
+    return f"<[{token}]>" if token is not None else json.dumps(text)
 
 
 def _schema(tool: dict[str, Any]) -> str:
@@ -51,13 +56,20 @@ def _body(tool: dict[str, Any], key: str) -> str:
 
 def _think(fmt: ChatFormat, tokenizer: Any, opens_thinking: bool) -> tuple[str, list[str]]:
     """The start rule's think block (its prefix and rule) for a model that thinks first:
-    required where the prompt opened it, else optional."""
+    required where the prompt opened it, else optional. The reasoning runs free: any token
+    but the one closing it and end of sequence, special ones too (a model drafting a
+    `<tool_call>` while it thinks writes its marker token, which text does not match)."""
     if fmt.think is None:
         return "", []
     start, end = _token(tokenizer, fmt.think.open), _token(tokenizer, fmt.think.close)
+    close = _token_id(tokenizer, fmt.think.close)
+    body = "TEXT"
+    if close is not None:
+        barred = sorted({close, *getattr(tokenizer, "eos_token_ids", ())})
+        body = f"<[^{','.join(map(str, barred))}]>*"
     opener = "" if opens_thinking else f"{start} "
     prefix = "think " if opens_thinking else "think? "
-    return prefix, [f"think: {opener}TEXT {end} {WS}"]
+    return prefix, [f"think: {opener}{body} {end} {WS}"]
 
 
 def after_thinking(

@@ -42,6 +42,7 @@ CITY = {
 ANSWER = "It is 18 degrees in Paris."
 THOUGHT = "The user asks about the sky."
 BLUE = "It is blue."
+MUSED = '\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n'
 
 # name: (family, script); each writes its family's markers as the template taught them
 MODELS: dict[str, tuple[str, Script]] = {
@@ -73,6 +74,11 @@ MODELS: dict[str, tuple[str, Script]] = {
         "\n", ("<think>", "\n" + THOUGHT + "\n", "</think>", "\n\n" + BLUE),
     )),
     "r1": ("r1", Script("\n", ("Two plus two", " is four.", "</think>", "\n\nThe answer is 4."))),
+    # drafts a call while it reasons, then answers: the tools' grammar leaves its reasoning free
+    "qwen3-muses": ("qwen3", Script(
+        "\n", ("<think>", "\nI might call ", "<tool_call>", MUSED, "</tool_call>", "\nno.",
+               "</think>", "\n\n" + BLUE),
+    )),
     # formats whose free replies are not constrained (no call marker): malformed calls happen
     "llama3-badjson": ("llama3", Script(
         "\n", ('{"name": "get_weather", ', '"parameters": {"city": '),

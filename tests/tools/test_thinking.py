@@ -13,7 +13,7 @@ import pytest
 
 from tests.conftest import RunningServer
 from tests.daemon.test_cli import err, mlxd, out
-from tests.tools.conftest import BLUE, THOUGHT
+from tests.tools.conftest import BLUE, MUSED, THOUGHT, WEATHER
 
 SKY: list[Any] = [{"role": "user", "content": "Why is the sky blue?"}]
 
@@ -37,6 +37,22 @@ def test_thinking_stream_never_reaches_content(client: ollama.Client) -> None:
     assert content == BLUE
     assert thinking == THOUGHT
     assert all("think>" not in (p.message.content or "") for p in parts)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_call_drafted_while_thinking_stays_thinking(client: ollama.Client, stream: bool) -> None:
+    """With tools declared the reasoning still runs free: the model's `<tool_call>` token is
+    not barred there, and what it drafts stays in the thinking, never run."""
+    parts = client.chat(
+        model="qwen3-muses", messages=SKY, tools=[WEATHER], think=True, stream=stream,
+        options={"num_predict": 40},
+    )  # fmt: skip
+    parts = list(parts) if stream else [parts]
+    assert "".join(p.message.content or "" for p in parts) == BLUE
+    thinking = "".join(p.message.thinking or "" for p in parts)
+    assert thinking == f"I might call <tool_call>{MUSED}</tool_call>\nno."
+    assert not any(p.message.tool_calls for p in parts)
+    assert parts[-1].done_reason == "stop"
 
 
 def test_think_false_renders_the_switch_and_keeps_what_the_model_writes(
