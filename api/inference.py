@@ -17,7 +17,14 @@ from mlxd.engine.grammar import GrammarError, GrammarSpec, row_grammar
 from mlxd.engine.manager import Loaded
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import ModelNotPulled, Pairing
-from mlxd.engine.prompt import PromptError, encode, go_template, render_chat, with_system
+from mlxd.engine.prompt import (
+    BareText,
+    PromptError,
+    encode,
+    go_template,
+    render_chat,
+    with_system,
+)
 from mlxd.engine.truncation import Budget, fit
 from mlxd.registry.schema import ModelEntry
 
@@ -121,9 +128,10 @@ def tokenize(
     text's head and its most recent tokens (`engine.truncation`), with a warning in the log,
     as Ollama's runner does; with `truncate` false it is refused instead (400)."""
     budget = Budget.of(pairing.row_context(opts), opts.num_predict, pairing.chars_per_token)
+    specials = not templated or isinstance(text, BareText)  # a chat template's text has its own
     new: list[int] | None = None
     if len(text) <= budget.window:
-        new = encode(pairing.tokenizer, text, templated)
+        new = encode(pairing.tokenizer, text, specials)
         if not before and not new:
             raise ApiError(400, "prompt is empty after rendering")
         if len(before) + len(new) <= budget.prompt:
@@ -135,8 +143,8 @@ def tokenize(
     if new is None or len(new) > budget.prompt:
         start = head()  # rendered only when the prompt must be cut
         cut = _head_chars(text, start) if start else 0
-        kept_head = encode(pairing.tokenizer, text[:cut], templated)
-        body = encode(pairing.tokenizer, text[cut:][-budget.window :], True)
+        kept_head = encode(pairing.tokenizer, text[:cut], specials)
+        body = encode(pairing.tokenizer, text[cut:][-budget.window :], False)
         new = fit(kept_head, body, budget.prompt)
     room = budget.prompt - len(new)
     tokens = (before[len(before) - room :] if room > 0 else []) + new

@@ -15,7 +15,7 @@ from mlxd.api.errors import ApiError
 from mlxd.api.tokenizerinfo import tokenizer_info
 from mlxd.api.types import DraftInfo, ModelSummary, ShowResponse
 from mlxd.engine.embedding.spec import spec_from_dir
-from mlxd.engine.prompt import detect_fim
+from mlxd.engine.prompt import detect_fim, inserts
 from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import ModelDetails, model_digest, model_size, read_details, resolve_local
 
@@ -147,7 +147,7 @@ def capabilities(m: LocalModel) -> list[str]:
     added = _read_json(m.target_dir / "tokenizer.json").get("added_tokens", [])
     vocab = {t["content"]: t["id"] for t in added if isinstance(t, dict) and "content" in t}
     caps = ["completion"]
-    if detect_fim(vocab) is not None:
+    if inserts(detect_fim(vocab), m.entry.template):
         caps.append("insert")
     return caps + chat_format(chat_template(m)).capabilities
 

@@ -51,7 +51,7 @@ from mlxd.api.types import (
 from mlxd.engine.events import Done, GenerationRequest
 from mlxd.engine.logprobs import Logprob
 from mlxd.engine.pairing import Pairing
-from mlxd.engine.prompt import go_template, render_generate
+from mlxd.engine.prompt import go_template, inserts, render_generate
 from mlxd.registry.schema import ModelEntry
 
 VERSION = "0.33.0"
@@ -210,7 +210,7 @@ def _continued(done: Done, tokenizer: Any) -> list[int]:
 
 def _rendered(name: str, text: str, images: int, **reply: Any) -> Response:
     """Ollama's answer to `_debug_render_only`: the rendered prompt, the model not run."""
-    debug = {"rendered_template": text, "image_count": images}
+    debug = {"rendered_template": str(text), "image_count": images}
     body = {"model": name, "created_at": now(), **reply, "done": False, "_debug_info": debug}
     return json_response(body)
 
@@ -257,15 +257,18 @@ async def generate(request: Request) -> Response:
         fmt = model_format(entry.template, pairing.tokenizer)
         think = resolve_think(body.think, fmt, entry.name)
         if raw:
-            return prompt
-        if suffix and pairing.fim is None:
-            raise ApiError(400, f"{entry.name} does not support insert")
-        system = body.system or entry.system
-        text = render_generate(
-            pairing.tokenizer, prompt, system, body.template, suffix, pairing.fim,
-            template_kwargs(fmt, think), go_template(entry.template),
-        )  # fmt: skip
-        if not (suffix or body.template):
+            text = prompt
+        else:
+            if suffix and not inserts(pairing.fim, entry.template):
+                raise ApiError(400, f"{entry.name} does not support insert")
+            system = body.system or entry.system
+            text = render_generate(
+                pairing.tokenizer, prompt, system, body.template, suffix, pairing.fim,
+                template_kwargs(fmt, think), go_template(entry.template),
+            )  # fmt: skip
+        # the model's own tags split its thinking; a prompt it did not render (`raw`, a
+        # request's template) only where `think` asks for it, as Ollama does
+        if not suffix and (bool(body.think) or not (raw or body.template)):
             parsers[0] = lambda: reply_parser(fmt, text, think.on, None)
             if grammar is not None and fmt.think is not None:
                 inside = opens_thinking(text, fmt.think)

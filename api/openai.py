@@ -71,7 +71,7 @@ from mlxd.engine.grammar import GrammarSpec
 from mlxd.engine.logprobs import Logprob
 from mlxd.engine.manager import Loaded
 from mlxd.engine.pairing import Pairing
-from mlxd.engine.prompt import go_template, render_generate
+from mlxd.engine.prompt import go_template, inserts, render_generate
 from mlxd.registry.names import InvalidModelName, parse_name
 
 SSE = "text/event-stream"
@@ -475,7 +475,7 @@ async def completions(request: Request) -> Response:
     opts = with_logprobs(request_options(entry, _sampling(body)), top)
 
     def render(pairing: Pairing) -> str:
-        if suffix and pairing.fim is None:
+        if suffix and not inserts(pairing.fim, entry.template):
             raise ApiError(400, f"{entry.name} does not support insert")
         return render_generate(
             pairing.tokenizer, prompt, entry.system, None, suffix or None, pairing.fim,

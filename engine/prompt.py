@@ -42,6 +42,13 @@ def detect_fim(vocab: Mapping[str, int]) -> FimFormat | None:
     return None
 
 
+class BareText(str):
+    """Rendered text that holds no special tokens but those it names itself (a FIM prompt, an
+    Ollama Go template's, a plain transcript): it is tokenized with the tokenizer's own
+    additions (its BOS), as Ollama's runner tokenizes every prompt. A chat template's text
+    carries them already (`encode`)."""
+
+
 # -- Ollama's Go templates (the subset prompts use) -------------------------------------------
 
 _ACTION = re.compile(r"{{(-?)\s*(.*?)\s*(-?)}}", re.S)
@@ -141,6 +148,20 @@ def go_template(template: str | None) -> str | None:
     return template if template and is_go_template(template) else None
 
 
+def suffix_template(template: str | None) -> str | None:
+    """A model's Go template that renders fill-in-the-middle (`{{ .Suffix }}`), as Ollama
+    reads a model's `insert` capability from its template; else None."""
+    go = go_template(template)
+    if go is None or not any(b == ".Suffix" or b == "if .Suffix" for _, b in _go_parts(go)):
+        return None
+    return go
+
+
+def inserts(fim: FimFormat | None, template: str | None) -> bool:
+    """Whether a model takes a suffix: FIM tokens in its vocabulary or a template for it."""
+    return fim is not None or suffix_template(template) is not None
+
+
 def jinja_template(template: str | None) -> str | None:
     """A model's template when it is Jinja, which its tokenizer renders (installed at load)."""
     return template if template and not is_go_template(template) else None
@@ -185,7 +206,7 @@ def render_go_chat(template: str, messages: Sequence[Mapping[str, Any]]) -> str:
         elif role == "assistant":
             turn["Response"] = content
     out.append(render_go_template(template, turn, open_response=True))
-    return "".join(out)
+    return BareText("".join(out))
 
 
 # -- chat and generate -------------------------------------------------------------------------
@@ -236,7 +257,7 @@ def render_chat(
         except Exception as exc:  # jinja errors carry the template's own message
             raise PromptError(f"chat template failed: {exc}") from exc
     lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
-    return "\n".join([*lines, "assistant:"])
+    return BareText("\n".join([*lines, "assistant:"]))
 
 
 def render_generate(
@@ -251,15 +272,18 @@ def render_generate(
 ) -> str:
     """Ollama's /api/generate rendering (the raw case never reaches here): the request's
     `template`, else the model's Go template (`model_template`, see `go_template`), else its
-    chat template. A suffix takes the request's Go template or the model's FIM tokens."""
+    chat template. A suffix takes the request's Go template, else the model's template where
+    it renders one (`suffix_template`), else the model's FIM tokens."""
     if suffix:
-        if fim is None:
+        if not inserts(fim, model_template):
             raise PromptError("does not support insert")
         if template and not is_go_template(template):
             raise PromptError("a template for a suffix must be a Go template ({{ .Suffix }})")
-        if template:
-            return render_go_template(template, {"Prompt": prompt, "Suffix": suffix})
-        return fim.render(prompt, suffix)
+        chosen = template or suffix_template(model_template)
+        if chosen:
+            return BareText(render_go_template(chosen, {"Prompt": prompt, "Suffix": suffix}))
+        assert fim is not None
+        return BareText(fim.render(prompt, suffix))
     template = template or model_template
     user = with_system([{"role": "user", "content": prompt}], system)
     if template and is_go_template(template):
@@ -268,7 +292,7 @@ def render_generate(
         return render_chat(tokenizer, user, extra=extra, template=template)
     if getattr(tokenizer, "chat_template", None):
         return render_chat(tokenizer, user, extra=extra)
-    return f"{system}\n\n{prompt}" if system else prompt
+    return BareText(f"{system}\n\n{prompt}" if system else prompt)
 
 
 MEMO_MIN_CHARS = 4096  # shorter texts tokenize in well under a millisecond
@@ -307,13 +331,16 @@ class _Memo:
 _memo = _Memo()
 
 
-def encode(tokenizer: Any, text: str, templated: bool) -> list[int]:
-    """Templated text already carries its special tokens (BOS included); raw text gets the
-    tokenizer's usual additions. Long texts seen lately are not tokenized again."""
-    key = (text, templated)
+def encode(tokenizer: Any, text: str, specials: bool) -> list[int]:
+    """`text`'s tokens, with the tokenizer's own additions (BOS) where `specials` asks for
+    them and the text does not open with its BOS already (as mlx-lm's `generate` decides);
+    a chat template's text carries its own. Long texts seen lately are not tokenized again."""
+    bos = getattr(tokenizer, "bos_token", None)
+    add = specials and not (bos and text.startswith(bos))
+    key = (text, add)
     if len(text) >= MEMO_MIN_CHARS and (known := _memo.get(tokenizer, key)) is not None:
         return known
-    tokens = list(tokenizer.encode(text, add_special_tokens=not templated))
+    tokens = list(tokenizer.encode(text, add_special_tokens=add))
     if len(text) >= MEMO_MIN_CHARS:
         _memo.put(tokenizer, key, tokens)
     return tokens

@@ -30,12 +30,12 @@ def test_a_long_text_is_tokenized_once_with_the_same_tokens() -> None:
     tok = Counting(load_tokenizer(CODE_PAIR))
     text = TEXT[: 3 * MEMO_MIN_CHARS]
     want = list(tok.tokenizer.encode(text, add_special_tokens=True))
-    first = encode(tok, text, templated=False)
+    first = encode(tok, text, specials=True)
     first.append(-1)  # a caller's edits never reach the memo
-    assert encode(tok, text, templated=False) == want
+    assert encode(tok, text, specials=True) == want
     assert tok.calls == 1
-    templated = encode(tok, text, templated=True)  # special tokens differ: its own entry
-    assert templated == list(tok.tokenizer.encode(text, add_special_tokens=False))
+    bare = encode(tok, text, specials=False)  # special tokens differ: its own entry
+    assert bare == list(tok.tokenizer.encode(text, add_special_tokens=False))
     assert tok.calls == 2
 
 
