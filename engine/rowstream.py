@@ -34,12 +34,39 @@ class RowStream:
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.decode)
         self._stops = StopMatcher(self.request.options.stop)
-        self._logprobs: list[Logprob] = []  # of tokens whose text is held back
+        # tokens not sent yet: where each one's text ends in the text decoded so far, and its
+        # log-probability (only where asked for)
+        self._logprobs: list[tuple[int, Logprob]] = []
+        self._decoded = 0  # characters decoded so far
+        self._ready = ""  # text the stop strings released, not sent yet
         self._sent: list[str] = []  # the text emitted so far
+        self._sent_chars = 0
 
-    def _take_logprobs(self) -> tuple[Logprob, ...]:
-        taken, self._logprobs = tuple(self._logprobs), []
-        return taken
+    def _send(self, text: str, final: bool = False) -> None:
+        """Send released text with the log-probabilities of the tokens it completes. Where
+        they are asked for, text goes by whole tokens: a token whose text the stop strings
+        hold in part (a stop's possible start) waits whole, so each chunk carries its tokens'
+        text and their values together, as Ollama's do. `final`: everything goes."""
+        self._ready += text
+        if final:
+            cut = len(self._ready)
+        else:
+            ready = self._sent_chars + len(self._ready)
+            ends = [end for end, _ in self._logprobs if end <= ready]
+            whole = len(ends) == len(self._logprobs)
+            cut = (
+                len(self._ready)
+                if whole
+                else max(ends, default=self._sent_chars) - self._sent_chars
+            )
+        if cut <= 0 and not (final and self._logprobs):
+            return  # values of tokens with no text of their own go with the next text
+        chunk, self._ready = self._ready[:cut], self._ready[cut:]
+        self._sent_chars += len(chunk)
+        taken = [lp for end, lp in self._logprobs if final or end <= self._sent_chars]
+        self._logprobs = [] if final else [e for e in self._logprobs if e[0] > self._sent_chars]
+        self._sent.append(chunk)
+        self.emit(TextChunk(chunk, tuple(taken)))
 
     @property
     def finished(self) -> bool:
@@ -61,12 +88,12 @@ class RowStream:
                 self.reason = "stop"
                 break
             self.output.append(tok)
+            piece = self._detok.add(tok)
+            self._decoded += len(piece)
             if i < len(logprobs):
-                self._logprobs.append(readable(logprobs[i], self.decode, self.token_bytes))
-            text = self._stops.feed(self._detok.add(tok))
-            if text:
-                self._sent.append(text)
-                self.emit(TextChunk(text, self._take_logprobs()))
+                value = readable(logprobs[i], self.decode, self.token_bytes)
+                self._logprobs.append((self._decoded, value))
+            self._send(self._stops.feed(piece), final=self._stops.stopped)
             if self._stops.stopped:
                 self.reason = "stop"
             elif len(self.output) >= self.limit:
@@ -82,10 +109,7 @@ class RowStream:
         if self.reason == "cancel":
             return
         if not self._stops.stopped:
-            tail = self._stops.feed(self._detok.flush()) + self._stops.flush()
-            if tail or self._logprobs:
-                self._sent.append(tail)
-                self.emit(TextChunk(tail, self._take_logprobs()))
+            self._send(self._stops.feed(self._detok.flush()) + self._stops.flush(), final=True)
         now = time.perf_counter()
         first = self.t_first if self.t_first is not None else now
         req = self.request

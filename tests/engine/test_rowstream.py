@@ -1,0 +1,62 @@
+"""A row's stream carries each token's text and its log-probability on the same chunk, also
+where a stop string holds back part of a token's text (text goes by whole tokens then)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from mlxd.engine.events import Event, GenerationRequest, TextChunk
+from mlxd.engine.logprobs import TokenLogprob
+from mlxd.engine.options import parse_options
+from mlxd.engine.rowstream import RowStream
+
+VOCAB = ["<eos>", " return", " np", ".", "array", "(", "x", ")", "☃", ""]  # 9: no text of its own
+
+
+def decode(ids: Sequence[int]) -> str:
+    return "".join(VOCAB[i] for i in ids)
+
+
+def stream(tokens: list[int], stop: list[str], logprobs: bool) -> list[TextChunk]:
+    events: list[Event] = []
+    opts = parse_options({"stop": stop, "temperature": 0})
+    row = RowStream(GenerationRequest([1], opts), events.append, decode, {0}, limit=100)
+    values = [TokenLogprob(t, -0.5) for t in tokens] if logprobs else []
+    for i, token in enumerate(tokens):  # one token a step, as decoding sends them
+        if row.push([token], values[i : i + 1]):
+            break
+    row.finish()
+    return [e for e in events if isinstance(e, TextChunk)]
+
+
+SAID = [1, 2, 3, 4, 5, 6, 7]  # " return np.array(x)"
+
+
+@pytest.mark.parametrize("stop", [["return☃"], ["np☃", "ay☃"], ["(x☃"], []])
+def test_each_chunk_carries_its_own_tokens(stop: list[str]) -> None:
+    chunks = stream(SAID, stop, logprobs=True)
+    assert "".join(c.text for c in chunks) == decode(SAID)
+    for c in chunks:
+        assert c.text == "".join(lp.token for lp in c.logprobs)
+    assert [lp.token for c in chunks for lp in c.logprobs] == [VOCAB[t] for t in SAID]
+
+
+def test_without_logprobs_text_is_not_held_for_tokens() -> None:
+    """Only the stop strings' own hold: ' ' of ' return' goes out at once."""
+    chunks = stream(SAID, ["return☃"], logprobs=False)
+    assert chunks[0].text == " "
+
+
+def test_a_stop_sends_the_text_before_it_with_every_value() -> None:
+    chunks = stream([1, 2, 8, 3], ["np☃"], logprobs=True)
+    assert "".join(c.text for c in chunks) == " return "
+    assert [lp.token for c in chunks for lp in c.logprobs] == [" return", " np", "☃"]
+
+
+@pytest.mark.parametrize("stop", [[], ["np☃"]])
+def test_a_token_without_text_sends_its_value_with_the_next_text(stop: list[str]) -> None:
+    chunks = stream([1, 9, 2, 9], stop, logprobs=True)
+    assert "".join(c.text for c in chunks) == " return np"
+    assert [lp.token for c in chunks for lp in c.logprobs] == [" return", "", " np", ""]
