@@ -20,7 +20,7 @@ from mlxd.daemon.config import ConfigError, Settings, client_base_url
 from mlxd.daemon.pullhelp import explain
 from mlxd.registry.adapterfiles import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from mlxd.registry.modelfile import ModelfileError, parse_modelfile
-from mlxd.registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, InvalidModelName, parse_name
+from mlxd.registry.names import InvalidModelName, hub_name, parse_name
 
 VERSION = "0.1.0"
 ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
@@ -271,11 +271,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def _loaded(client: Client, model: str) -> bool:
+    """Whether /api/ps lists `model`, by its name or the hub name a pull of it registered."""
     try:
-        name = parse_name(model).display.lower()
+        names = {parse_name(model).display.lower(), (_hub_name(model) or "").lower()}
     except InvalidModelName:
-        name = model.lower()
-    return any(m.get("name", "").lower() == name for m in client.get("/api/ps")["models"])
+        names = {model.lower()}
+    return any(m.get("name", "").lower() in names for m in client.get("/api/ps")["models"])
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -562,15 +563,10 @@ def _hub_name(model: str) -> str | None:
     """The `hf.co/org/repo:tag` name a pull of `org/repo[:tag]` or `hf.co/org/repo[:tag]`
     registers; None for names that cannot be a hub repo (`llama3.2`)."""
     try:
-        name = parse_name(model)
+        hub = hub_name(parse_name(model))
     except InvalidModelName:
         return None
-    host = name.host.lower()
-    if host in ("hf.co", "huggingface.co") or (
-        host == DEFAULT_HOST and name.namespace.lower() != DEFAULT_NAMESPACE
-    ):
-        return f"hf.co/{name.namespace}/{name.model}:{name.tag}"
-    return None
+    return hub.display if hub is not None else None
 
 
 def show_or_pull(client: Client, model: str) -> str:

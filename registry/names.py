@@ -22,6 +22,7 @@ __all__ = [
 DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
 DEFAULT_TAG = "latest"
+HUB_HOSTS = ("hf.co", "huggingface.co")
 
 _HOST_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:-]*")
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_-]*")
@@ -118,3 +119,12 @@ def parse_name(s: str) -> ModelName:
     ):
         raise InvalidModelName(s)
     return ModelName(host=host, namespace=namespace, model=model, tag=tag)
+
+
+def hub_name(name: ModelName) -> ModelName | None:
+    """``org/repo[:tag]`` or ``hf.co/org/repo[:tag]`` as the hub name mlxd registers it under,
+    ``hf.co/org/repo:tag``; None for names that cannot be a hub repo (``llama3.2``)."""
+    host = name.host.lower()
+    if host in HUB_HOSTS or (host == DEFAULT_HOST and name.namespace.lower() != DEFAULT_NAMESPACE):
+        return ModelName(host="hf.co", namespace=name.namespace, model=name.model, tag=name.tag)
+    return None

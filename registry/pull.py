@@ -71,7 +71,7 @@ from huggingface_hub.file_download import http_get, repo_folder_name
 from huggingface_hub.utils import build_hf_headers, filter_repo_objects
 
 from mlxd.registry.home import user_registry_path
-from mlxd.registry.names import DEFAULT_HOST, DEFAULT_NAMESPACE, ModelName, parse_name
+from mlxd.registry.names import HUB_HOSTS, hub_name, parse_name
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import ModelEntry, RegistryError
 from mlxd.registry.store import (
@@ -107,7 +107,6 @@ __all__ = [
 ]
 
 DEFAULT_ENDPOINT = "https://huggingface.co"
-HUB_HOSTS = ("hf.co", "huggingface.co")
 PROGRESS_INTERVAL = 0.08  # seconds between progress objects while a file downloads
 DOWNLOAD_CHUNK = 1024 * 1024  # bytes per read: how often progress moves and a cancel is seen
 
@@ -256,15 +255,6 @@ class PullPlan:
     hub: tuple[HubRef, ...]  # target first, then the draft
     local: tuple[Path, ...] = ()  # local directories the entry points at (must exist)
     register: bool = False  # add ``name`` to the user registry once the files are in
-
-
-def hub_name(name: ModelName) -> ModelName | None:
-    """``org/repo[:tag]`` or ``hf.co/org/repo[:tag]`` as the hub name mlxd registers it under,
-    ``hf.co/org/repo:tag``; None for names that cannot be a hub repo (``llama3.2``)."""
-    host = name.host.lower()
-    if host in HUB_HOSTS or (host == DEFAULT_HOST and name.namespace.lower() != DEFAULT_NAMESPACE):
-        return ModelName(host="hf.co", namespace=name.namespace, model=name.model, tag=name.tag)
-    return None
 
 
 def _cache_ref(target: str, env: Mapping[str, str]) -> HubRef | Path:

@@ -7,7 +7,7 @@ from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from mlxd.registry.home import packaged_registry_path, user_registry_path
-from mlxd.registry.names import parse_name
+from mlxd.registry.names import hub_name, parse_name
 from mlxd.registry.schema import ModelEntry, load_registry_file
 
 __all__ = ["REGISTRY_ENV", "Registry", "default_registry_paths"]
@@ -66,8 +66,13 @@ class Registry:
         return self._paths
 
     def get(self, name: str) -> ModelEntry | None:
-        """The entry for an Ollama name, matched case-insensitively; raises InvalidModelName."""
-        return self._entries.get(parse_name(name).key)
+        """The entry for an Ollama name, matched case-insensitively; raises InvalidModelName.
+        `org/repo` not registered as such is the hub repo a pull of it registered
+        (`hf.co/org/repo:tag`), so every command takes the name it was pulled by."""
+        parsed = parse_name(name)
+        entry = self._entries.get(parsed.key)
+        hub = hub_name(parsed) if entry is None else None
+        return self._entries.get(hub.key) if hub is not None else entry
 
     def entries(self) -> list[ModelEntry]:
         """All entries, in load order (an overridden name keeps its first position)."""

@@ -13,6 +13,7 @@ import pytest
 from mlxd.registry.schema import load_registry_file
 from mlxd.registry.store import resolve_local
 from tests.conftest import RunningServer
+from tests.daemon.test_cli import mlxd as mlxd_cli
 from tests.pull.conftest import DRAFT_REPO, GREEDY, TARGET_REPO, HubEnv
 
 STATUSES = ["pulling manifest", "verifying sha256 digest", "writing manifest", "success"]
@@ -192,3 +193,28 @@ def test_a_fixed_registry_refuses_hub_names_and_copies(
     )
     assert r.status_code == 400 and "--registry" in r.json()["error"]
     assert ndjson(raw_pull(mlxd_fixed, {"model": "hubtiny"}))[-1] == {"status": "success"}
+
+
+def test_the_name_a_repo_was_pulled_by_keeps_working_offline(
+    mlxd: RunningServer, hub_env: HubEnv
+) -> None:
+    """`org/repo` is registered as `hf.co/org/repo:tag`; every route takes the short name
+    too, so `mlxd run org/tiny` (which shows before pulling) serves from disk, hub or not."""
+    c = client(mlxd)
+    c.pull("org/tiny")
+    hub_env.hub.stop()
+    assert c.show("org/tiny").details is not None
+    out = c.generate(model="org/tiny", prompt="Why is the sky blue?", options=GREEDY)
+    assert out.done and out.eval_count == GREEDY["num_predict"]
+    run = mlxd_cli(["run", "org/tiny", "hi", "--keepalive", "5m"], mlxd.port)
+    assert run.returncode == 0, run.stderr
+    stop = mlxd_cli(["stop", "org/tiny"], mlxd.port)  # loaded as its hub name: still stopped
+    assert stop.returncode == 0 and b"not loaded" not in stop.stderr
+    assert not c.ps().models
+    c.copy("org/tiny", "mine")
+    assert "mine:latest" in tags(mlxd)
+    with pytest.raises(ollama.ResponseError) as info:  # a name never pulled stays unknown
+        c.show("org/other")
+    assert info.value.status_code == 404
+    c.delete("org/tiny")
+    assert HUB_NAME not in tags(mlxd)
