@@ -402,6 +402,9 @@ def interactive(client: Client, args: argparse.Namespace, options: dict[str, Any
                     line = _read_multiline(line)
                 except EOFError:
                     return 0
+                except KeyboardInterrupt:  # drops what was typed; the chat goes on
+                    print()
+                    continue
         stripped = line.strip()
         if not stripped:
             continue
@@ -424,7 +427,8 @@ def interactive(client: Client, args: argparse.Namespace, options: dict[str, Any
             session.history.pop()
             continue
         print("\n")
-        session.history.append({"role": "assistant", "content": reply})
+        if final:  # an answer cut short by Ctrl-C is not kept, as Ollama's chat keeps none
+            session.history.append({"role": "assistant", "content": reply})
         if session.verbose and final:
             print_stats(final)
 
@@ -750,12 +754,24 @@ def build_parser() -> argparse.ArgumentParser:
 OPTIONAL_VALUE_FLAGS = ("--think",)
 
 
+VALUE_FLAGS = ("--keepalive", "--format")  # always take the next word, `-1m` included
+
+
 def _bare_flags_true(args: Sequence[str]) -> list[str]:
+    """A bare `--think` as `--think=true`; `--keepalive -1m` as `--keepalive=-1m` (argparse
+    would read a value starting with a dash as a flag; Ollama's CLI takes the next word)."""
     out: list[str] = []
-    for i, arg in enumerate(args):
+    i = 0
+    while i < len(args):
+        arg = args[i]
         if arg == "--":
             return out + list(args[i:])
+        if arg in VALUE_FLAGS and i + 1 < len(args):
+            out.append(f"{arg}={args[i + 1]}")
+            i += 2
+            continue
         out.append(f"{arg}=true" if arg in OPTIONAL_VALUE_FLAGS else arg)
+        i += 1
     return out
 
 

@@ -513,6 +513,9 @@ def test_run_starts_the_daemon(autostart: tuple[dict[str, str], str, Path]) -> N
 # -- interactive helpers (in process) ----------------------------------------------------------
 
 
+CTRL_C = "\x03"  # a line fed as this is Ctrl-C at that prompt
+
+
 def feed_input(monkeypatch: pytest.MonkeyPatch, lines: list[str]) -> list[str]:
     """Replace input(): returns the lines in order, then EOF; records the prompts shown."""
     prompts: list[str] = []
@@ -521,9 +524,12 @@ def feed_input(monkeypatch: pytest.MonkeyPatch, lines: list[str]) -> list[str]:
     def fake(prompt: str = "") -> str:
         prompts.append(prompt)
         try:
-            return next(it)
+            line = next(it)
         except StopIteration:
             raise EOFError from None
+        if line == CTRL_C:
+            raise KeyboardInterrupt
+        return line
 
     monkeypatch.setattr(builtins, "input", fake)
     return prompts
@@ -584,6 +590,37 @@ def test_interactive_session(
     assert "Set 'verbose' mode." in captured.out
     assert "Unknown command '/bogus'" in captured.out
     assert "eval rate:" in captured.err  # verbose was switched on before the second turn
+
+
+def test_ctrl_c_while_typing_drops_the_message_and_the_chat_goes_on(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    feed_input(monkeypatch, ['"""half a', "thought", CTRL_C, "again", "/bye"])
+    args = cli.parse_args(cli.build_parser(), ["run", "sys"])
+    client = Client(server.base_url)
+    try:
+        assert cli.interactive(client, args, {}) == 0
+    finally:
+        client.close()
+    alone = _chat(server, [{"role": "user", "content": "again"}])  # nothing of the dropped one
+    assert alone + "\n\n" in capsys.readouterr().out
+
+
+def test_an_answer_cut_short_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C during an answer (the stream ends with no final object): the next turn's
+    history has the question, not the half answer, as Ollama's chat keeps it."""
+    sent: list[list[dict[str, Any]]] = []
+
+    def stream(client: Any, path: str, body: dict[str, Any], key: str) -> Any:
+        sent.append(list(body["messages"]))
+        return ("half an ans", {}) if len(sent) == 1 else ("whole", {"done": True})
+
+    monkeypatch.setattr(cli, "_stream_text", stream)
+    feed_input(monkeypatch, ["first", "second", "third"])
+    args = cli.parse_args(cli.build_parser(), ["run", "sys"])
+    assert cli.interactive(Client("http://127.0.0.1:9"), args, {}) == 0
+    assert [m["content"] for m in sent[1]] == ["first", "second"]
+    assert [m["content"] for m in sent[2]] == ["first", "second", "whole", "third"]
 
 
 def test_interactive_eof_exits(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -56,6 +56,13 @@ def test_run_all_flags() -> None:
     }  # fmt: skip
 
 
+@pytest.mark.parametrize("value", ["-1m", "-1", "0"])
+def test_keepalive_takes_the_next_word_even_with_a_dash(value: str) -> None:
+    """`--keepalive -1m` (keep loaded forever), as Ollama's CLI takes it."""
+    fields = parse("run", "tiny", "--keepalive", value, "hi")
+    assert fields["keepalive"] == value and fields["prompt"] == ["hi"]
+
+
 def test_bare_think_is_true_and_never_takes_the_next_word() -> None:
     fields = parse("run", "tiny", "--think", "why")
     assert fields["think"] == "true" and fields["prompt"] == ["why"]
