@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mlxd.daemon.client import Client, ClientError
+from mlxd.registry.modelfile import parameter_value
+from mlxd.registry.schema import check_option
 
 HELP = """Available Commands:
   /set parameter NAME VALUE   Set a parameter (num_ctx, temperature, stop, ...)
@@ -43,19 +45,15 @@ class Session:
 
 
 def parse_value(name: str, words: list[str]) -> Any:
-    """A parameter's value as Ollama's CLI types it: `stop` takes every word as one stop."""
+    """A parameter's value as Ollama's CLI types it (`stop` takes every word as one stop);
+    ValueError for an unknown name or a value of the wrong type, caught before any turn."""
     if name == "stop":
         return words
-    text = " ".join(words)
-    lowered = text.lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    value = parameter_value(name, " ".join(words))
+    try:
+        return check_option(name, value)
+    except ValueError as exc:
+        raise ValueError(f"invalid value for parameter '{name}': {exc}") from None
 
 
 def _quoted(value: Any) -> str:
@@ -112,7 +110,11 @@ def _set(session: Session, words: list[str]) -> None:
     what = words[0] if words else ""
     if what == "parameter" and len(words) >= 3:
         name = words[1]
-        session.options[name] = parse_value(name, words[2:])
+        try:
+            session.options[name] = parse_value(name, words[2:])
+        except ValueError as exc:
+            print(f"Couldn't set parameter: {exc}")
+            return
         shown = ", ".join(words[2:]) if name == "stop" else " ".join(words[2:])
         print(f"Set parameter '{name}' to '{shown}'")
     elif what == "parameter":

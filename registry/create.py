@@ -27,7 +27,7 @@ from mlxd.registry.home import mlxd_home, user_registry_path
 from mlxd.registry.names import InvalidModelName, parse_name
 from mlxd.registry.pull import Progress
 from mlxd.registry.registry import Registry
-from mlxd.registry.schema import KNOWN_OPTIONS, _check_option
+from mlxd.registry.schema import KNOWN_OPTIONS, check_option
 from mlxd.registry.store import is_complete_model, resolve_local
 from mlxd.registry.userfile import entry_fields, set_entry
 
@@ -83,7 +83,7 @@ def _options(base: Mapping[str, Any], parameters: Mapping[str, Any]) -> dict[str
         if name not in KNOWN_OPTIONS:
             raise CreateError(f"unknown parameter '{name}'")
         try:
-            options[name] = _check_option(name, value)
+            options[name] = check_option(name, value)
         except ValueError as exc:
             raise CreateError(f"invalid value for parameter '{name}': {exc}") from None
     return {k: list(v) if isinstance(v, tuple) else v for k, v in options.items()}

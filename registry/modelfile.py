@@ -14,7 +14,7 @@ from typing import Any
 
 from mlxd.registry.schema import KNOWN_OPTIONS
 
-__all__ = ["Modelfile", "ModelfileError", "parse_modelfile", "render_modelfile"]
+__all__ = ["Modelfile", "ModelfileError", "parameter_value", "parse_modelfile", "render_modelfile"]
 
 COMMANDS = ("from", "draft", "adapter", "parameter", "system", "template", "message", "license")
 
@@ -48,10 +48,12 @@ def _value(raw: str) -> str:
     return raw
 
 
-def _parameter(name: str, raw: str, line: int) -> Any:
+def parameter_value(name: str, raw: str) -> Any:
+    """A parameter's text (a Modelfile's PARAMETER, the chat's `/set parameter`) as its
+    option's type; ValueError says what is wrong with it."""
     kind = KNOWN_OPTIONS.get(name)
     if kind is None:
-        raise ModelfileError(f"line {line}: unknown parameter '{name}'")
+        raise ValueError(f"unknown parameter '{name}'")
     value = _value(raw)
     try:
         if kind == "int":
@@ -63,10 +65,15 @@ def _parameter(name: str, raw: str, line: int) -> Any:
                 raise ValueError(value)
             return value.lower() == "true"
     except ValueError:
-        raise ModelfileError(
-            f"line {line}: invalid value for parameter '{name}': {value}"
-        ) from None
+        raise ValueError(f"invalid value for parameter '{name}': {value}") from None
     return value
+
+
+def _parameter(name: str, raw: str, line: int) -> Any:
+    try:
+        return parameter_value(name, raw)
+    except ValueError as exc:
+        raise ModelfileError(f"line {line}: {exc}") from None
 
 
 def _statements(text: str) -> list[tuple[int, str, str]]:

@@ -47,6 +47,7 @@ __all__ = [
     "AdapterRef",
     "ModelEntry",
     "RegistryError",
+    "check_option",
     "load_registry_file",
     "resolve_target",
 ]
@@ -352,7 +353,7 @@ def _check_choice(value: Any, choices: tuple[str, ...]) -> str:
     return str(value)
 
 
-def _check_option(name: str, value: Any) -> Any:
+def check_option(name: str, value: Any) -> Any:
     kind = KNOWN_OPTIONS[name]
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
@@ -396,7 +397,7 @@ def _load_options(ctx: _Context, node: yaml.Node, entry: str) -> dict[str, Any]:
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ctx.error(f"unknown option{hint}", knode, entry, f"options.{name}")
         try:
-            options[name] = _check_option(name, ctx.value(vnode, entry, f"options.{name}"))
+            options[name] = check_option(name, ctx.value(vnode, entry, f"options.{name}"))
         except ValueError as exc:
             if isinstance(exc, RegistryError):
                 raise

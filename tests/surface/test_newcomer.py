@@ -96,6 +96,9 @@ def test_chat_slash_commands(
 ) -> None:
     lines = iter([
         "/set parameter num_predict 3",
+        "/set parameter temperature abc",  # refused: never sent
+        "/set parameter num_predict 8.5",
+        "/set parameter warmth 1",
         "/set parameter stop <a> <b>",
         "/set system Answer briefly.",
         "/show parameters",
@@ -132,6 +135,9 @@ def test_chat_slash_commands(
         client.close()
     shown = capsys.readouterr().out
     assert "Set parameter 'num_predict' to '3'" in shown
+    assert "Couldn't set parameter: invalid value for parameter 'temperature': abc" in shown
+    assert "Couldn't set parameter: invalid value for parameter 'num_predict': 8.5" in shown
+    assert "Couldn't set parameter: unknown parameter 'warmth'" in shown
     assert "Set parameter 'stop' to '<a>, <b>'" in shown
     assert "Set system message." in shown
     assert "User defined parameters:" in shown and 'stop                           "<a>"' in shown
