@@ -454,7 +454,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     client = _client()
     ensure_daemon(client)
     try:
-        args.model = show_or_pull(client, args.model)
+        info = show_or_pull(client, args.model)
     except ClientError as exc:
         return _fail(explain(str(exc)) if exc.status != 404 else str(exc))
     options: dict[str, Any] = {}
@@ -462,6 +462,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if not sys.stdin.isatty():
         piped = sys.stdin.read()
         prompt = f"{piped}\n{prompt}".strip("\n") if prompt else piped
+    if "embedding" in info.get("capabilities", []):
+        return _embed(client, args, prompt)
     if prompt or not sys.stdout.isatty() or not sys.stdin.isatty():
         body: dict[str, Any] = {
             "model": args.model,
@@ -485,6 +487,23 @@ def cmd_run(args: argparse.Namespace) -> int:
     except ClientError as exc:
         return _fail(str(exc))
     return interactive(client, args, options)
+
+
+def _embed(client: Client, args: argparse.Namespace, text: str) -> int:
+    """`run` on an embedding model, as `ollama run` does it: the text's vector as JSON."""
+    if not text:
+        return _fail(
+            f'embedding models require input text. Usage: mlxd run {args.model} "your text here"'
+        )
+    body: dict[str, Any] = {"model": args.model, "input": text}
+    if args.keepalive:
+        body["keep_alive"] = args.keepalive
+    try:
+        reply = client.post("/api/embed", body)
+    except ClientError as exc:
+        return _fail(str(exc))
+    print(json.dumps(reply["embeddings"][0], separators=(",", ":")))
+    return 0
 
 
 # -- pull, rm, cp ----------------------------------------------------------------------------
@@ -573,31 +592,22 @@ def _hub_name(model: str) -> str | None:
     return hub.display if hub is not None else None
 
 
-def show_or_pull(client: Client, model: str) -> str:
-    """`/api/show`, pulling first when it answers 404 (as `ollama run` does); returns the name
-    to run, which for `org/repo` is the `hf.co/org/repo:tag` name the pull registered."""
+def show_or_pull(client: Client, model: str) -> dict[str, Any]:
+    """`/api/show` (what the model can do), pulling first when it answers 404, as `ollama run`
+    does (a pulled `org/repo` answers to that name)."""
     try:
-        client.post("/api/show", {"model": model})
-        return model
+        return dict(client.post("/api/show", {"model": model}))
     except ClientError as exc:
         if exc.status != 404:
             raise
         missing = exc
-    hub = _hub_name(model)
     try:
         pull_model(client, model)
     except ClientError as exc:
-        if hub is None and "file does not exist" in str(exc):
+        if _hub_name(model) is None and "file does not exist" in str(exc):
             raise missing from exc  # neither registered nor a hub repo: say so plainly
         raise
-    try:
-        client.post("/api/show", {"model": model})
-        return model
-    except ClientError as exc:
-        if exc.status != 404 or hub is None:
-            raise
-    client.post("/api/show", {"model": hub})
-    return hub
+    return dict(client.post("/api/show", {"model": model}))
 
 
 def cmd_pull(args: argparse.Namespace) -> int:

@@ -4,6 +4,7 @@ LangChain's OllamaEmbeddings, LiteLLM, and the request shapes Open WebUI and Con
 from __future__ import annotations
 
 import base64
+import json
 import logging
 from typing import Any
 
@@ -14,6 +15,7 @@ import openai
 import pytest
 
 from tests.conftest import RunningServer
+from tests.daemon.test_cli import mlxd as mlxd_cli
 from tests.embed.conftest import model_dirs
 from tests.embed.reference import Reference
 from tests.fixtures.tiny_embedders import TinyEmbedders
@@ -308,3 +310,18 @@ def test_show_and_ps_give_an_embedders_one_context_length(client: ollama.Client)
     assert running and shown.details is not None and shown.modelinfo is not None
     length = shown.modelinfo["qwen3.context_length"]
     assert length == running[0].context_length
+
+
+def test_mlxd_run_prints_an_embedding_models_vector(
+    embed_server: RunningServer, client: ollama.Client
+) -> None:
+    """As `ollama run` on an embedding model: the input's vector as JSON; no input: a usage
+    error."""
+    want = client.embed(model="minilm", input="the sky is blue").embeddings[0]
+    result = mlxd_cli(["run", "minilm", "the sky is blue"], embed_server.port)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == pytest.approx(want, abs=1e-6)
+    piped = mlxd_cli(["run", "minilm"], embed_server.port, stdin="the sky is blue")
+    assert json.loads(piped.stdout) == pytest.approx(want, abs=1e-6)
+    empty = mlxd_cli(["run", "minilm"], embed_server.port, stdin="")
+    assert empty.returncode == 1 and b"embedding models require input text" in empty.stderr
