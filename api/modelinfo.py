@@ -122,6 +122,22 @@ def tag_json(m: LocalModel, unavailable: str | None = None) -> ModelSummary:
     )
 
 
+LICENSE_FILES = ("LICENSE", "LICENSE.txt", "LICENSE.md")
+LICENSE_MAX_CHARS = 64 * 1024
+
+
+def license_text(model_dir: Path) -> str | None:
+    """The model's license as its directory ships it (a hub repo's `LICENSE.txt`, a local
+    model's `LICENSE`), for `show --license`; None where there is none."""
+    for name in LICENSE_FILES:
+        try:
+            with open(model_dir / name, encoding="utf-8", errors="replace") as fh:
+                return fh.read(LICENSE_MAX_CHARS).strip() or None
+        except OSError:
+            continue
+    return None
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as fh:
@@ -190,6 +206,7 @@ def show_json(m: LocalModel, unavailable: str | None = None, verbose: bool = Fal
         capabilities=capabilities(m),
         modified_at=rfc3339(m.modified_at),
         system=entry.system or None,
+        license=license_text(m.target_dir),
         messages=[dict(m) for m in entry.messages] or None,
         draft=DraftInfo(entry.draft, str(m.draft_dir)) if entry.draft else None,
         unavailable=unavailable,

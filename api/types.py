@@ -210,6 +210,7 @@ class ShowResponse(msgspec.Struct, omit_defaults=True):
     capabilities: list[str]
     modified_at: str
     system: str | None = None
+    license: str | None = None  # the model directory's license file
     messages: list[dict[str, str]] | None = None  # the MESSAGE lines a chat starts with
     draft: DraftInfo | None = None  # mlxd's: the pairing's draft model
     unavailable: str | None = None

@@ -279,22 +279,17 @@ def _loaded(client: Client, model: str) -> bool:
     return any(m.get("name", "").lower() in names for m in client.get("/api/ps")["models"])
 
 
+SHOW_FIELDS = ("license", "modelfile", "parameters", "system", "template")  # `show --FIELD`
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     client = _client()
     ensure_daemon(client)
     info = client.post("/api/show", {"model": args.model})
-    if args.modelfile:
-        print(info.get("modelfile", ""))
-        return 0
-    if args.parameters:
-        print(info.get("parameters", ""))
-        return 0
-    if args.template:
-        print(info.get("template", ""))
-        return 0
-    if args.system:
-        print(info.get("system", ""))
-        return 0
+    for field in SHOW_FIELDS:
+        if getattr(args, field):
+            print(info.get(field) or "")
+            return 0
     show_info(info)
     return 0
 
@@ -727,8 +722,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("show", help="show a model's details")
     p.add_argument("model")
-    for flag in ("modelfile", "parameters", "template", "system"):
-        p.add_argument(f"--{flag}", action="store_true")
+    for field in SHOW_FIELDS:
+        p.add_argument(f"--{field}", action="store_true", help=f"show the model's {field}")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("ps", help="list running models")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -167,6 +168,23 @@ def test_show_flags(server: RunningServer, flag: str, expected: str) -> None:
     result = mlxd(["show", flag, "sys"], server.port)
     assert result.returncode == 0, err(result)
     assert expected in out(result)
+
+
+def test_show_license(tiny_pair: TinyPair, tmp_path: Path) -> None:
+    """`show --license` prints the model directory's license file; nothing without one."""
+    model = tmp_path / "licensed"
+    shutil.copytree(tiny_pair.target, model)
+    (model / "LICENSE").write_text("Apache License 2.0\n", encoding="utf-8")
+    path = tmp_path / "models.yaml"
+    path.write_text(
+        f"models:\n  licensed:\n    target: {model}\n  tiny:\n    target: {tiny_pair.target}\n",
+        encoding="utf-8",
+    )
+    with ServerThread(path) as srv:
+        result = mlxd(["show", "licensed", "--license"], srv.port)
+        assert result.returncode == 0 and out(result) == "Apache License 2.0\n", err(result)
+        result = mlxd(["show", "--license", "tiny"], srv.port)
+        assert result.returncode == 0 and out(result) == "\n"
 
 
 def test_show_unknown_model(server: RunningServer) -> None:
