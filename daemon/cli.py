@@ -191,6 +191,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     statuses = _registry_statuses(client)
     rows = [["NAME", "ID", "SIZE", "MODIFIED", "STATUS"]]
     listed = set()
+    prefix = (args.prefix or "").lower()  # `ollama list PREFIX`: names that start with it
+    models = [m for m in models if m["name"].lower().startswith(prefix)]
+    statuses = {n: e for n, e in statuses.items() if n.lower().startswith(prefix)}
     for m in models:
         listed.add(m["name"])
         status = f"unavailable: {m['unavailable']}" if m.get("unavailable") else "ok"
@@ -715,6 +718,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("list", aliases=["ls"], help="list models")
+    p.add_argument("prefix", nargs="?", help="only models whose name starts with this")
     p.add_argument(
         "--pulled", action="store_true", help="only pulled models (leave out registered ones)"
     )

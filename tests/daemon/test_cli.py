@@ -127,6 +127,13 @@ def test_ls_alias(server: RunningServer) -> None:
     assert "tiny:latest" in out(result)
 
 
+def test_list_a_prefix(server: RunningServer) -> None:
+    """As `ollama list PREFIX`: only the names that start with it (case aside)."""
+    names = [line.split()[0] for line in out(mlxd(["list", "PA"], server.port)).splitlines()[1:]]
+    assert names and all(n.startswith("pa") for n in names)
+    assert len(out(mlxd(["list"], server.port)).splitlines()) > len(names) + 1
+
+
 def test_show(server: RunningServer) -> None:
     result = mlxd(["show", "tiny"], server.port)
     assert result.returncode == 0, err(result)
