@@ -74,8 +74,30 @@ def parameters_text(session: Session, shown: str) -> str:
     return "\n".join(lines).rstrip("\n")
 
 
+def _without(modelfile: str, params: set[str], system: bool) -> list[str]:
+    """The model's Modelfile lines less the PARAMETERs named in `params` and, with `system`,
+    its SYSTEM statement (which may span lines)."""
+    out: list[str] = []
+    in_system = False
+    for line in modelfile.rstrip("\n").splitlines():
+        if in_system:
+            in_system = not line.endswith('"""')
+            continue
+        if system and line.startswith("SYSTEM "):
+            rest = line[len("SYSTEM ") :]
+            in_system = rest.startswith('"""') and (len(rest) < 6 or not rest.endswith('"""'))
+            continue
+        words = line.split()
+        if len(words) >= 2 and words[0] == "PARAMETER" and words[1] in params:
+            continue
+        out.append(line)
+    return out
+
+
 def modelfile_text(session: Session, shown: str) -> str:
-    lines = [shown.rstrip("\n")]
+    """The model's Modelfile with the session's settings in place of the model's own, as
+    Ollama's `/show modelfile` merges them."""
+    lines = _without(shown, set(session.options), bool(session.system))
     if session.system:
         lines.append(f'SYSTEM """{session.system}"""')
     for key, value in session.options.items():
