@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Mapping
@@ -34,11 +35,17 @@ def parse_host(value: str | None) -> tuple[str, int]:
     if not value:
         return DEFAULT_HOST, DEFAULT_PORT
     text = value.strip()
-    default_port = DEFAULT_PORT
-    if "://" in text:
-        scheme = text.split("://", 1)[0].lower()
-        default_port = {"http": 80, "https": 443}.get(scheme, DEFAULT_PORT)
-    else:
+    scheme, sep, rest = text.partition("://")
+    default_port = (
+        {"http": 80, "https": 443}.get(scheme.lower(), DEFAULT_PORT) if sep else DEFAULT_PORT
+    )
+    address = (rest if sep else text).split("/", 1)[0]
+    if address.count(":") > 1 and not address.startswith("["):  # a bare IPv6 address (`::1`)
+        try:
+            return str(ipaddress.IPv6Address(address)), default_port
+        except ValueError as exc:
+            raise ConfigError(f"invalid host {value!r}: {exc}") from exc
+    if not sep:
         text = "http://" + text
     try:
         parts = urlsplit(text)

@@ -28,13 +28,16 @@ from mlxd.daemon.config import DEFAULT_PORT, ConfigError, Settings, client_base_
         ("[::1]:5000", ("::1", 5000)),
         ("http://[::1]", ("::1", 80)),
         ("  localhost:7000  ", ("localhost", 7000)),
+        ("::1", ("::1", 11434)),  # a bare IPv6 address, as Ollama takes it
+        ("::", ("::", 11434)),
+        ("http://::1", ("::1", 80)),
     ],
 )
 def test_parse_host(value: str | None, expected: tuple[str, int]) -> None:
     assert parse_host(value) == expected
 
 
-@pytest.mark.parametrize("value", ["example.com:notaport", "example.com:99999"])
+@pytest.mark.parametrize("value", ["example.com:notaport", "example.com:99999", "fe80::1::2"])
 def test_parse_host_bad_port(value: str) -> None:
     with pytest.raises(ConfigError):
         parse_host(value)
