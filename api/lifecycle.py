@@ -56,14 +56,20 @@ def _local(entry: ModelEntry) -> LocalModel | None:
 
 
 def ps_entry(
-    status: ModelStatus, local: LocalModel | None, now: datetime, on_gpu: bool = True
+    status: ModelStatus,
+    local: LocalModel | None,
+    now: datetime,
+    on_gpu: bool = True,
+    name: str | None = None,
 ) -> RunningModel:
     """`size_vram` is what the accelerator holds: all of it on a GPU (MLX's memory is
-    unified), none on a CPU-only host (`ollama ps` then prints 100% CPU)."""
+    unified), none on a CPU-only host (`ollama ps` then prints 100% CPU). `name`: which of
+    the entries it serves, the row's name (default: the one it was loaded for)."""
     size = status.need.total
+    name = name or status.entry.name
     return RunningModel(
-        name=status.entry.name,
-        model=status.entry.name,
+        name=name,
+        model=name,
         size=size,
         size_vram=size if on_gpu else 0,
         digest=local.digest if local is not None else "",
@@ -80,7 +86,10 @@ async def ps(request: Request) -> Response:
     locals_ = await run_in_threadpool(lambda: [_local(s.entry) for s in statuses])
     now = datetime.now(timezone.utc)
     on_gpu = manager.backend.device == "gpu"
-    models = [ps_entry(s, local, now, on_gpu) for s, local in zip(statuses, locals_, strict=True)]
+    models = [
+        ps_entry(s, local, now, on_gpu, s.names[0] if s.names else None)
+        for s, local in zip(statuses, locals_, strict=True)
+    ]  # a base several entries share (adapters) is one row: its memory counted once
     return json_response(PsResponse(models))
 
 

@@ -284,7 +284,8 @@ class Resident:
     abandoned: bool = False  # its runner got stuck in a step: out of service and accounts
     evicted: bool = False  # retired while busy to make room: what a waiting load waits for
     timer: asyncio.TimerHandle | None = None
-    names: set[str] = field(default_factory=set)  # entries served on this base
+    # entries served on this base, the most recently used last
+    names: dict[str, None] = field(default_factory=dict)
     key: tuple[object, ...] = ()  # where the manager keeps it (`_key_for`)
 
     @property
@@ -332,6 +333,15 @@ class ModelStatus:
     loading: bool
     stopping: bool
     ranks: tuple[str, ...] = ()  # a distributed target's ranks (and why its group ended)
+    names: tuple[str, ...] = ()  # the entries it serves now (adapter entries share a base)
+
+
+def _served(model: Resident) -> tuple[str, ...]:
+    """The entries `model` serves: the one it was loaded for first while it still does (an
+    entry deleted since is served no more), else the most recently used."""
+    first = (model.entry.name,) if model.entry.name in model.names else ()
+    rest = tuple(n for n in reversed(model.names) if n not in first)
+    return first + rest or (model.entry.name,)
 
 
 def _status(model: Resident, now: float) -> ModelStatus:
@@ -351,6 +361,7 @@ def _status(model: Resident, now: float) -> ModelStatus:
         loading=model.loading,
         stopping=model.retired or (model.users > 0 and model.keep_alive <= 0),
         ranks=_ranks(model),
+        names=_served(model),
     )
 
 
@@ -521,7 +532,8 @@ class ModelManager:
             else:
                 lease = await self._load(entry, keep_alive, ticket)
             lease.entry = lease.entry or entry
-            lease.model.names.add(lease.entry.name)
+            lease.model.names.pop(lease.entry.name, None)
+            lease.model.names[lease.entry.name] = None
         except BaseException:
             ticket.start()
             raise
@@ -866,7 +878,7 @@ class ModelManager:
         found = [m for m in self._loaded.values() if m.entry.name == name or name in m.names]
         forget_loss(name)  # a lost distributed group is tried afresh on the next load
         for model in found:
-            model.names.discard(name)
+            model.names.pop(name, None)
             if shared and model.names:
                 continue
             model.keep_alive = 0

@@ -119,6 +119,26 @@ def test_removing_or_moving_entries_keeps_the_base_the_others_use(
     assert loads(thread) == 1
 
 
+def test_ps_names_an_entry_the_base_still_serves(
+    served: tuple[RunningServer, ServerThread],
+) -> None:
+    """One row for the shared base (its memory once), named by the entry it was loaded for
+    while that one is served, else by the one used last: never by a removed entry."""
+    server, _ = served
+    answer(server, "coder-sql")
+    answer(server, "coder")
+
+    def ps() -> list[str]:
+        return [m["name"] for m in httpx.get(f"{server.base_url}/api/ps").json()["models"]]
+
+    assert ps() == ["coder-sql:latest"]
+    text = server.registry.read_text(encoding="utf-8")
+    head, rest = text.split("  coder-sql:")
+    server.registry.write_text(head + "  coder-tests:" + rest.split("  coder-tests:")[1])
+    assert wait_for(lambda: "coder-sql:latest" not in tags(server))
+    assert ps() == ["coder:latest"]
+
+
 def test_ollama_client_create_blob_then_create_then_generate(
     served: tuple[RunningServer, ServerThread], adapters: Adapters
 ) -> None:
