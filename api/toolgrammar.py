@@ -23,7 +23,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlxd.api.chatformat import HERMES, JSON, LLAMA3, MISTRAL, ChatFormat
-from mlxd.engine.grammar import ANY_OBJECT, JSON_LAYOUT, GrammarSpec, closed
+from mlxd.engine.grammar import (
+    ANY_OBJECT,
+    JSON_LAYOUT,
+    GrammarError,
+    GrammarSpec,
+    closed,
+    validate,
+)
 
 AUTO, REQUIRED = "auto", "required"
 TEXT = "TEXT: /(.|\\n)*/"
@@ -41,11 +48,26 @@ def _token(tokenizer: Any, text: str) -> str:
     return f"<[{token}]>" if token is not None else json.dumps(text)
 
 
+def with_layout(schema: dict[str, Any]) -> str:
+    """`schema`'s JSON with mlxd's layout, under any `x-guidance` options it sets itself."""
+    own = schema.get("x-guidance")
+    return json.dumps(
+        {**schema, "x-guidance": {**JSON_LAYOUT, **(own if isinstance(own, dict) else {})}}
+    )
+
+
 def _schema(tool: dict[str, Any]) -> str:
+    """The tool's parameters as its call's arguments must match them; a schema llguidance
+    cannot compile (`uniqueItems`, `not`) leaves that tool's arguments any JSON object, as
+    Ollama constrains none: one tool's schema never refuses the request."""
     params = tool["function"].get("parameters")
     if not isinstance(params, dict) or not params:
         params = {"type": "object"}
-    return json.dumps({**closed(params), "x-guidance": JSON_LAYOUT})
+    try:
+        validate(GrammarSpec.schema(params))
+    except GrammarError:
+        params = json.loads(ANY_OBJECT)
+    return with_layout(closed(params))
 
 
 def _body(tool: dict[str, Any], key: str) -> str:
@@ -81,8 +103,7 @@ def after_thinking(
     model would never think). Other grammars, and replies without thinking: `spec`."""
     if not thinking or fmt.think is None or spec.kind not in ("json", "json_schema"):
         return spec
-    schema = json.loads(ANY_OBJECT if spec.kind == "json" else spec.source)
-    body = json.dumps({**schema, "x-guidance": JSON_LAYOUT})
+    body = with_layout(json.loads(ANY_OBJECT if spec.kind == "json" else spec.source))
     prefix, rules = _think(fmt, tokenizer, opens_thinking)
     lines = ["%llguidance {}", f"start: {prefix}{WS} %json {body}", *rules, TEXT]
     return GrammarSpec("lark", "\n".join(lines))

@@ -66,9 +66,9 @@ class GrammarSpec:
 
     @staticmethod
     def schema(schema: Any) -> GrammarSpec:
-        """A json_schema spec from a schema object (its JSON text, keys in a stable order),
-        objects with listed properties closed (`closed`)."""
-        return GrammarSpec("json_schema", json.dumps(closed(schema), sort_keys=True))
+        """A json_schema spec from a schema object (its JSON text, keys in the order the
+        schema declares them: the order the output writes them in), as `closed` reads it."""
+        return GrammarSpec("json_schema", json.dumps(closed(schema)))
 
     def llguidance_grammar(self) -> str:
         """The grammar in llguidance's own serialized form (GrammarError when malformed)."""
@@ -92,29 +92,70 @@ _SCHEMA_ONE = (
 )  # fmt: skip
 
 
-def closed(schema: Any) -> Any:
-    """`schema` with every object that lists `properties` but says nothing of
-    `additionalProperties` closed to those properties, as Ollama's (llama.cpp's) schema
-    grammars and OpenAI's strict mode read a schema: `format=Model.model_json_schema()` gets
-    the model's fields, not the extra keys JSON Schema's open default would let a model add.
-    Only subschemas are visited (never `enum`, `const` or `default` values)."""
+# the `format`s llguidance (1.9) constrains; others are annotations, as JSON Schema has them
+KNOWN_FORMATS = frozenset(
+    ("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri")
+)
+
+
+def _merged_refs(schema: Any) -> set[str]:
+    """The `$ref`s that stand as `allOf` parts anywhere in `schema`: definitions an object
+    takes keys from (Pydantic's inheritance), which must stay open."""
+    found: set[str] = set()
+    if isinstance(schema, dict):
+        parts = schema.get("allOf")
+        for part in parts if isinstance(parts, list) else ():
+            if isinstance(part, dict) and isinstance(part.get("$ref"), str):
+                found.add(part["$ref"])
+        for value in schema.values():
+            found |= _merged_refs(value)
+    elif isinstance(schema, list):
+        for value in schema:
+            found |= _merged_refs(value)
+    return found
+
+
+def closed(schema: Any, close: bool = True, _open: set[str] | None = None) -> Any:
+    """`schema` as mlxd constrains it: every object that lists `properties` but says nothing
+    of `additionalProperties` closed to those properties, as Ollama's (llama.cpp's) schema
+    grammars and OpenAI's strict mode read a schema (`format=Model.model_json_schema()` gets
+    the model's fields, not the extra keys JSON Schema's open default would let a model add);
+    and a `format` llguidance does not know left as the annotation it is (Pydantic's `path`,
+    `password`; `uri-reference`). An object whose keys come from several places (`allOf`,
+    branches adding keys, a `required` name it does not list) stays open, and so do the
+    branches it merges. Only subschemas are visited (never `enum`, `const` or `default`)."""
     if not isinstance(schema, dict):
         return schema
+    opened = _merged_refs(schema) if _open is None else _open
     out = dict(schema)
+    props = out.get("properties")
+    # allOf's parts are one object's; anyOf/oneOf's branches add keys to listed properties
+    # (else they are alternatives, each closed)
+    merged = {"allOf"} | ({"anyOf", "oneOf"} if isinstance(props, dict) else set())
+    merges = any(isinstance(out.get(key), list) for key in merged)
     for key in _SCHEMA_MAPS:
         if isinstance(out.get(key), dict):
-            out[key] = {name: closed(sub) for name, sub in out[key].items()}
+            out[key] = {
+                name: closed(sub, f"#/{key}/{name}" not in opened, opened)
+                for name, sub in out[key].items()
+            }
     for key in _SCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [closed(sub) for sub in out[key]]
+            out[key] = [closed(sub, key not in merged, opened) for sub in out[key]]
     for key in _SCHEMA_ONE:
         if key in out:
             out[key] = (
-                [closed(sub) for sub in out[key]]
+                [closed(sub, True, opened) for sub in out[key]]
                 if isinstance(out[key], list)
-                else closed(out[key])
+                else closed(out[key], True, opened)
             )
-    if isinstance(out.get("properties"), dict) and "additionalProperties" not in out:
+    if isinstance(out.get("format"), str) and out["format"] not in KNOWN_FORMATS:
+        del out["format"]
+    listed = set(props) if isinstance(props, dict) else set()
+    required = out.get("required")
+    unlisted = isinstance(required, list) and not set(map(str, required)) <= listed
+    open_keys = merges or unlisted or "additionalProperties" in out
+    if close and isinstance(props, dict) and not open_keys:
         out["additionalProperties"] = False
     return out
 

@@ -408,6 +408,52 @@ def test_closed_touches_subschemas_only() -> None:
     assert "additionalProperties" not in schema  # the caller's schema is left alone
 
 
+def test_the_output_writes_keys_in_the_schemas_order(loaded: Loaded) -> None:
+    """As Ollama and OpenAI write them: a `reasoning` field declared before `answer` comes
+    first."""
+    spec = GrammarSpec.schema({
+        "type": "object",
+        "properties": {"reasoning": {"type": "string"}, "answer": {"type": "integer"}},
+        "required": ["reasoning", "answer"],
+    })  # fmt: skip
+    forced = loaded.tokenizer.decode(matcher(loaded, spec).forced())
+    assert forced.startswith('{"reasoning": ')
+
+
+BASE = {"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]}
+NAMED = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"allOf": [BASE, NAMED]},
+        {**NAMED, "required": ["name", "id"], "allOf": [{"$ref": "#/$defs/Base"}],
+         "$defs": {"Base": BASE}},  # Pydantic's inheritance
+        {**NAMED, "anyOf": [BASE, {"type": "object", "properties": {"n": {"type": "number"}}}]},
+        {**NAMED, "required": ["name", "id"]},  # a required key it does not list
+    ],
+)  # fmt: skip
+def test_objects_taking_keys_from_several_places_stay_open(schema: dict[str, Any]) -> None:
+    validate(GrammarSpec.schema(schema))  # satisfiable as written: never refused
+    doc = {"name": "x", "id": 1}
+    jsonschema.validate(doc, closed(schema))
+
+
+def test_alternatives_are_each_closed() -> None:
+    """`Optional[Model]`: the object branch is the model's fields, nothing more."""
+    out = closed({"anyOf": [BASE, {"type": "null"}]})
+    assert out["anyOf"][0]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("fmt", ["path", "password", "uri-reference", "json-string", "binary"])
+def test_a_format_llguidance_does_not_know_is_an_annotation(fmt: str) -> None:
+    schema = {"type": "object", "properties": {"p": {"type": "string", "format": fmt}}}
+    validate(GrammarSpec.schema(schema))
+    kept = closed({"type": "string", "format": "date"})
+    assert kept["format"] == "date"
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [

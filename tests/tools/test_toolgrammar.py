@@ -3,6 +3,7 @@ token; text where a call must be, an undeclared tool or arguments off the schema
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 from mlx_lm import load
 
 from mlxd.api.chatformat import chat_format
-from mlxd.api.toolgrammar import AUTO, REQUIRED, tool_grammar
+from mlxd.api.toolgrammar import AUTO, REQUIRED, tool_grammar, with_layout
 from mlxd.engine.grammar import Matcher
 from tests.fixtures.scripted_models import build_scripted
 from tests.tools.conftest import CITY, MODELS, WEATHER
@@ -60,3 +61,23 @@ def test_what_the_grammar_refuses(tmp_path: Path, text: str, choice: str) -> Non
     m, tok = matcher(path, choice, [CITY])
     ids = tok.encode(text, add_special_tokens=False)
     assert masked_walk(m, ids) < len(ids)
+
+
+def test_a_tool_whose_schema_cannot_be_compiled_takes_any_arguments(tmp_path: Path) -> None:
+    """`uniqueItems` (MCP tools carry such keywords): the request is not refused, that tool's
+    arguments are any JSON object, the others' still held to their schemas."""
+    tags = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}},
+    }}}  # fmt: skip
+    family, script = MODELS["qwen25-tools"]
+    path = build_scripted(tmp_path / "m", family, script)
+    m, tok = matcher(path, AUTO, [tags])
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    ids = tok.encode(text, add_special_tokens=False)
+    assert masked_walk(m, ids) == len(ids)
+
+
+def test_a_schemas_own_layout_wins() -> None:
+    body = json.loads(with_layout({"type": "object", "x-guidance": {"key_separator": ":"}}))
+    assert body["x-guidance"]["key_separator"] == ":"
+    assert body["x-guidance"]["item_separator"] == ", "
