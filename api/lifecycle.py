@@ -77,6 +77,7 @@ def ps_entry(
         expires_at=expires_at(status, now),
         context_length=status.need.context,
         ranks=list(status.ranks) or None,
+        serves=list(status.names) if len(status.names) > 1 else None,
     )
 
 

@@ -217,7 +217,8 @@ class ShowResponse(msgspec.Struct, omit_defaults=True):
 
 
 class RunningModel(msgspec.Struct, omit_defaults=True):
-    """One model of /api/ps; `ranks` (mlxd's) for a target sharded over several processes."""
+    """One model of /api/ps; `ranks` (mlxd's) for a target sharded over several processes;
+    `serves` (mlxd's) every entry a base shared by several (adapter entries) serves now."""
 
     name: str
     model: str
@@ -228,6 +229,7 @@ class RunningModel(msgspec.Struct, omit_defaults=True):
     expires_at: str
     context_length: int
     ranks: list[str] | None = None
+    serves: list[str] | None = None
 
 
 class PsResponse(msgspec.Struct):

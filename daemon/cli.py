@@ -274,12 +274,16 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def _loaded(client: Client, model: str) -> bool:
-    """Whether /api/ps lists `model`, by its name or the hub name a pull of it registered."""
+    """Whether /api/ps lists `model` (by its name or the hub name a pull of it registered),
+    as a model or as an entry a shared base serves."""
     try:
         names = {parse_name(model).display.lower(), (_hub_name(model) or "").lower()}
     except InvalidModelName:
         names = {model.lower()}
-    return any(m.get("name", "").lower() in names for m in client.get("/api/ps")["models"])
+    return any(
+        {n.lower() for n in [m.get("name", ""), *(m.get("serves") or [])]} & names
+        for m in client.get("/api/ps")["models"]
+    )
 
 
 SHOW_FIELDS = ("license", "modelfile", "parameters", "system", "template")  # `show --FIELD`

@@ -132,11 +132,18 @@ def test_ps_names_an_entry_the_base_still_serves(
         return [m["name"] for m in httpx.get(f"{server.base_url}/api/ps").json()["models"]]
 
     assert ps() == ["coder-sql:latest"]
+    row = httpx.get(f"{server.base_url}/api/ps").json()["models"][0]
+    assert row["serves"] == ["coder-sql:latest", "coder:latest"]
     text = server.registry.read_text(encoding="utf-8")
     head, rest = text.split("  coder-sql:")
     server.registry.write_text(head + "  coder-tests:" + rest.split("  coder-tests:")[1])
     assert wait_for(lambda: "coder-sql:latest" not in tags(server))
     assert ps() == ["coder:latest"]
+    assert "not loaded" in cli(["stop", "coder-tests"], server).stderr  # never used on it
+    answer(server, "coder-tests")
+    stop = cli(["stop", "coder-tests"], server)  # served by the base ps lists as coder
+    assert stop.returncode == 0 and "not loaded" not in stop.stderr, stop.stderr
+    assert wait_for(lambda: not ps())
 
 
 def test_ollama_client_create_blob_then_create_then_generate(
