@@ -17,7 +17,7 @@ from typing import Protocol
 from mlxd.api.errors import GenerationFailed, GenerationRefused, message_of
 from mlxd.engine.events import Done, Failed, GenerationRequest, TextChunk
 from mlxd.engine.logprobs import Logprob
-from mlxd.engine.manager import Loaded, ModelManager
+from mlxd.engine.manager import Loaded, ModelManager, ServerClosing
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ class Answer:
 
 async def collect(manager: ModelManager, slot: Loaded, gen: GenerationRequest) -> Answer:
     """Run the generation to its end; an engine failure is a GenerationFailed (500), one the
-    request's own input caused a GenerationRefused (400). Cancelled (the client left), the
-    engine's row ends too."""
+    request's own input caused a GenerationRefused (400), the daemon stopping ServerClosing
+    (503). Cancelled (the client left), the engine's row ends too."""
     parts: list[str] = []
     logprobs: list[Logprob] = []
     try:
@@ -83,6 +83,8 @@ async def collect(manager: ModelManager, slot: Loaded, gen: GenerationRequest) -
                 parts.append(event.text)
                 logprobs += event.logprobs
             elif isinstance(event, Failed):
+                if event.closing:
+                    raise ServerClosing()  # 503, as a request still waiting is answered
                 raise (GenerationRefused if event.by_request else GenerationFailed)(event.message)
             elif isinstance(event, Done):
                 return Answer("".join(parts), event, tuple(logprobs))

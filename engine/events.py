@@ -71,6 +71,7 @@ class Done:
 class Failed:
     message: str
     by_request: bool = False  # the request's own input ended it (its grammar failed)
+    closing: bool = False  # the daemon is stopping: no fault of the engine's or the request's
 
 
 Event = TextChunk | Done | Failed

@@ -544,6 +544,9 @@ class ModelManager:
             if isinstance(exc, Exception) and not isinstance(exc, ModelUnavailable):
                 raise ModelUnavailable(str(exc) or type(exc).__name__) from exc
             raise
+        if self._closing:  # told to stop while it waited: refused, as one arriving now is
+            self.release(lease)
+            raise ServerClosing()
         return lease, time.perf_counter() - t0
 
     def _check_group(self, entry: ModelEntry) -> None:

@@ -244,7 +244,7 @@ class PairingRunner:
             callers = list(self._callers.values())
         for loop, events in callers:
             with contextlib.suppress(RuntimeError):  # that caller's loop is gone
-                loop.call_soon_threadsafe(events.put_nowait, Failed(message))
+                loop.call_soon_threadsafe(events.put_nowait, Failed(message, closing=True))
         return len(callers)
 
     @property

@@ -12,6 +12,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -219,3 +220,43 @@ def test_an_embedding_forward_stops_when_its_client_leaves(registry: Path) -> No
         leave_early(base, "/api/embed", many)
         r = httpx.post(f"{base}/api/embed", json={"model": "embedder", "input": "hi"}, timeout=10)
         assert r.status_code == 200 and r.json()["embeddings"][0] == warm.json()["embeddings"][0]
+
+
+def test_told_to_stop_a_non_streamed_generation_and_a_load_waiter_get_503(
+    registry: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The daemon stopping is no fault of the engine's: a non-streamed request it ends gets
+    the 503 a waiting one gets, and a request whose model finishes loading after the stop is
+    refused before it generates."""
+    from mlxd.engine import runner
+
+    server = ServerThread(registry, num_parallel=1)
+    with server as srv:
+        base = srv.base_url
+        long = {"model": "slow", "prompt": "hello", "stream": False, "options": LONG}
+        thread = threading.Thread(
+            target=lambda: got.append(httpx.post(f"{base}/api/generate", json=long, timeout=120))
+        )
+        got: list[httpx.Response] = []
+        thread.start()
+        assert wait_for(lambda: running(base) == 1, 60)
+
+        loading, finish = threading.Event(), threading.Event()
+        real = runner.load_pairing
+
+        def held(*args: Any, **kwargs: Any) -> Any:
+            loading.set()
+            finish.wait(60)
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(runner, "load_pairing", held)
+        waiter, waited = in_background(base, "other")
+        assert loading.wait(60)
+        server.state.stop_serving()
+        finish.set()
+        thread.join(60)
+        waiter.join(60)
+        assert got[0].status_code == 503, got[0].text
+        assert got[0].json() == {"error": "mlxd is shutting down"}
+        assert waited[0].status_code == 503, waited[0].text
+        assert running(base) == 0
