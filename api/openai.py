@@ -544,7 +544,12 @@ async def list_models(request: Request) -> Response:
     found = await run_in_threadpool(
         lambda: [m for m in (find_local(e) for e in state.registry().entries()) if m]
     )
-    found = [m for m in found if m.problem is None]  # OpenAI's list has no field to say why
+
+    def serves(m: LocalModel) -> bool:  # OpenAI's list has no field to say why one cannot
+        probed = state.manager.probe_result(m.entry)
+        return m.problem is None and (probed is None or probed.ok)
+
+    found = [m for m in found if serves(m)]
     found.sort(key=lambda m: m.modified_at, reverse=True)
     return json_response(ModelList("list", [_model_card(m, m.entry.name) for m in found]))
 

@@ -177,9 +177,12 @@ def create_model(
                 adapters.append(str(path.resolve()))
             for adapter in adapters:
                 try:
-                    check_fits(read_adapter(Path(adapter)), target)
+                    info = read_adapter(Path(adapter))
+                    check_fits(info, target)
                 except AdapterFileError as exc:
                     raise CreateError(str(exc)) from None
+                if info.dora and len(adapters) > 1:  # as a registry entry is refused
+                    raise CreateError(f"adapter {adapter}: DoRA adapters cannot be combined")
         except BaseException:
             for path, new in made:  # an adapter directory nobody will register
                 if new:

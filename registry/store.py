@@ -304,6 +304,18 @@ def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
             or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape)
         ):
             raise ModelFilesError(f"{path} is corrupt: bad entry for tensor {name!r}")
+        offsets = info.get("data_offsets")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1]
+        ):
+            raise ModelFilesError(f"{path} is corrupt: bad data offsets for tensor {name!r}")
+        if 8 + length + offsets[1] > size:  # a file cut short (a copy or download cut)
+            raise ModelFilesError(
+                f"{path} is truncated: tensor {name!r} ends past the end of the file"
+            )
         tensors[name] = info
     return tensors
 

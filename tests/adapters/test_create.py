@@ -271,6 +271,9 @@ def test_bad_input_is_refused_and_nothing_is_registered(
     }
     corrupt = tmp_path / "adapters.safetensors"
     corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    cut = tmp_path / "cut" / "adapters.safetensors"  # a copy cut short: its header is whole
+    cut.parent.mkdir()
+    cut.write_bytes((adapters.sql / "adapters.safetensors").read_bytes()[:-100])
     cases = [
         ({"from": "nope"}, 404, "model 'nope' not found"),
         ({}, 400, "neither 'from' or 'files' was specified"),
@@ -287,6 +290,22 @@ def test_bad_input_is_refused_and_nothing_is_registered(
             },
             400,
             "corrupt",
+        ),
+        (
+            {
+                "from": "coder",
+                "adapters": {
+                    "adapter_config.json": digest,
+                    "adapters.safetensors": c.create_blob(cut),
+                },
+            },
+            400,
+            "truncated",
+        ),
+        (
+            {"modelfile": f"FROM coder\nADAPTER {adapters.dora}\nADAPTER {adapters.sql}\n"},
+            400,
+            "DoRA adapters cannot be combined",
         ),
         ({"from": "coder", "parameters": {"temprature": 1}}, 400, "unknown parameter"),
         ({"modelfile": "FROM coder\nADAPTER /no/such/dir\n"}, 400, "not a directory"),
