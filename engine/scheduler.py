@@ -23,7 +23,13 @@ import mlx.core as mx
 from mlxd.engine.adapters import AdaptedModel, selecting
 from mlxd.engine.attention import warming
 from mlxd.engine.batch import RowBatch, round_widths, warm_accepts, warm_rounds
-from mlxd.engine.cache_use import namespace_for, offer_final, offer_prompt, restore
+from mlxd.engine.cache_use import (
+    namespace_for,
+    offer_caches,
+    offer_final,
+    offer_prompt,
+    restore,
+)
 from mlxd.engine.draftbatch import warm_drafts
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Failed
@@ -345,6 +351,7 @@ class Scheduler:
         """One step's prompt reading; returns the rows read to their last token."""
         for p in [p for p in self.prefilling if p.row.cancelled]:
             self.prefilling.remove(p)
+            self._offer_read(p)
             p.row.stream.finish("cancel")
             self._close(p.row)
         alone = not self.rows and len(self.prefilling) == 1
@@ -371,6 +378,20 @@ class Scheduler:
                 continue
             joining.append(p.row)
         return joining
+
+    def _offer_read(self, p: Prefilling) -> None:
+        """A prompt cancelled while it was read offers what was read: an editor that cancels
+        sends the same prefix again (as Ollama's runner keeps a cancelled sequence's tokens).
+        A quantizing row (`kv_bits`) offers a prompt only whole; a failure is a miss."""
+        if self.prefix is None or not p.fed or p.row.ns.kv:
+            return
+        try:
+            offer_caches(
+                self.prefix, p.row.ns, p.cache, p.fed,
+                recompute_rate=self.pairing.costs.recompute_rate,
+            )  # fmt: skip
+        except Exception:
+            log.exception("prefix cache: offering a cancelled prompt failed")
 
     def _row_group(self) -> list[Prefilling]:
         """The leading waiting prompts that one batched forward can read whole within a step's

@@ -244,3 +244,38 @@ def test_prompts_shorter_than_a_block_are_all_restored_when_sent_again(pairing: 
     assert _cached(first) == [0] * len(prompts)
     again = _run(pairing, cache, [], [GenerationRequest(p, opts) for p in prompts])
     assert _cached(again) == [len(p) - 1 for p in prompts]
+
+
+class _CancelMidPrompt(Scheduler):
+    """Cancels `request` once part of its prompt is read (a decoding row makes it read a
+    chunk a step)."""
+
+    def __init__(self, request: GenerationRequest, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.request = request
+        self.read = 0
+
+    def _read_prompts(self) -> list[Any]:
+        joining = super()._read_prompts()
+        for p in self.prefilling:
+            if p.row.request is self.request and p.fed and p.todo:
+                self.read = len(p.fed)
+                self.request.cancel.set()
+        return joining
+
+
+def test_a_prompt_cancelled_while_read_offers_what_was_read(pairing: Pairing) -> None:
+    cache = PrefixCache(64 << 20, block=16)
+    busy = parse_options({"temperature": 0, "num_predict": 40, "draft_method": "off"})
+    opts = parse_options({"temperature": 0, "num_predict": 4, "draft_method": "off"})
+    long = [5 + i % 90 for i in range(700)]
+    request = GenerationRequest(long, opts)
+    jobs: queue.Queue[Job | None] = queue.Queue()
+    jobs.put(Job(GenerationRequest(PROMPT[:20], busy), lambda e: None, lambda: None))
+    jobs.put(Job(request, lambda e: None, lambda: None))
+    jobs.put(None)
+    scheduler = _CancelMidPrompt(request, pairing, jobs, cache, num_parallel=4)
+    scheduler.run()
+    assert 0 < scheduler.read < len(long) - 1
+    again = _run(pairing, cache, [], [GenerationRequest(long, opts)])
+    assert _cached(again) == [scheduler.read // 16 * 16]
