@@ -71,6 +71,7 @@ def restore(
     except (ValueError, IndexError) as exc:
         log.warning("prefix cache: unusable entry treated as a miss: %s", exc)
         return None, 0
+    cache.used(found)
     if has_companion(source) and pairing.draft is not None:
         assert source is not None
         revision = pairing.draft_revision if draft_revision is None else draft_revision

@@ -608,8 +608,17 @@ class PrefixCache:
         self, ns: Namespace, tokens: Sequence[int], recompute_rate: float = 0.0
     ) -> list[Block]:
         """The longest run of cached blocks that prefixes `tokens`, ending with the longest
-        cached partial block that continues it."""
-        return [block for _, block in self.lookup_keyed(ns, tokens, recompute_rate)]
+        cached partial block that continues it; counted as used."""
+        found = self.lookup_keyed(ns, tokens, recompute_rate)
+        self.used(found)
+        return [block for _, block in found]
+
+    def used(self, found: Sequence[tuple[str, Block]]) -> None:
+        """Count a hit its caller restores (`hit_tokens`, `restored_bytes`): one it refuses
+        (a quantizing row's partial head, an unusable entry) is no hit."""
+        with self._lock:
+            self.stats.hit_tokens += sum(b.tokens for _, b in found)
+            self.stats.restored_bytes += sum(b.nbytes for _, b in found)
 
     def ssd_pays(self, recompute_rate: float) -> bool:
         """Whether reading K/V back from the SSD beats recomputing it: `recompute_rate` is the
@@ -624,9 +633,9 @@ class PrefixCache:
     def lookup_keyed(
         self, ns: Namespace, tokens: Sequence[int], recompute_rate: float = 0.0
     ) -> list[tuple[str, Block]]:
-        """`lookup`, with each block's key (for its attachments). SSD blocks are used only
-        where reading them beats recomputing them (`ssd_pays`); runs of them are read in
-        parallel."""
+        """`lookup`, with each block's key (for its attachments), not yet counted as a hit
+        (`used`). SSD blocks are used only where reading them beats recomputing them
+        (`ssd_pays`); runs of them are read in parallel."""
         found: list[tuple[str, Block]] = []
         keys = block_keys(tokens, ns, self.block)
         with self._lock:
@@ -663,8 +672,6 @@ class PrefixCache:
             if tail is not None:
                 self.stats.ram_hit_bytes += tail[1].nbytes
                 found.append(tail)
-            self.stats.hit_tokens += sum(b.tokens for _, b in found)
-            self.stats.restored_bytes += sum(b.nbytes for _, b in found)
         return found
 
     def attachments(

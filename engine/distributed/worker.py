@@ -79,6 +79,8 @@ class Replica:
         blocks = [b for _, b in found[:agreed]]
         layers = len(make_prompt_cache(self.model))
         self.caches[sid] = build_caches(blocks, 0, layers, None)
+        if self.prefix is not None:
+            self.prefix.used(found[:agreed])
         return int(self.caches[sid][0].offset)
 
     def apply(self, op: tuple[Any, ...]) -> Any:

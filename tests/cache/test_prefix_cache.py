@@ -305,6 +305,10 @@ def test_warm_equals_cold_with_kv_bits_8(shared: CacheServer, method: str) -> No
     assert warm["response"] == cold["response"]
 
 
+def _hit_tokens(base: str) -> int:
+    return int(httpx.get(f"{base}/api/mlxd/stats").json()["prefix_cache"]["hit_tokens"])
+
+
 def test_a_quantized_kv_row_takes_only_a_hit_of_its_whole_head(
     shared: CacheServer, models: Models, tmp_path: Path
 ) -> None:
@@ -315,9 +319,12 @@ def test_a_quantized_kv_row_takes_only_a_hit_of_its_whole_head(
     base = prompt_text("kv4-extend", words=60)
     first = generate(shared.base_url, "kv", base, **opts)
     longer = base + " " + prompt_text("kv4-tail", 30)
+    hits = _hit_tokens(shared.base_url)
     extended = generate(shared.base_url, "kv", longer, **opts)
+    assert _hit_tokens(shared.base_url) == hits  # the refused hit is no hit in the counts
     again = generate(shared.base_url, "kv", longer, **opts)
     assert extended["prompt_cache_tokens"] == 0 < again["prompt_cache_tokens"]
+    assert _hit_tokens(shared.base_url) == hits + again["prompt_cache_tokens"]
     assert again["response"] == extended["response"]
     with CacheServer(models.registry, tmp_path / "fresh") as cold:  # nothing cached there
         reference = generate(cold.base_url, "kv", longer, **opts)
@@ -700,6 +707,8 @@ def test_draft_attachments_count_as_restored_bytes_per_tier(tmp_path: Path) -> N
             cache.attach(key, "draft-rev", extra)
         found = cache.lookup_keyed(ns, tokens)
         assert len(cache.attachments([k for k, _ in found], "draft-rev")) == len(keys)
+        assert cache.snapshot()["restored_bytes"] == draft  # the blocks: once restored
+        cache.used(found)
         snap = cache.snapshot()
         assert (cache.stats.ram_hit_bytes, cache.stats.ssd_hit_bytes) == (target + draft, 0)
         assert snap["restored_bytes"] == target + draft
