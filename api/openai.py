@@ -63,6 +63,7 @@ from mlxd.api.types import (
     OpenAIErrorDetail,
     OpenAIMessage,
     OpenAIToolCall,
+    PromptTokensDetails,
     TextChoice,
     Usage,
 )
@@ -314,7 +315,8 @@ def _choice_message(reply: Reply) -> ChoiceMessage:
 
 def _usage(done: Done) -> Usage:
     prompt, completion = done.metrics.prompt_eval_count, done.metrics.eval_count
-    return Usage(prompt, completion, prompt + completion)
+    cached = PromptTokensDetails(done.cached_tokens)
+    return Usage(prompt, completion, prompt + completion, cached)
 
 
 @dataclass(frozen=True)

@@ -315,10 +315,15 @@ class CompletionRequest(msgspec.Struct):
 # -- OpenAI: responses --------------------------------------------------------------------------
 
 
-class Usage(msgspec.Struct):
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int  # restored from the prefix cache, as OpenAI reports its own
+
+
+class Usage(msgspec.Struct, omit_defaults=True):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 ZERO_USAGE = Usage(0, 0, 0)

@@ -60,6 +60,17 @@ def test_chat_stream_matches_non_stream(client: openai.OpenAI) -> None:
     assert text == whole.choices[0].message.content
 
 
+def test_usage_reports_the_prompt_tokens_the_cache_restored(client: openai.OpenAI) -> None:
+    """`usage.prompt_tokens_details.cached_tokens`, as OpenAI's prompt caching reports it."""
+    long = [{"role": "user", "content": "Tell me about caching. " * 40}]
+    asked = {"model": "tiny", "messages": long, "max_tokens": 2, "temperature": 0}
+    first = client.chat.completions.create(**asked)  # type: ignore[call-overload]
+    again = client.chat.completions.create(**asked)  # type: ignore[call-overload]
+    assert first.usage is not None and again.usage is not None
+    details = again.usage.prompt_tokens_details
+    assert details is not None and 0 < (details.cached_tokens or 0) < again.usage.prompt_tokens
+
+
 def test_chat_stream_usage_chunk(client: openai.OpenAI) -> None:
     chunks = list(
         client.chat.completions.create(
