@@ -14,8 +14,10 @@ from mlxd.api.chatformat import chat_format
 from mlxd.api.errors import ApiError
 from mlxd.api.tokenizerinfo import tokenizer_info
 from mlxd.api.types import DraftInfo, ModelSummary, ShowResponse
+from mlxd.engine.adapters import AdapterError, locate_adapters
 from mlxd.engine.embedding.spec import spec_from_dir
 from mlxd.engine.prompt import detect_fim, inserts
+from mlxd.registry.adapterfiles import ADAPTER_WEIGHTS, adapter_revision
 from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import ModelDetails, model_digest, model_size, read_details, resolve_local
 
@@ -78,6 +80,21 @@ def _mtime(dirs: list[Path]) -> datetime:
     return datetime.fromtimestamp(seconds, tz=timezone.utc)
 
 
+def _adapters(entry: ModelEntry) -> tuple[str, int]:
+    """The entry's adapters as its ID and size count them, as Ollama counts an adapter layer:
+    their content revision (files and scales; another adapter, another ID) and their
+    weights' bytes. Adapters not on disk yet count by name."""
+    refs = [*entry.adapters, *entry.draft_adapters]
+    if not refs:
+        return "", 0
+    try:
+        paths = locate_adapters(refs)
+        revision = adapter_revision(paths, [r.scale for r in refs])
+        return revision, sum((p / ADAPTER_WEIGHTS).stat().st_size for p in paths)
+    except (AdapterError, OSError):
+        return "|".join(f"{r.ref}:{r.scale}" for r in refs), 0
+
+
 def _read_local(entry: ModelEntry, target: Path, draft: Path | None) -> LocalModel:
     dirs = [target] + ([draft] if draft else [])
     # a model created on a base (its adapters uploaded then) is as new as its adapters
@@ -88,12 +105,15 @@ def _read_local(entry: ModelEntry, target: Path, draft: Path | None) -> LocalMod
     if draft is not None:
         digest = hashlib.sha256(f"{digest}:{model_digest(draft)}".encode()).hexdigest()
         read_details(draft)  # a draft directory that is not a model breaks the pairing
+    revision, adapter_bytes = _adapters(entry)
+    if revision:
+        digest = hashlib.sha256(f"{digest}:{revision}".encode()).hexdigest()
     return LocalModel(
         entry=entry,
         target_dir=target,
         draft_dir=draft,
         details=read_details(target, context_length=_context_length(entry, target)),
-        size=sum(model_size(d) for d in dirs),
+        size=sum(model_size(d) for d in dirs) + adapter_bytes,
         digest=digest,
         modified_at=datetime.fromtimestamp(mtime, tz=timezone.utc),
     )

@@ -83,6 +83,11 @@ def test_entries_on_one_base_load_it_once_and_each_answers_as_its_adapter(
     assert len(thread.state.manager.loaded()) == 1
     ps = httpx.get(f"{server.base_url}/api/ps").json()["models"]
     assert len(ps) == 1
+    # listed as Ollama lists a model with an adapter layer: its own ID, the layer's bytes
+    listed = {m["name"]: m for m in httpx.get(f"{server.base_url}/api/tags").json()["models"]}
+    ids = {listed[f"{n}:latest"]["digest"] for n in ("coder", "coder-sql", "coder-tests")}
+    assert len(ids) == 3
+    assert listed["coder-sql:latest"]["size"] > listed["coder:latest"]["size"]
 
 
 def test_an_adapter_added_by_a_registry_edit_is_served_without_reloading_the_base(
