@@ -7,12 +7,14 @@ context every parallel row may fill, and a fixed allowance for activations and b
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from mlxd.engine.context import row_context
 from mlxd.registry.schema import ModelEntry
@@ -238,6 +240,25 @@ def _physical_memory() -> int:
         return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    try:
+        libc = ctypes.CDLL(None)
+        return cast(Callable[[int], int], libc.malloc_trim)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator gives back
+        return None
+
+
+def return_freed_memory() -> None:
+    """Give the heap's free pages back to the system once a model is gone (glibc's
+    `malloc_trim`): its weights, freed, otherwise stay in the arenas of the threads that held
+    them, and an idle daemon's resident memory grew by about a model's size per load and
+    unload (1.5 GB after 20 cycles of a 121 MB model; 193 MB once trimmed)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def arrays_bytes() -> int:

@@ -26,6 +26,7 @@ import mlx.core as mx
 
 from mlxd.engine.backend import Backend
 from mlxd.engine.events import Done, Event, Failed, GenerationRequest
+from mlxd.engine.memory import return_freed_memory
 from mlxd.engine.pairing import Pairing, close_target, load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.progress import beat_with
@@ -203,6 +204,7 @@ class PairingRunner:
                 close_target(self.pairing.target)
             self.pairing = None
             mx.clear_cache()
+            return_freed_memory()
 
     def _beat(self) -> None:
         self.heartbeat = time.monotonic()

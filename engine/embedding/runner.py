@@ -28,6 +28,7 @@ from mlxd.engine.embedding.model import (
 )
 from mlxd.engine.embedding.pooling import truncate_dimensions
 from mlxd.engine.embedding.spec import EmbeddingSpec
+from mlxd.engine.memory import return_freed_memory
 from mlxd.engine.progress import beat_with
 from mlxd.engine.threads import start_mlx_thread
 from mlxd.registry.schema import ModelEntry
@@ -89,6 +90,7 @@ class EmbeddingRunner:
         finally:
             self.embedder = None
             mx.clear_cache()
+            return_freed_memory()
 
     def _serve(self, embedder: Embedder) -> bool:
         """Embed every job waiting now in shared forwards; False once told to stop."""
