@@ -184,12 +184,15 @@ def offer_caches(
     held = list(tokens[:covered])
     through = cache.ssd_pays(recompute_rate)
     inserted = 0
+    keys = cache.block_keys(ns, held)
+    size = cache.block
     for span in _spans(cache.missing(ns, held)):
-        blocks = _slice_span(target, span, cache.block, finished)
+        blocks = _slice_span(target, span, size, finished)
         if blocks is None:
             return inserted  # a cache kind the prefix cache cannot slice
-        for (_, key), block in zip(span, blocks, strict=True):
-            cache.insert(key, block, through)
+        for (i, key), block in zip(span, blocks, strict=True):
+            parent = keys[i - 1] if i else ns.seed.hex()
+            cache.insert(key, block, through, under=(parent, held[i * size : (i + 1) * size]))
         inserted += len(span)
     tail = cache.tail_of(ns, held)
     start = covered // cache.block * cache.block

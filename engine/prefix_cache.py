@@ -7,7 +7,9 @@ the target; a draft model's layers for the same tokens are an attachment filed u
 block's key and the draft's revision. Every request on the target shares the blocks whatever
 its draft method; one with a draft model restores the attachments of the leading blocks that
 have them, and its draft reads the rest of the prompt itself. A prompt's last, partial block is kept too, in RAM only, filed under its parent block,
-so a repeated or extended prompt restores up to the token where it diverges from an earlier one.
+so a repeated or extended prompt restores up to the token where it diverges from an earlier one;
+a prompt that diverges inside a cached block (full or partial) restores that block's shared
+first rows, found through an index of the blocks under each parent (`_longest_common`).
 RAM is an LRU bounded by bytes; what it evicts spills to SSD. SSD writes happen on a
 writer thread (decoding never waits on disk); every SSD entry is versioned and checksummed, and
 anything that does not verify is a miss. The SSD directory itself is never trusted (see
@@ -76,6 +78,16 @@ def tail_key(parent: str, tail: Sequence[int]) -> str:
     prefixed "t" so it can never be taken for a full block."""
     chunk = np.asarray(tail, dtype=np.int64).tobytes()
     return "t" + hashlib.sha256(bytes.fromhex(parent) + b"tail" + chunk).hexdigest()
+
+
+def _shared(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` have in common."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def attachment_key(key: str, draft: str) -> str:
@@ -603,6 +615,13 @@ class PrefixCache:
         # parent key -> {partial block's tokens: its key}, most recent last; and back
         self._tails: dict[str, OrderedDict[tuple[int, ...], str]] = {}
         self._tail_of: dict[str, tuple[str, tuple[int, ...]]] = {}
+        # parent key -> {full block's tokens: its key}, most recent last: what a prompt that
+        # diverges inside a block reuses the common part of (`_longest_common`)
+        self._children: dict[str, OrderedDict[tuple[int, ...], str]] = {}
+        # the fewest shared tokens worth a restore: a handful (every prompt's first token) are
+        # cheaper to read again than to restore
+        self.min_shared = max(1, self.block // 4)
+        self._child_of: dict[str, tuple[str, tuple[int, ...]]] = {}
 
     def lookup(
         self, ns: Namespace, tokens: Sequence[int], recompute_rate: float = 0.0
@@ -668,7 +687,11 @@ class PrefixCache:
                     break
                 i = end
             parent = keys[len(found) - 1] if found else ns.seed.hex()
-            tail = self._longest_tail(parent, tokens[len(found) * self.block :])
+            rest = tokens[len(found) * self.block :]
+            tail = self._longest_tail(parent, rest)  # whole: its draft attachment comes along
+            common = self._longest_common(parent, rest)
+            if common is not None and (tail is None or common[1].tokens > tail[1].tokens):
+                tail = common
             if tail is not None:
                 self.stats.ram_hit_bytes += tail[1].nbytes
                 found.append(tail)
@@ -721,6 +744,29 @@ class PrefixCache:
         if best is not None:
             self._tails[parent].move_to_end(found)
         return best
+
+    def _longest_common(self, parent: str, rest: Sequence[int]) -> tuple[str, Block] | None:
+        """The first tokens of a block cached under `parent` (full or partial) that `rest`
+        shares, where it diverges inside them (a keystroke in the middle of an editor's
+        prompt, a shortened one, another question after a shared system prompt): K/V at a
+        position depend only on the tokens up to it, so the shared part is the block's first
+        rows. Its key names no block (no attachment: the draft reads these tokens itself)."""
+        best: tuple[int, str] | None = None
+        for index in (self._children.get(parent), self._tails.get(parent)):
+            for tokens, key in (index or {}).items():
+                shared = _shared(tokens, rest)
+                if shared < self.min_shared or (best is not None and shared <= best[0]):
+                    continue
+                if key in self.ram.entries:
+                    best = (shared, key)
+        if best is None:
+            return None
+        shared, key = best
+        block = self.ram.get(key)
+        if block is None:
+            return None
+        rows = [[a[..., :shared, :] for a in layer] for layer in block.arrays]
+        return f"t{key}:{shared}", Block(block.kinds, rows)
 
     def tail(self, ns: Namespace, tokens: Sequence[int]) -> tuple[str, str] | None:
         """(parent, key) of the partial block that ends `tokens`, unless they end on a block
@@ -782,13 +828,29 @@ class PrefixCache:
         with self._lock:
             return [(i, k) for i, k in enumerate(keys) if k not in self.ram.entries]
 
-    def insert(self, key: str, block: Block, through: bool = True) -> None:
+    def insert(
+        self,
+        key: str,
+        block: Block,
+        through: bool = True,
+        under: tuple[str, Sequence[int]] | None = None,
+    ) -> None:
         """Keep a block in RAM and, with `through`, write it to SSD too (behind the decode
-        path); without, it reaches the SSD only when RAM evicts it or at shutdown."""
+        path); without, it reaches the SSD only when RAM evicts it or at shutdown. `under`:
+        its parent's key and its tokens, which a prompt diverging inside it reuses the shared
+        part of (`_longest_common`)."""
         mx.eval([a for layer in block.arrays for a in layer])
         with self._lock:
             self.stats.inserted_blocks += 1
             self._spill(self.ram.put(key, block))
+            if under is not None and key in self.ram.entries:
+                parent, tokens = under[0], tuple(under[1])
+                children = self._children.setdefault(parent, OrderedDict())
+                children[tokens] = key
+                self._child_of[key] = (parent, tokens)
+                while len(children) > TAILS_PER_PARENT:
+                    _, old = children.popitem(last=False)
+                    self._child_of.pop(old, None)
         if self.ssd is not None and through:
             self.ssd.put_async(key, block)
 
@@ -796,8 +858,18 @@ class PrefixCache:
         for key, block in evicted:
             if key.startswith("t"):
                 self._forget_tail(key)
-            elif self.ssd is not None:
+                continue
+            self._forget_child(key)
+            if self.ssd is not None:
                 self.ssd.put_async(key, block)
+
+    def _forget_child(self, key: str) -> None:
+        parent, tokens = self._child_of.pop(key, ("", ()))
+        children = self._children.get(parent)
+        if children is not None and children.get(tokens) == key:
+            del children[tokens]
+            if not children:
+                del self._children[parent]
 
     def persist(self) -> None:
         """Write everything still only in RAM to SSD (shutdown), then wait for the writer."""

@@ -305,6 +305,27 @@ def test_warm_equals_cold_with_kv_bits_8(shared: CacheServer, method: str) -> No
     assert warm["response"] == cold["response"]
 
 
+@pytest.mark.parametrize("model", ["tiny", "pair"])
+def test_a_keystroke_mid_prompt_restores_up_to_it_and_answers_as_cold(
+    shared: CacheServer, models: Models, tmp_path: Path, model: str
+) -> None:
+    """An editor re-sends its prompt with a few characters typed in the middle: everything
+    before them is restored (not only the blocks before them), and the answer is the one a
+    daemon with nothing cached gives."""
+    text = prompt_text(f"keystroke-{model}", words=80)
+    generate(shared.base_url, model, text)
+    cut = len(text) // 2
+    edited = text[:cut] + "xyz" + text[cut:]
+    warm = generate(shared.base_url, model, edited)
+    block = shared.prefix.block
+    assert warm["prompt_cache_tokens"] % block != 0  # into the block the edit lands in
+    with CacheServer(models.registry, tmp_path / "fresh") as cold:
+        reference = generate(cold.base_url, model, edited)
+    assert reference["prompt_cache_tokens"] == 0
+    assert warm["response"] == reference["response"]
+    assert warm["prompt_eval_count"] == reference["prompt_eval_count"]
+
+
 def _hit_tokens(base: str) -> int:
     return int(httpx.get(f"{base}/api/mlxd/stats").json()["prefix_cache"]["hit_tokens"])
 
@@ -738,7 +759,8 @@ def _offer_tail(cache: PrefixCache, ns: Namespace, tokens: list[int], seed: int)
 
 def test_partial_blocks_restore_up_to_where_prompts_diverge(tmp_path: Path) -> None:
     """A cached prompt's partial last block serves a repeat and any prompt that continues it;
-    one that diverges inside it gets the full blocks only. Partial blocks never go to SSD."""
+    one that diverges inside it (or stops short of its end) gets its shared first tokens.
+    Partial blocks never go to SSD."""
     ns = Namespace(model="tails")
     tokens = chain(3)[: 2 * BLOCK + 20]
     cache = PrefixCache(64 * MiB, tmp_path / "ssd", 64 * MiB)
@@ -752,8 +774,10 @@ def test_partial_blocks_restore_up_to_where_prompts_diverge(tmp_path: Path) -> N
         longer = cache.lookup(ns, [*tokens, 7, 8, 9])
         assert sum(b.tokens for b in longer) == 2 * BLOCK + 20
         diverged = cache.lookup(ns, [*tokens[:-1], tokens[-1] + 1])
-        assert sum(b.tokens for b in diverged) == 2 * BLOCK
-        assert cache.lookup(ns, tokens[: 2 * BLOCK + 5])[-1].tokens == BLOCK  # tail too long
+        assert sum(b.tokens for b in diverged) == 2 * BLOCK + 19
+        assert_same_rows(diverged[-1], tail, 19)
+        assert cache.lookup(ns, tokens[: 2 * BLOCK + 18])[-1].tokens == 18  # a shorter one
+        assert cache.lookup(ns, tokens[: 2 * BLOCK + 5])[-1].tokens == BLOCK  # too few shared
         assert cache.lookup(Namespace(model="other"), tokens) == []
         cache.persist()
         reopened = PrefixCache(64 * MiB, tmp_path / "ssd", 64 * MiB)
@@ -763,6 +787,44 @@ def test_partial_blocks_restore_up_to_where_prompts_diverge(tmp_path: Path) -> N
             reopened.close()
     finally:
         cache.close()
+
+
+def assert_same_rows(part: Block, whole: Block, rows: int) -> None:
+    """`part` holds `whole`'s first `rows` token positions, every layer."""
+    assert part.tokens == rows
+    for mine, theirs in zip(part.arrays, whole.arrays, strict=True):
+        for a, b in zip(mine, theirs, strict=True):
+            assert mx.array_equal(a, b[..., :rows, :])
+
+
+def test_a_prompt_diverging_inside_a_full_block_restores_its_shared_rows() -> None:
+    """A keystroke in the middle of an editor's prompt, another question after a shared
+    system prompt: the block the prompt diverges in gives its first rows (K/V at a position
+    depend only on the tokens before it), with no draft attachment; evicted, it gives none
+    and leaves the index."""
+    ns = Namespace(model="shared-rows")
+    tokens = chain(3, seed=4)
+    keys = block_keys(tokens, ns, BLOCK)
+    blocks = [make_block(900 + i) for i in range(3)]
+    cache = PrefixCache(256 * MiB)
+    for i, (key, block) in enumerate(zip(keys, blocks, strict=True)):
+        parent = keys[i - 1] if i else ns.seed.hex()
+        cache.insert(key, block, under=(parent, tokens[i * BLOCK : (i + 1) * BLOCK]))
+        cache.attach(key, "draft-rev", make_block(950 + i))
+    typed = [*tokens[: BLOCK + 30], 1, 2, 3, *tokens[BLOCK + 30 :]]
+    found = cache.lookup_keyed(ns, typed)
+    assert [b.tokens for _, b in found] == [BLOCK, 30]
+    assert_same_rows(found[-1][1], blocks[1], 30)
+    assert len(cache.attachments([k for k, _ in found], "draft-rev")) == 1  # the full one only
+    shorter = cache.lookup(ns, tokens[: 2 * BLOCK + 20])  # a prompt cut inside the third
+    assert [b.tokens for b in shorter] == [BLOCK, BLOCK, 20]
+    assert cache.lookup(ns, [tokens[0] + 1, *tokens[1:]]) == []  # nothing shared
+    small = PrefixCache(2 * blocks[0].nbytes)
+    small.insert(keys[0], blocks[0], under=(ns.seed.hex(), tokens[:BLOCK]))
+    for i, key in enumerate(block_keys(chain(2, seed=5), ns, BLOCK)):  # push it out
+        small.insert(key, make_block(990 + i))
+    assert small.lookup(ns, [*tokens[:40], 1]) == []
+    assert not small._children and not small._child_of
 
 
 def test_partial_blocks_are_bounded_per_parent_and_leave_with_ram() -> None:

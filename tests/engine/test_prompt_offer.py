@@ -30,9 +30,9 @@ class _LoggedCache(PrefixCache):
         super().__init__(64 << 20, block=16)
         self.log = log
 
-    def insert(self, key: str, block: Any, through: bool = True) -> None:
+    def insert(self, key: str, block: Any, through: bool = True, under: Any = None) -> None:
         self.log.append("insert")
-        super().insert(key, block, through)
+        super().insert(key, block, through, under)
 
     def insert_tail(self, parent: str, tail: Any, key: str, block: Any) -> None:
         self.log.append("tail")
