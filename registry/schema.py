@@ -24,6 +24,7 @@ the plain constructed dict, which forgets where things came from.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -498,9 +499,13 @@ def _check_adapters(value: Any, base_dir: Path) -> tuple[AdapterRef, ...]:
                 )
             scale = item.get("scale")
             if scale is not None and (
-                isinstance(scale, bool) or not isinstance(scale, (int, float))
+                isinstance(scale, bool)
+                or not isinstance(scale, (int, float))
+                or not math.isfinite(scale)  # `.nan`, `.inf`: answers of nothing, or garbage
             ):
-                raise ValueError(f"expected a number for the adapter scale, got {_describe(scale)}")
+                raise ValueError(
+                    f"expected a finite number for the adapter scale, got {_describe(scale)}"
+                )
             refs.append(
                 AdapterRef(
                     _check_ref(item["path"], base_dir), None if scale is None else float(scale)

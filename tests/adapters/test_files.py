@@ -36,7 +36,10 @@ def test_adapters_key_takes_a_path_a_list_or_path_and_scale(tmp_path: Path) -> N
     assert many.adapters == (AdapterRef("/x"), AdapterRef("/y", 2.0))
     assert many.draft_adapters == (AdapterRef("/z"),)
     assert many.load_key == one.load_key  # adapters never change what is loaded
-    for bad in ("{scale: 2}", "[{path: /y, scale: lots}]", "[{path: /y, rank: 2}]", "3"):
+    for bad in (
+        "{scale: 2}", "[{path: /y, scale: lots}]", "[{path: /y, rank: 2}]", "3",
+        "[{path: /y, scale: .nan}]", "[{path: /y, scale: -.inf}]",
+    ):  # fmt: skip
         with pytest.raises(RegistryError, match="key 'adapters'"):
             load_registry_file(registry(tmp_path, f"    adapters: {bad}\n"))
 
