@@ -17,6 +17,7 @@ from mlxd.engine.grammar import GrammarError, GrammarSpec, row_grammar
 from mlxd.engine.manager import Loaded
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import ModelNotPulled, Pairing
+from mlxd.engine.prefix_cache import shared_prefix
 from mlxd.engine.prompt import (
     BareText,
     PromptError,
@@ -102,17 +103,6 @@ async def with_pairing(
         state.manager.release(slot)
 
 
-def _head_chars(text: str, head: str) -> int:
-    """Characters of `text` that come before the request's own content: the longest start it
-    shares with the rendering that leaves that content out."""
-    n = 0
-    for a, b in zip(text, head, strict=False):
-        if a != b:
-            break
-        n += 1
-    return n
-
-
 def tokenize(
     pairing: Pairing,
     opts: SamplingOptions,
@@ -142,7 +132,9 @@ def tokenize(
         raise ApiError(400, "the input length exceeds the context length")
     if new is None or len(new) > budget.prompt:
         start = head()  # rendered only when the prompt must be cut
-        cut = _head_chars(text, start) if start else 0
+        # the characters before the request's own content: the start it shares with
+        # the rendering that leaves that content out
+        cut = shared_prefix(text, start) if start else 0
         kept_head = encode(pairing.tokenizer, text[:cut], specials)
         body = encode(pairing.tokenizer, text[cut:][-budget.window :], False)
         new = fit(kept_head, body, budget.prompt)

@@ -277,7 +277,7 @@ def _loaded(client: Client, model: str) -> bool:
     """Whether /api/ps lists `model` (by its name or the hub name a pull of it registered),
     as a model or as an entry a shared base serves."""
     try:
-        names = {parse_name(model).display.lower(), (_hub_name(model) or "").lower()}
+        names = {n.lower() for n in (parse_name(model).display, _hub_name(model)) if n}
     except InvalidModelName:
         names = {model.lower()}
     return any(

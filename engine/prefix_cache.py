@@ -80,8 +80,8 @@ def tail_key(parent: str, tail: Sequence[int]) -> str:
     return "t" + hashlib.sha256(bytes.fromhex(parent) + b"tail" + chunk).hexdigest()
 
 
-def _shared(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens `a` and `b` have in common."""
+def shared_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How many leading items `a` and `b` have in common (tokens, or characters)."""
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -752,9 +752,10 @@ class PrefixCache:
         position depend only on the tokens up to it, so the shared part is the block's first
         rows. Its key names no block (no attachment: the draft reads these tokens itself)."""
         best: tuple[int, str] | None = None
+        head = rest[: self.block]
         for index in (self._children.get(parent), self._tails.get(parent)):
             for tokens, key in (index or {}).items():
-                shared = _shared(tokens, rest)
+                shared = shared_prefix(tokens, head)
                 if shared < self.min_shared or (best is not None and shared <= best[0]):
                     continue
                 if key in self.ram.entries:

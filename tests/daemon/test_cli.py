@@ -577,6 +577,17 @@ def test_read_multiline_eof(monkeypatch: pytest.MonkeyPatch) -> None:
         cli._read_multiline('"""x')
 
 
+def chat(server: RunningServer, monkeypatch: pytest.MonkeyPatch, lines: list[str]) -> None:
+    """`mlxd run sys`'s chat over `lines` typed in turn (then EOF); it ends with status 0."""
+    feed_input(monkeypatch, lines)
+    args = cli.parse_args(cli.build_parser(), ["run", "sys"])
+    client = Client(server.base_url)
+    try:
+        assert cli.interactive(client, args, {}) == 0
+    finally:
+        client.close()
+
+
 def _chat(server: RunningServer, messages: list[dict[str, str]]) -> str:
     r = httpx.post(
         f"{server.base_url}/api/chat",
@@ -590,16 +601,8 @@ def _chat(server: RunningServer, messages: list[dict[str, str]]) -> str:
 def test_interactive_session(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    feed_input(
-        monkeypatch,
-        ['"""line one', 'line two"""', "/set verbose", "again", "/bogus", "/bye", "never"],
-    )
-    args = cli.parse_args(cli.build_parser(), ["run", "sys"])
-    client = Client(server.base_url)
-    try:
-        assert cli.interactive(client, args, {}) == 0
-    finally:
-        client.close()
+    chat(server, monkeypatch, ['"""line one', 'line two"""', "/set verbose", "again", "/bogus",
+                               "/bye", "never"])  # fmt: skip
     captured = capsys.readouterr()
     first = _chat(server, [{"role": "user", "content": "line one\nline two"}])
     second = _chat(
@@ -620,13 +623,7 @@ def test_interactive_session(
 def test_ctrl_c_while_typing_drops_the_message_and_the_chat_goes_on(
     server: RunningServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    feed_input(monkeypatch, ['"""half a', "thought", CTRL_C, "again", "/bye"])
-    args = cli.parse_args(cli.build_parser(), ["run", "sys"])
-    client = Client(server.base_url)
-    try:
-        assert cli.interactive(client, args, {}) == 0
-    finally:
-        client.close()
+    chat(server, monkeypatch, ['"""half a', "thought", CTRL_C, "again", "/bye"])
     alone = _chat(server, [{"role": "user", "content": "again"}])  # nothing of the dropped one
     assert alone + "\n\n" in capsys.readouterr().out
 
@@ -649,10 +646,4 @@ def test_an_answer_cut_short_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_interactive_eof_exits(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
-    feed_input(monkeypatch, [])
-    client = Client(server.base_url)
-    try:
-        args = cli.parse_args(cli.build_parser(), ["run", "sys"])
-        assert cli.interactive(client, args, {}) == 0
-    finally:
-        client.close()
+    chat(server, monkeypatch, [])
