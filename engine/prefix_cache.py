@@ -476,7 +476,7 @@ class SsdTier:
         self._queue: queue.Queue[tuple[str, Block] | None] = queue.Queue()
         self._pending: set[str] = set()
         self._lock = threading.Lock()
-        self._thread = start_mlx_thread(self._write_loop, "kvcache-writer")
+        self._work = start_mlx_thread(self._write_loop, "kvcache-writer")
         self.dropped = 0
         self._readers = ThreadPoolExecutor(READERS, thread_name_prefix="kvcache-reader")
         self.read_rate = probe_read_rate(Path(self.cache.directory), self._readers)
@@ -558,7 +558,7 @@ class SsdTier:
     def close(self) -> None:
         self.flush()
         self._queue.put(None)
-        self._thread.join(10)
+        self._work.join(10)
         self._readers.shutdown(wait=True, cancel_futures=True)
         self._store.close()
 

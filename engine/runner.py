@@ -173,7 +173,7 @@ class PairingRunner:
         self.abandoned = False
         self.heartbeat = time.monotonic()  # the last step's end (or a request to an idle runner)
         self._test_stall = TestStall.seconds()
-        self._thread = start_mlx_thread(self._main, f"runner:{entry.name}")
+        self._work = start_mlx_thread(self._main, f"runner:{entry.name}")
 
     def _main(self) -> None:
         t0 = time.perf_counter()
@@ -301,5 +301,5 @@ class PairingRunner:
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the thread to exit; True once it has."""
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        self._work.join(timeout)
+        return not self._work.is_alive()

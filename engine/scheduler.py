@@ -45,6 +45,7 @@ from mlxd.engine.row import Job, Row
 from mlxd.engine.rowstream import RowStream
 from mlxd.engine.sampling import Rng
 from mlxd.engine.speculation import DraftLengthController
+from mlxd.engine.threads import thread_stream
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ class Scheduler:
         self.rows: list[Row] = []  # decoding, oldest first
         self.finished: list[Row] = []  # answered; their cache work waits (see `_offer_finished`)
         self.batch = RowBatch(pairing.target, pairing.costs)
-        self.stream = mx.new_stream(mx.default_device())
+        self.stream = thread_stream()  # built on the runner's thread, which it serves
         self.stopping = False  # the stop marker arrived: finish the work in hand, then return
         self._gathered = False  # this step already read prompts that arrived meanwhile
 

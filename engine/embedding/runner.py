@@ -72,7 +72,7 @@ class EmbeddingRunner:
         self._active = 0
         self._current: list[EmbedJob] = []  # the jobs of the forward running now
         self._lock = threading.Lock()
-        self._thread = start_mlx_thread(self._main, f"embedder:{entry.name}")
+        self._work = start_mlx_thread(self._main, f"embedder:{entry.name}")
 
     def _main(self) -> None:
         t0 = time.perf_counter()
@@ -207,5 +207,5 @@ class EmbeddingRunner:
         self._jobs.put(None)
 
     def join(self, timeout: float | None = None) -> bool:
-        self._thread.join(timeout)
-        return not self._thread.is_alive()
+        self._work.join(timeout)
+        return not self._work.is_alive()

@@ -1,21 +1,25 @@
-"""MLX work runs on threads of its own that free their streams as they end."""
+"""MLX work runs on pooled threads that are reused, never ended: MLX leaves a thread's stream
+workers running for good, so a thread per piece of work would grow the process forever."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import threading
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
-from mlxd.engine.threads import release_streams, run_in_mlx_thread, start_mlx_thread
+from mlxd.engine.threads import pool_size, run_in_mlx_thread, start_mlx_thread, thread_stream
 
 
 def _sum_on_current_thread() -> tuple[str, float]:
     return threading.current_thread().name, mx.sum(mx.arange(10)).item()
 
 
-def test_run_in_mlx_thread_returns_the_result_from_a_fresh_thread() -> None:
+def test_run_in_mlx_thread_returns_the_result_on_a_thread_named_for_the_work() -> None:
     async def two() -> list[tuple[str, float]]:
         return [await run_in_mlx_thread(_sum_on_current_thread, f"work:{i}") for i in range(2)]
 
@@ -31,36 +35,79 @@ def test_run_in_mlx_thread_raises_what_the_work_raised() -> None:
         asyncio.run(run_in_mlx_thread(fail, "fail"))
 
 
-def test_a_released_thread_has_no_stream_left() -> None:
-    """The release really frees the thread's streams: MLX work after it fails on that thread."""
-    seen: list[str] = []
+def test_work_after_work_reuses_the_thread_and_its_stream() -> None:
+    seen: list[tuple[int, str]] = []
 
-    def work_then_release() -> None:
-        mx.eval(mx.ones(3) * 2)
-        release_streams()
-        try:
-            mx.eval(mx.ones(3) * 2)
-        except RuntimeError as exc:
-            seen.append(str(exc))
+    def work() -> None:
+        with mx.stream(thread_stream()):
+            mx.eval(mx.ones(4) * 2)
+        seen.append((threading.get_ident(), str(thread_stream())))
 
-    start_mlx_thread(work_then_release, "released").join()
-    assert seen and "Stream" in seen[0]
+    for i in range(5):
+        start_mlx_thread(work, f"work:{i}").join(10)
+    assert len(seen) == 5 and len(set(seen)) == 1
 
 
-def test_release_on_a_thread_that_never_ran_mlx_work() -> None:
-    start_mlx_thread(lambda: None, "idle").join()  # no stream to wait for: no error
+def test_work_at_once_takes_threads_of_its_own_and_the_pool_keeps_them() -> None:
+    started, go = threading.Barrier(3, timeout=10), threading.Event()
+    idents: list[int] = []
+
+    def work() -> None:
+        started.wait()
+        go.wait(10)
+        idents.append(threading.get_ident())
+
+    works = [start_mlx_thread(work, f"at-once:{i}") for i in range(2)]
+    started.wait()
+    assert all(w.is_alive() for w in works)
+    go.set()
+    for w in works:
+        w.join(10)
+    assert not any(w.is_alive() for w in works)
+    assert len(set(idents)) == 2
+    size = pool_size()
+    for i in range(2):
+        start_mlx_thread(work, f"again:{i}")
+    started.wait()
+    assert pool_size() == size  # the two idle threads took the new work
 
 
-def test_a_caller_that_leaves_does_not_break_the_work() -> None:
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_the_process_keeps_its_thread_count() -> None:
+    def work() -> None:
+        with mx.stream(thread_stream()):
+            mx.eval(mx.ones((8, 8)) @ mx.ones((8, 8)))
+
+    start_mlx_thread(work, "first").join(10)
+    before = len(os.listdir("/proc/self/task"))
+    for i in range(10):
+        start_mlx_thread(work, f"work:{i}").join(10)
+    assert len(os.listdir("/proc/self/task")) == before
+
+
+def test_a_failure_is_logged_and_the_thread_serves_on(caplog: pytest.LogCaptureFixture) -> None:
+    def fail() -> None:
+        raise RuntimeError("broken")
+
+    with caplog.at_level(logging.ERROR, logger="mlxd.engine.threads"):
+        start_mlx_thread(fail, "fails").join(10)
+    assert "MLX work fails failed" in caplog.text
+    got: list[tuple[str, float]] = []
+    start_mlx_thread(lambda: got.append(_sum_on_current_thread()), "after").join(10)
+    assert got == [("after", 45.0)]
+
+
+def test_a_caller_that_leaves_does_not_break_the_work(caplog: pytest.LogCaptureFixture) -> None:
     """A cancelled await lets the running work finish quietly (the probe of a model whose
     request went away)."""
-    started, finish = threading.Event(), threading.Event()
+    started, finish, finished = threading.Event(), threading.Event(), threading.Event()
     done: list[float] = []
 
     def slow() -> float:
         started.set()
         finish.wait(10)
         done.append(mx.sum(mx.ones(4)).item())
+        finished.set()
         return done[-1]
 
     async def leave() -> None:
@@ -70,15 +117,9 @@ def test_a_caller_that_leaves_does_not_break_the_work() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    errors: list[BaseException] = []
-    hook, threading.excepthook = threading.excepthook, lambda a: errors.append(a.exc_value)  # type: ignore[assignment]
-    try:
+    with caplog.at_level(logging.ERROR, logger="mlxd.engine.threads"):
         asyncio.run(leave())
         finish.set()
-        for t in threading.enumerate():
-            if t.name == "slow":
-                t.join(10)
-    finally:
-        threading.excepthook = hook
+        assert finished.wait(10)
     assert done == [4.0]
-    assert errors == []
+    assert "slow" not in caplog.text

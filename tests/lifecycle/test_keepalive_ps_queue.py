@@ -132,6 +132,28 @@ def test_keep_alive_zero_on_a_generation_unloads_after_it(base: str) -> None:
     assert wait_for(lambda: TINY not in ps(base), timeout=10)
 
 
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in /proc")
+def test_loading_and_unloading_leaves_no_threads_behind(base: str) -> None:
+    """A client that unloads after every request (`keep_alive: 0`) must not grow the daemon's
+    threads: MLX never ends a thread's stream workers, so a thread per model left them behind
+    (two or three a cycle, until the system refused more)."""
+
+    def cycle() -> None:
+        assert generate(base, "tiny", keep_alive=0).status_code == 200
+        assert wait_for(lambda: TINY not in ps(base), timeout=10)
+
+    for _ in range(2):  # the pools that serve requests reach their size
+        cycle()
+    before = _os_threads()
+    for _ in range(8):
+        cycle()
+    assert _os_threads() - before < 4
+
+
 @pytest.mark.parametrize("keep_alive", [-1, "-1m", -0.5])
 def test_negative_keep_alive_is_forever(base: str, keep_alive: object) -> None:
     load(base, "tiny", keep_alive=keep_alive)
