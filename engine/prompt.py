@@ -237,19 +237,26 @@ def render_chat(
     template: str | None = None,
 ) -> str:
     """The chat template (or a `template` given instead: Jinja, or Ollama's Go) with the
-    assistant turn opened; a plain transcript when there is none. `tools` and `extra` (e.g.
+    assistant turn opened; a plain transcript when there is none. A conversation that ends
+    with an assistant message leaves that message open for the model to continue (a prefill,
+    as Ollama's templates leave the last assistant turn). `tools` and `extra` (e.g.
     `enable_thinking`) go to a Jinja template as it names them."""
     if template and is_go_template(template):
         return render_go_chat(template, messages)
+    if _empty_turn(messages):
+        messages = messages[:-1]  # an empty assistant turn is the one opened below
+    continuing = _continues(messages)
     if template or getattr(tokenizer, "chat_template", None):
         chosen = {"chat_template": template} if template else {}
+        turn = {"continue_final_message": True} if continuing else {}
         try:
             return str(
                 tokenizer.apply_chat_template(
                     list(messages),
                     tools=list(tools) if tools else None,
-                    add_generation_prompt=True,
+                    add_generation_prompt=not continuing,
                     tokenize=False,
+                    **turn,
                     **chosen,
                     **dict(extra or {}),
                 )
@@ -257,7 +264,21 @@ def render_chat(
         except Exception as exc:  # jinja errors carry the template's own message
             raise PromptError(f"chat template failed: {exc}") from exc
     lines = [f"{m.get('role', 'user')}: {m.get('content', '')}" for m in messages]
-    return BareText("\n".join([*lines, "assistant:"]))
+    return BareText("\n".join(lines if continuing else [*lines, "assistant:"]))
+
+
+def _continues(messages: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the last message is an assistant's text to continue (not a tool call)."""
+    last = messages[-1] if messages else {}
+    content = last.get("content")
+    return last.get("role") == "assistant" and bool(content) and not last.get("tool_calls")
+
+
+def _empty_turn(messages: Sequence[Mapping[str, Any]]) -> bool:
+    last = messages[-1] if messages else {}
+    return (
+        last.get("role") == "assistant" and not last.get("content") and not last.get("tool_calls")
+    )
 
 
 def render_generate(

@@ -3,7 +3,7 @@ text mlxd renders itself (a FIM prompt, a Go template's, a model with no chat te
 tokenizer's BOS as a raw prompt does, a chat template's text keeps its own (never two); a
 model's Go template naming `{{ .Suffix }}` renders fill-in-the-middle; and the model's own
 thinking tags split a reply whose prompt a request's template or `raw` made, where `think`
-asks for it."""
+asks for it; a chat ending with an assistant's message is continued (a prefill)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[httpx.Client]:
         ),
         "thinker": build_scripted(
             root / "think", "qwen3", Script("\n", ("<think>", THOUGHT, "</think>", ANSWER))
+        ),
+        "prefill": build_scripted(
+            root / "prefill", "qwen2_5", Script("\n", ("I would", " rather", " chat."))
         ),
     }
     lines = ["models:"]
@@ -127,3 +130,28 @@ def test_thinking_splits_whatever_rendered_the_prompt(served: httpx.Client, how:
     assert (split["thinking"], split["response"]) == (base["thinking"], base["response"])
     whole = generate(served, model="thinker", **asked)  # `think` not asked: left as written
     assert "<think>" in whole["response"] and not whole.get("thinking")
+
+
+def test_a_final_assistant_message_is_continued(served: httpx.Client) -> None:
+    """As Ollama's templates leave the last assistant turn open: the model carries on from the
+    prefilled text rather than answering anew (the text came back twice before)."""
+    hi = {"role": "user", "content": "hi"}
+    body = {"model": "prefill", "stream": False, "options": SHORT}
+    for prefill, text in (("I would", " rather chat."), ("", "I would rather chat.")):
+        messages = [hi, {"role": "assistant", "content": prefill}]
+        shown = served.post(
+            "/api/chat", json={**body, "messages": messages, "_debug_render_only": True}
+        )
+        rendered = shown.json()["_debug_info"]["rendered_template"]
+        assert rendered.endswith("<|im_start|>assistant\n" + prefill)
+        r = served.post("/api/chat", json={**body, "messages": messages})
+        assert r.status_code == 200 and r.json()["message"]["content"] == text
+    v1 = served.post(
+        "/v1/chat/completions",
+        json={
+            "model": "prefill",
+            "max_tokens": 8,
+            "messages": [hi, {"role": "assistant", "content": "I would"}],
+        },
+    )
+    assert v1.json()["choices"][0]["message"]["content"] == " rather chat."
