@@ -163,6 +163,8 @@ class PairingRunner:
         self.pairing: Pairing | None = None
         self.scheduler: Scheduler | None = None
         self.loaded = concurrent.futures.Future[Pairing]()
+        # running: a waiter that leaves cancels its own wait, never the load the others await
+        self.loaded.set_running_or_notify_cancel()
         self.load_seconds = 0.0
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._outbox = Outbox()

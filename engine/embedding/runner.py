@@ -65,6 +65,8 @@ class EmbeddingRunner:
         self.spec = spec
         self.embedder: Embedder | None = None
         self.loaded = concurrent.futures.Future[Embedder]()
+        # running: a waiter that leaves cancels its own wait, never the load the others await
+        self.loaded.set_running_or_notify_cancel()
         self.load_seconds = 0.0
         self.abandoned = False
         self.heartbeat = time.monotonic()

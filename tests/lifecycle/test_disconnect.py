@@ -260,3 +260,50 @@ def test_told_to_stop_a_non_streamed_generation_and_a_load_waiter_get_503(
         assert got[0].json() == {"error": "mlxd is shutting down"}
         assert waited[0].status_code == 503, waited[0].text
         assert running(base) == 0
+
+
+@pytest.mark.parametrize("kind", ["generate", "embed"])
+def test_a_client_leaving_during_a_load_leaves_the_others_their_answer(
+    registry: Path, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """Every request waiting for one load awaits one future: the one whose client left
+    cancelled it for all of them (500s), and the loaded model's runner died on it."""
+    from mlxd.engine import runner
+    from mlxd.engine.embedding import runner as embed_runner
+
+    module, loader, model = (
+        (runner, "load_pairing", "other")
+        if kind == "generate"
+        else (embed_runner, "load_embedder", "embedder")
+    )
+    loading, finish = threading.Event(), threading.Event()
+    real = getattr(module, loader)
+
+    def held(*args: Any, **kwargs: Any) -> Any:
+        loading.set()
+        finish.wait(60)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, loader, held)
+    path, body = (
+        (
+            "/api/generate",
+            {"model": model, "prompt": "hi", "stream": False, "options": {"num_predict": 2}},
+        )
+        if kind == "generate"
+        else ("/api/embed", {"model": model, "input": "hi"})
+    )
+    with ServerThread(registry, num_parallel=2) as srv:
+        base = srv.base_url
+        got: list[httpx.Response] = []
+        stayer = threading.Thread(
+            target=lambda: got.append(httpx.post(f"{base}{path}", json=body, timeout=120))
+        )
+        stayer.start()
+        assert loading.wait(60)
+        leave_early(base, path, body)  # waits on the same load, then leaves
+        finish.set()
+        stayer.join(120)
+        assert got and got[0].status_code == 200, got[0].text if got else "no answer"
+        again = httpx.post(f"{base}{path}", json=body, timeout=120)  # the runner serves on
+        assert again.status_code == 200, again.text
