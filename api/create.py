@@ -10,7 +10,6 @@ adapter on a loaded base is mounted by the first request for it: the base is not
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -21,12 +20,13 @@ from mlxd.api.codec import NDJSON, ndjson_line, read_request
 from mlxd.api.errors import ApiError
 from mlxd.api.state import ServerState, state_of
 from mlxd.api.types import CreateRequest
+from mlxd.engine.options import OptionsError, parse_options
 from mlxd.engine.prompt import PromptError, check_go_template, go_template
 from mlxd.registry.blobs import BlobError, blob_intact, parse_digest, store_blob
-from mlxd.registry.create import CreateError, CreateSpec, create_model
+from mlxd.registry.create import CreateError, CreateSpec, create_model, local_path
 from mlxd.registry.modelfile import ModelfileError, parse_modelfile
 from mlxd.registry.pull import Progress, user_file_in_use
-from mlxd.registry.schema import RegistryError
+from mlxd.registry.schema import KNOWN_OPTIONS, RegistryError
 
 __all__ = ["routes"]
 
@@ -70,13 +70,16 @@ def _spec(body: CreateRequest) -> CreateSpec:
             parsed = parse_modelfile(body.modelfile)
         except ModelfileError as exc:
             raise ApiError(400, f"invalid modelfile: {exc}") from exc
-        here = Path(body.path).expanduser().parent if body.path else None
+        try:
+            here = local_path(body.path, "path").parent if body.path else None
+            spec.adapter_dirs = [
+                str(here / a) if here and not local_path(a, "adapter path").is_absolute() else a
+                for a in parsed.adapters
+            ]
+        except CreateError as exc:
+            raise ApiError(exc.status, str(exc)) from None
         spec.from_ = parsed.from_
         spec.draft = parsed.draft
-        spec.adapter_dirs = [
-            str(here / a) if here is not None and not Path(a).expanduser().is_absolute() else a
-            for a in parsed.adapters
-        ]
         spec.parameters = parsed.parameters
         spec.system, spec.template = parsed.system, parsed.template
         spec.messages = parsed.messages or None
@@ -94,6 +97,10 @@ def _spec(body: CreateRequest) -> CreateSpec:
             check_go_template(spec.template or "")
         except PromptError as exc:
             raise ApiError(400, str(exc)) from exc
+    try:  # a value every request would refuse (a top_p of 7, a NaN) is refused now
+        parse_options({k: v for k, v in spec.parameters.items() if k in KNOWN_OPTIONS})
+    except OptionsError as exc:
+        raise ApiError(400, f"invalid parameters: {exc}") from None
     return spec
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,8 +58,8 @@ def _config(path: Path) -> dict[str, Any]:
         data = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise AdapterFileError(f"adapter {path}: {ADAPTER_CONFIG} is missing") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise AdapterFileError(f"adapter {path}: {ADAPTER_CONFIG} is not valid JSON") from exc
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise AdapterFileError(f"adapter {path}: {ADAPTER_CONFIG} is not valid JSON") from None
     if not isinstance(data, dict):
         raise AdapterFileError(f"adapter {path}: {ADAPTER_CONFIG} is not a JSON object")
     return data
@@ -77,8 +78,11 @@ def read_adapter(path: Path) -> AdapterInfo:
             " (only lora and dora; serve a full fine-tune as its own model)"
         )
     params = config.get("lora_parameters")
-    if not isinstance(params, dict) or not isinstance(params.get("scale"), int | float):
+    scale = params.get("scale") if isinstance(params, dict) else None
+    if not isinstance(scale, int | float) or isinstance(scale, bool):
         raise AdapterFileError(f"adapter {path}: lora_parameters.scale is missing")
+    if not math.isfinite(scale):
+        raise AdapterFileError(f"adapter {path}: lora_parameters.scale must be a finite number")
     weights = path / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise AdapterFileError(f"adapter {path}: {ADAPTER_WEIGHTS} is missing")
@@ -105,7 +109,7 @@ def read_adapter(path: Path) -> AdapterInfo:
         if ("m" in leaves) != (kind == "dora") or ("m" in leaves and leaves["m"] != [b[1]]):
             raise AdapterFileError(f"adapter {path}: {module}.m does not match a {kind} adapter")
         rank = max(rank, a[1])
-    return AdapterInfo(path, kind, float(params["scale"]), rank, modules)
+    return AdapterInfo(path, kind, float(scale), rank, modules)
 
 
 def _base_shapes(base: Path) -> dict[str, tuple[int, int]]:

@@ -30,7 +30,7 @@ __all__ = [
     "store_blob",
 ]
 
-_DIGEST = re.compile(r"^sha256[:-]([0-9a-fA-F]{64})$")
+_DIGEST = re.compile(r"sha256[:-]([0-9a-fA-F]{64})")
 
 
 class BlobError(ValueError):
@@ -43,7 +43,7 @@ class DigestMismatch(BlobError):
 
 def parse_digest(digest: str) -> str:
     """The canonical `sha256:<hex>` of a digest written `sha256:` or `sha256-` (as Ollama)."""
-    match = _DIGEST.match(digest)
+    match = _DIGEST.fullmatch(digest)  # `$` would take a final newline
     if match is None:
         raise BlobError("invalid digest format")
     return "sha256:" + match.group(1).lower()

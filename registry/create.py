@@ -57,6 +57,21 @@ class CreateSpec:
     messages: list[dict[str, str]] | None = None
 
 
+def local_path(raw: str, what: str) -> Path:
+    """`raw` as a local path, `~` expanded; one no file system takes (a NUL, an unknown user's
+    `~`, a name past the system's length limit) is the request's fault, not the server's."""
+    try:
+        if "\0" in raw:
+            raise ValueError("embedded NUL")
+        path = Path(raw).expanduser()
+        os.stat(path)
+    except FileNotFoundError:
+        return path
+    except (OSError, RuntimeError, ValueError):
+        raise CreateError(f"{what} '{raw[:200]}' is not a valid path") from None
+    return path
+
+
 def _base_fields(spec: CreateSpec, registry: Registry) -> tuple[dict[str, Any], str]:
     """The new entry starts as a copy of `from`: a registry model, or a model directory. Also
     the base's target as this installation finds it (the entry's field may name a model
@@ -69,7 +84,7 @@ def _base_fields(spec: CreateSpec, registry: Registry) -> tuple[dict[str, Any], 
         entry = None
     if entry is not None:
         return entry_fields(entry), entry.target
-    path = Path(spec.from_).expanduser()
+    path = local_path(spec.from_, "model")
     if path.is_absolute() and path.is_dir():
         if not is_complete_model(path):
             raise CreateError(f"'{spec.from_}' holds no model (a config.json and its weights)")
@@ -94,7 +109,12 @@ def _assemble(files: Mapping[str, str], env: Mapping[str, str]) -> tuple[Path, s
     also its digest and whether it was new."""
     digests: dict[str, str] = {}
     for name, digest in files.items():
-        if not name or "/" in name or "\\" in name or name in (".", ".."):
+        if (
+            not name
+            or any(c in name for c in "/\\\0")
+            or name in (".", "..")
+            or len(name.encode("utf-8", "surrogatepass")) > 255
+        ):
             raise CreateError(f"invalid adapter file name '{name}'")
         try:
             digests[name] = parse_digest(digest)
@@ -171,7 +191,7 @@ def create_model(
                 yield Progress(f"{verb} layer {digest}")
                 adapters.append(str(path))
             for raw in spec.adapter_dirs:
-                path = Path(raw).expanduser()
+                path = local_path(raw, "adapter path")
                 if not path.is_absolute():
                     raise CreateError(f"adapter path '{raw}' must be absolute")
                 adapters.append(str(path.resolve()))
@@ -199,7 +219,7 @@ def create_model(
     if spec.messages is not None:
         fields["messages"] = [{"role": m["role"], "content": m["content"]} for m in spec.messages]
     if spec.draft:
-        draft = Path(spec.draft).expanduser()
+        draft = local_path(spec.draft, "draft model")
         if not draft.is_absolute() or resolve_local(str(draft)) is None:
             raise CreateError(f"draft model '{spec.draft}' not found", 404)
         if not is_complete_model(draft):

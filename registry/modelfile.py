@@ -103,10 +103,22 @@ def _statements(text: str) -> list[tuple[int, str, str]]:
     return out
 
 
+def _check_text(rest: str, line: int) -> None:
+    """A quoted value's escapes may spell a lone surrogate (`"\\ud800"`), which no file, prompt
+    or tokenizer takes: refused here, as a JSON body holding one is."""
+    try:
+        _value(rest).encode("utf-8")
+    except UnicodeEncodeError:
+        raise ModelfileError(
+            f"line {line}: the value is not valid text (a lone surrogate)"
+        ) from None
+
+
 def parse_modelfile(text: str) -> Modelfile:
     """Parse Modelfile text; raises ModelfileError."""
     spec = Modelfile()
     for line, command, rest in _statements(text):
+        _check_text(rest, line)
         if command not in COMMANDS:
             raise ModelfileError(f"line {line}: unknown command '{command.upper()}'")
         if not rest:

@@ -266,6 +266,8 @@ def _read_json(path: Path) -> Any:
         raise ModelFilesError(f"cannot read {path}: {exc.strerror or exc}") from exc
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ModelFilesError(f"{path} is not valid JSON: {exc}") from exc
+    except RecursionError:
+        raise ModelFilesError(f"{path} is not valid JSON: nested too deeply") from None
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
@@ -288,8 +290,8 @@ def read_safetensors_header(path: Path) -> dict[str, dict[str, Any]]:
         raise ModelFilesError(f"cannot read {path}: {exc.strerror or exc}") from exc
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ModelFilesError(f"{path} is corrupt: safetensors header is not JSON") from exc
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise ModelFilesError(f"{path} is corrupt: safetensors header is not JSON") from None
     if not isinstance(header, dict):
         raise ModelFilesError(f"{path} is corrupt: safetensors header is not an object")
     tensors: dict[str, dict[str, Any]] = {}

@@ -162,7 +162,14 @@ class _Dumper(yaml.SafeDumper):
     ending in blank lines stays quoted: its block (``|+``) would end the document (``...``)."""
 
 
+# characters a YAML reader takes as line breaks (or drops) wherever they stand unescaped: a
+# value holding one is written double-quoted, where the emitter escapes it ("\N", "\L", ...)
+_BREAKS = frozenset("\x85\u2028\u2029\r")
+
+
 def _str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    if _BREAKS.intersection(value):
+        return dumper.represent_scalar("tag:yaml.org,2002:str", value, style='"')
     style = "|" if "\n" in value and not value.endswith("\n\n") else None
     return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
 

@@ -328,6 +328,56 @@ def test_bad_input_is_refused_and_nothing_is_registered(
     assert not adapters_dir.exists() or not any(adapters_dir.iterdir())
 
 
+def test_hostile_input_to_create_is_a_400_and_text_comes_back_as_sent(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters, tmp_path: Path
+) -> None:
+    """Input a local page or process can send: each was a 500 (or a model every request then
+    refused, or text changed on the way to the registry file)."""
+    server, _ = served
+    base = server.base_url
+    config = (adapters.sql / "adapter_config.json").read_bytes()
+    digest = "sha256:" + hashlib.sha256(config).hexdigest()
+    assert httpx.post(f"{base}/api/blobs/{digest}%0A", content=config).status_code == 400
+    assert httpx.head(f"{base}/api/blobs/{digest}%0A").status_code == 400
+    c = client(server)
+    weights = c.create_blob(adapters.sql / "adapters.safetensors")
+    deep = tmp_path / "adapter_config.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000, encoding="utf-8")
+    nan = tmp_path / "nan" / "adapter_config.json"
+    nan.parent.mkdir()
+    nan.write_text(json.dumps({**json.loads(config), "lora_parameters": {"scale": 1e999}}))
+    cases = [
+        {"adapters": {"adapter_config.json": c.create_blob(deep), "adapters.safetensors": weights}},
+        {"adapters": {"adapter_config.json": c.create_blob(nan), "adapters.safetensors": weights}},
+        {"adapters": {"a\0b": digest}},
+        {"adapters": {"x" * 300: digest}},
+        {"modelfile": 'FROM coder\nSYSTEM "\\ud800"'},
+        {"modelfile": "FROM coder\nADAPTER ~nosuchuser/x"},
+        {"modelfile": "FROM coder\nDRAFT /" + "a" * 5000},
+        {"modelfile": "FROM coder\nADAPTER x", "path": "~nosuchuser/Modelfile"},
+        {"from": "~nosuchuser/x"},
+        {"parameters": {"top_p": 7}},
+        {"parameters": {"seed": 2**70}},
+        {"modelfile": "FROM coder\nPARAMETER temperature nan"},
+    ]
+    for body in cases:
+        r = httpx.post(
+            f"{base}/api/create", json={"model": "bad", "from": "coder", **body}, timeout=60
+        )
+        assert r.status_code == 400 and r.json()["error"], (body, r.text)
+    assert "bad:latest" not in tags(server)
+    text = "a\x85b\u2028c\nd\x85"  # breaks a YAML reader takes wherever they stand bare
+    made = {
+        "model": "odd",
+        "from": "coder",
+        "system": text,
+        "messages": [{"role": "user", "content": text}],
+    }
+    assert httpx.post(f"{base}/api/create", json=made, timeout=60).status_code == 200
+    shown = httpx.post(f"{base}/api/show", json={"model": "odd"}).json()
+    assert shown["system"] == text and shown["messages"][0]["content"] == text
+
+
 def test_a_model_shipped_in_the_package_is_a_base_to_create_from(
     served: tuple[RunningServer, ServerThread],
 ) -> None:
