@@ -83,10 +83,13 @@ def _spec(body: CreateRequest) -> CreateSpec:
         spec.parameters = parsed.parameters
         spec.system, spec.template = parsed.system, parsed.template
         spec.messages = parsed.messages or None
+        spec.license = parsed.licenses
     spec.from_ = body.from_ or spec.from_
     spec.adapter_blobs = dict(body.adapters or {})
     spec.parameters = {**spec.parameters, **(body.parameters or {})}
     spec.system = body.system or spec.system
+    if body.license:
+        spec.license = [body.license] if isinstance(body.license, str) else list(body.license)
     spec.template = body.template or spec.template
     if body.messages is not None:
         spec.messages = [

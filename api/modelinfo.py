@@ -95,12 +95,30 @@ def _adapters(entry: ModelEntry) -> tuple[str, int]:
         return "|".join(f"{r.ref}:{r.scale}" for r in refs), 0
 
 
+def _settings(entry: ModelEntry) -> str:
+    """What the entry sets beside its files, for its ID: a model created with another system
+    prompt, template, parameters, messages or license is another model (as Ollama's manifest
+    digest covers those layers); "" where it sets none."""
+    fields = {
+        "system": entry.system,
+        "template": entry.template,
+        "options": dict(entry.options),
+        "messages": [dict(m) for m in entry.messages],
+        "license": list(entry.license),
+    }
+    kept = {k: v for k, v in fields.items() if v}
+    return json.dumps(kept, sort_keys=True, default=str) if kept else ""
+
+
 def _read_local(entry: ModelEntry, target: Path, draft: Path | None) -> LocalModel:
     dirs = [target] + ([draft] if draft else [])
     # a model created on a base (its adapters uploaded then) is as new as its adapters
     adapters = [Path(a.ref) for a in (*entry.adapters, *entry.draft_adapters) if a.is_path]
     files = [p for d in dirs + [a for a in adapters if a.is_dir()] for p in d.iterdir()]
     mtime = max((p.stat().st_mtime for p in files if p.is_file()), default=0.0)
+    if entry.modified_at:  # created or copied since: a new model, as Ollama's manifest is
+        written = datetime.fromisoformat(entry.modified_at.replace("Z", "+00:00"))
+        mtime = max(mtime, written.timestamp())
     digest = model_digest(target)
     if draft is not None:
         digest = hashlib.sha256(f"{digest}:{model_digest(draft)}".encode()).hexdigest()
@@ -108,6 +126,9 @@ def _read_local(entry: ModelEntry, target: Path, draft: Path | None) -> LocalMod
     revision, adapter_bytes = _adapters(entry)
     if revision:
         digest = hashlib.sha256(f"{digest}:{revision}".encode()).hexdigest()
+    settings = _settings(entry)
+    if settings:
+        digest = hashlib.sha256(f"{digest}:{settings}".encode()).hexdigest()
     return LocalModel(
         entry=entry,
         target_dir=target,
@@ -217,6 +238,7 @@ def show_json(m: LocalModel, unavailable: str | None = None, verbose: bool = Fal
         modelfile.append(f'SYSTEM """{entry.system}"""')
     modelfile += [f"PARAMETER {line}" for line in params.splitlines()]
     modelfile += [f'MESSAGE {m["role"]} """{m["content"]}"""' for m in entry.messages]
+    modelfile += [f'LICENSE """{text}"""' for text in entry.license]
     return ShowResponse(
         modelfile="\n".join(modelfile) + "\n",
         parameters=params,
@@ -226,7 +248,7 @@ def show_json(m: LocalModel, unavailable: str | None = None, verbose: bool = Fal
         capabilities=capabilities(m),
         modified_at=rfc3339(m.modified_at),
         system=entry.system or None,
-        license=license_text(m.target_dir),
+        license="\n".join(entry.license) if entry.license else license_text(m.target_dir),
         messages=[dict(m) for m in entry.messages] or None,
         draft=DraftInfo(entry.draft, str(m.draft_dir)) if entry.draft else None,
         unavailable=unavailable,

@@ -29,7 +29,7 @@ from mlxd.registry.pull import Progress
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import KNOWN_OPTIONS, check_option
 from mlxd.registry.store import is_complete_model, resolve_local
-from mlxd.registry.userfile import entry_fields, set_entry
+from mlxd.registry.userfile import entry_fields, set_entry, written_now
 
 __all__ = ["CreateError", "CreateSpec", "create_model"]
 
@@ -55,6 +55,7 @@ class CreateSpec:
     system: str | None = None
     template: str | None = None
     messages: list[dict[str, str]] | None = None
+    license: list[str] = field(default_factory=list)  # added to the base's
 
 
 def local_path(raw: str, what: str) -> Path:
@@ -225,7 +226,10 @@ def create_model(
         if not is_complete_model(draft):
             raise CreateError(f"'{spec.draft}' holds no model (a config.json and its weights)")
         fields["draft"] = str(draft.resolve())
+    if spec.license:
+        fields["license"] = [*fields.get("license", []), *spec.license]
     fields.pop("description", None)
+    fields["modified_at"] = written_now()
     yield Progress("writing manifest")
     with contextlib.suppress(KeyError):
         if not fields["messages"]:

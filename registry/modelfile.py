@@ -1,7 +1,7 @@
 """Ollama's Modelfile: parsed into the fields of a create request, and written back out.
 
-The commands mlxd understands are `FROM`, `DRAFT` (mlxd's: the speculative draft), `ADAPTER`, `PARAMETER`, `SYSTEM`, `TEMPLATE`,
-`MESSAGE` and `LICENSE` (kept out: a registry entry has no license); values may be quoted, and
+The commands mlxd understands are `FROM`, `DRAFT` (mlxd's: the speculative draft), `ADAPTER`,
+`PARAMETER`, `SYSTEM`, `TEMPLATE`, `MESSAGE` and `LICENSE` (one or more); values may be quoted, and
 `\"\"\"` opens a multi-line value, as in Ollama. Anything else is an error that names the line.
 """
 
@@ -34,6 +34,7 @@ class Modelfile:
     system: str | None = None
     template: str | None = None
     messages: list[dict[str, str]] = field(default_factory=list)
+    licenses: list[str] = field(default_factory=list)
 
 
 def _value(raw: str) -> str:
@@ -145,6 +146,8 @@ def parse_modelfile(text: str) -> Modelfile:
             if role not in ("system", "user", "assistant"):
                 raise ModelfileError(f"line {line}: MESSAGE role must be system, user or assistant")
             spec.messages.append({"role": role, "content": _value(content)})
+        elif command == "license":
+            spec.licenses.append(_value(rest))
     if spec.from_ is None:
         raise ModelfileError("no FROM line")
     return spec

@@ -83,7 +83,7 @@ from mlxd.registry.store import (
     remember_hash,
     resolve_local,
 )
-from mlxd.registry.userfile import entry_fields, file_lock, remove_entry, set_entry
+from mlxd.registry.userfile import entry_fields, file_lock, remove_entry, set_entry, written_now
 
 log = logging.getLogger(__name__)
 
@@ -995,5 +995,6 @@ def delete_model(
 def copy_model(entry: ModelEntry, destination: str, env: Mapping[str, str] = os.environ) -> str:
     """Register ``destination`` in the user registry with ``entry``'s fields; the display name."""
     name = parse_name(destination).display
-    set_entry(name, entry_fields(entry), path=user_registry_path(env))
+    fields = {**entry_fields(entry), "modified_at": written_now()}  # a new model, as Ollama's
+    set_entry(name, fields, path=user_registry_path(env))
     return name

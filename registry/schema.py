@@ -23,12 +23,14 @@ the plain constructed dict, which forgets where things came from.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -68,6 +70,8 @@ ENTRY_KEYS: tuple[str, ...] = (
     "adapters",
     "draft_adapters",
     "messages",
+    "license",
+    "modified_at",
     "kind",
     "pooling",
     "distributed",
@@ -174,6 +178,8 @@ class ModelEntry:
     adapters: tuple[AdapterRef, ...] = ()  # mounted on the target, selected per request
     draft_adapters: tuple[AdapterRef, ...] = ()  # mounted on the draft model
     messages: tuple[Mapping[str, str], ...] = field(default=(), hash=False)  # chats start so
+    license: tuple[str, ...] = ()  # the license texts a create gave it (Ollama's LICENSE)
+    modified_at: str | None = None  # RFC 3339: when a create or copy wrote the entry
     distributed: Distribution | None = None  # the target sharded over several processes
     # where it was read (for messages): not part of what the entry is, so a line moved by an
     # edit elsewhere in the file changes nothing served
@@ -427,6 +433,8 @@ def _load_entry(
         "adapters": lambda v: _check_adapters(v, base_dir),
         "draft_adapters": lambda v: _check_adapters(v, base_dir),
         "messages": _check_messages,
+        "license": _check_license,
+        "modified_at": _check_time,
         "distributed": lambda v: check_distributed(v, base_dir),
     }
     for key, key_node, value_node in ctx.pairs(vnode, name):
@@ -467,6 +475,25 @@ def _check_ref(value: Any, base_dir: Path) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ValueError(f"expected a hub repo id or a directory path, got {_describe(value)}")
     return resolve_target(value.strip(), base_dir)
+
+
+def _check_license(value: Any) -> tuple[str, ...]:
+    """`license:` one text or a list of them."""
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
+        raise ValueError(f"expected a license text or a list of them, got {_describe(value)}")
+    return tuple(texts)
+
+
+def _check_time(value: Any) -> str:
+    """An RFC 3339 time (`2026-12-05T07:30:00Z`); YAML may have read it as a datetime."""
+    if isinstance(value, datetime):
+        value = value.isoformat().replace("+00:00", "Z")
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            datetime.fromisoformat(value.replace("Z", "+00:00"))
+            return value
+    raise ValueError(f"expected an RFC 3339 time, got {_describe(value)}")
 
 
 def _check_messages(value: Any) -> tuple[Mapping[str, str], ...]:

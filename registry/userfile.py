@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,11 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def written_now() -> str:
+    """An entry's `modified_at` for a write now (a create or copy), as the API prints times."""
+    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 def entry_fields(entry: ModelEntry) -> dict[str, Any]:
     """The registry-file fields of ``entry`` (what ``mlxd cp`` copies), in schema order."""
     fields: dict[str, Any] = {"target": portable_ref(entry.target)}
@@ -135,6 +141,8 @@ def entry_fields(entry: ModelEntry) -> dict[str, Any]:
             fields[key] = value
     if entry.messages:
         fields["messages"] = [dict(m) for m in entry.messages]
+    if entry.license:
+        fields["license"] = list(entry.license)
     for key in ("adapters", "draft_adapters"):
         refs = getattr(entry, key)
         if refs:

@@ -378,6 +378,40 @@ def test_hostile_input_to_create_is_a_400_and_text_comes_back_as_sent(
     assert shown["system"] == text and shown["messages"][0]["content"] == text
 
 
+def test_a_created_model_is_a_new_model_with_its_license(
+    served: tuple[RunningServer, ServerThread],
+) -> None:
+    """As Ollama's create writes a new manifest: the model is listed first (modified now, not
+    when its base's files were), has its own ID where its settings differ, and keeps the
+    license it was given (a copy keeps the ID: nothing differs)."""
+    server, _ = served
+    base = server.base_url
+    c = client(server)
+    c.create(model="licensed", from_="coder", license=["MIT", "Apache-2.0"], system="Be brief.")
+    modelfile = 'FROM coder\nLICENSE """BSD\nthree clauses"""\n'
+    assert (
+        httpx.post(f"{base}/api/create", json={"model": "bsd", "modelfile": modelfile}).status_code
+        == 200
+    )
+    shown = c.show("licensed")
+    assert shown.license == "MIT\nApache-2.0"
+    assert 'LICENSE """MIT"""' in (shown.modelfile or "")
+    assert c.show("bsd").license == "BSD\nthree clauses"
+    assert (
+        httpx.post(f"{base}/api/copy", json={"source": "coder", "destination": "again"}).status_code
+        == 200
+    )
+    listed = {m.model: m for m in c.list().models}
+    assert [m.model for m in c.list().models][:3] == [
+        "again:latest",
+        "bsd:latest",
+        "licensed:latest",
+    ]
+    assert listed["licensed:latest"].digest != listed["coder:latest"].digest
+    assert listed["again:latest"].digest == listed["coder:latest"].digest
+    assert listed["again:latest"].modified_at > listed["coder:latest"].modified_at
+
+
 def test_a_model_shipped_in_the_package_is_a_base_to_create_from(
     served: tuple[RunningServer, ServerThread],
 ) -> None:

@@ -340,10 +340,11 @@ def test_cli_ps_and_stop(srv: RunningServer, base: str, tiny_pair: TinyPair) -> 
     header, first, second = listed.stdout.splitlines()
     assert re.split(r"\s{2,}", header) == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
     processor = f"100% {stats(base)['device'].upper()}"
-    digest = ps(base)[TINY]["digest"][:12]  # sys serves the same files
+    ids = {name: m["digest"][:12] for name, m in ps(base).items()}  # sys: tiny's files, its own ID
+    assert ids[SYS] != ids[TINY]
     size = human_size(tiny_need(tiny_pair))
-    assert re.split(r"\s{2,}", first) == [SYS, digest, size, processor, "2048", "Forever"]
-    assert re.split(r"\s{2,}", second) == [TINY, digest, size, processor, "2048", "4 minutes from now"]  # fmt: skip
+    assert re.split(r"\s{2,}", first) == [SYS, ids[SYS], size, processor, "2048", "Forever"]
+    assert re.split(r"\s{2,}", second) == [TINY, ids[TINY], size, processor, "2048", "4 minutes from now"]  # fmt: skip
 
     stopped = mlxd(srv.port, "stop", "tiny")
     assert stopped.returncode == 0, stopped.stderr
