@@ -194,13 +194,13 @@ def test_one_load_evicts_one_model(registry: Path, tmp_path: Path) -> None:
         with streaming(base, "slow"):
             with streaming(base, "other"):
                 waiter, done = in_background(base, "third")
-                assert wait_for(lambda: stats(base)["queue"]["waiting"] == 1, 20)
+                assert wait_for(lambda: stats(base)["queue"]["waiting"] == 1, 60)
 
             # `other` is idle now, `slow` (chosen, the least recently used) still streams
             def active() -> dict[str, int]:
                 return {m["name"]: m["active"] for m in stats(base)["models"]}
 
-            assert wait_for(lambda: active() == {"slow:latest": 1, "other:latest": 0}, 20)
+            assert wait_for(lambda: active() == {"slow:latest": 1, "other:latest": 0}, 60)
         waiter.join(60)
         assert done and done[0].status_code == 200
         loaded = {m["name"] for m in httpx.get(f"{base}/api/ps").json()["models"]}
