@@ -103,6 +103,13 @@ async def with_pairing(
         state.manager.release(slot)
 
 
+def _after(before: list[int], new: list[int], tokenizer: Any) -> list[int]:
+    """`new` as it follows `before`: a BOS a chat template wrote at its start is dropped after
+    a `context`, as Ollama reads a context and the next prompt as one text."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    return new[1:] if before and new and new[0] == bos else new
+
+
 def tokenize(
     pairing: Pairing,
     opts: SamplingOptions,
@@ -118,10 +125,11 @@ def tokenize(
     text's head and its most recent tokens (`engine.truncation`), with a warning in the log,
     as Ollama's runner does; with `truncate` false it is refused instead (400)."""
     budget = Budget.of(pairing.row_context(opts), opts.num_predict, pairing.chars_per_token)
-    specials = not templated or isinstance(text, BareText)  # a chat template's text has its own
+    # a chat template's text has its own BOS; after a `context` (which opens with one) none
+    specials = (not templated or isinstance(text, BareText)) and not before
     new: list[int] | None = None
     if len(text) <= budget.window:
-        new = encode(pairing.tokenizer, text, specials)
+        new = _after(before, encode(pairing.tokenizer, text, specials), pairing.tokenizer)
         if not before and not new:
             raise ApiError(400, "prompt is empty after rendering")
         if len(before) + len(new) <= budget.prompt:
@@ -135,7 +143,9 @@ def tokenize(
         # the characters before the request's own content: the start it shares with
         # the rendering that leaves that content out
         cut = shared_prefix(text, start) if start else 0
-        kept_head = encode(pairing.tokenizer, text[:cut], specials)
+        kept_head = _after(
+            before, encode(pairing.tokenizer, text[:cut], specials), pairing.tokenizer
+        )
         body = encode(pairing.tokenizer, text[cut:][-budget.window :], False)
         new = fit(kept_head, body, budget.prompt)
     room = budget.prompt - len(new)

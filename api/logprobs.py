@@ -52,25 +52,36 @@ def openai_chat_json(entries: Sequence[Logprob]) -> dict[str, Any]:
 class TextOffsets:
     """Where each token's text starts in a choice's text, in characters: those its tokens'
     own bytes decode to before it. A token that continues a character shares that character's
-    offset; one pass over a response's tokens, whether they go out whole or in pieces."""
+    offset; one pass over a response's tokens, whether they go out whole or in pieces. A
+    SentencePiece reply's text drops its first token's space (`▁Hello` opens it as "Hello"):
+    the spaces the text does not start with are not counted."""
 
     def __init__(self) -> None:
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self._chars = 0
+        self._dropped: int | None = None  # leading spaces the text leaves out (known once seen)
 
-    def take(self, entries: Sequence[Logprob]) -> list[int]:
+    def take(self, entries: Sequence[Logprob], text: str) -> list[int]:
+        """Offsets of `entries`, which carry `text` (the next part of the choice's text)."""
         out = []
         for p in entries:
-            out.append(self._chars)
-            self._chars += len(self._decoder.decode(bytes(p.bytes)))
+            out.append(max(0, self._chars - (self._dropped or 0)))
+            piece = self._decoder.decode(bytes(p.bytes))
+            if self._dropped is None and piece:
+                spaces = len(piece) - len(piece.lstrip(" "))
+                self._dropped = max(0, spaces - (len(text) - len(text.lstrip(" "))))
+            self._chars += len(piece)
         return out
 
 
-def openai_completion_json(entries: Sequence[Logprob], offsets: TextOffsets) -> dict[str, Any]:
-    """A text choice's legacy `logprobs`: parallel lists, `text_offset` from `offsets`."""
+def openai_completion_json(
+    entries: Sequence[Logprob], offsets: TextOffsets, text: str
+) -> dict[str, Any]:
+    """A text choice's legacy `logprobs`: parallel lists, `text_offset` from `offsets` (the
+    entries carry `text`)."""
     return {
         "tokens": [p.token for p in entries],
         "token_logprobs": [p.logprob for p in entries],
         "top_logprobs": [{t.token: t.logprob for t in p.top} for p in entries],
-        "text_offset": offsets.take(entries),
+        "text_offset": offsets.take(entries, text),
     }

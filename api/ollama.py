@@ -201,11 +201,22 @@ async def _load_or_unload(
 
 def _continued(done: Done, tokenizer: Any) -> list[int]:
     """The output as `context` carries it: its tokens, or where a stop string cut the text
-    short of them, the text sent, tokenized (as Ollama's `context` is: a client continues
-    from what it read, not from the stop it never saw)."""
-    if done.stopped_text is None:
-        return done.output_tokens
-    return list(tokenizer.encode(done.stopped_text, add_special_tokens=False))
+    short of them, the text sent (as Ollama's `context` is: a client continues from what it
+    read, not from the stop it never saw): the tokens whose text it holds whole, then the
+    rest of it tokenized. Tokenizing all of it anew would read the reply out of its place (a
+    SentencePiece tokenizer gives its first word a space the model never wrote)."""
+    out, text = done.output_tokens, done.stopped_text
+    if text is None:
+        return out
+    lo, hi = 0, len(out)  # the most tokens whose text the sent text starts with
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if text.startswith(tokenizer.decode(out[:mid])):
+            lo = mid
+        else:
+            hi = mid - 1
+    rest = text[len(tokenizer.decode(out[:lo])) :]
+    return out[:lo] + (list(tokenizer.encode(rest, add_special_tokens=False)) if rest else [])
 
 
 def _rendered(name: str, text: str, images: int, **reply: Any) -> Response:

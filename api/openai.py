@@ -503,7 +503,7 @@ async def completions(request: Request) -> Response:
         answer = await while_connected(request, collect(state.manager, slot, gen))
         logprobs = None
         if top is not None:
-            logprobs = openai_completion_json(answer.logprobs, TextOffsets())
+            logprobs = openai_completion_json(answer.logprobs, TextOffsets(), answer.text)
         choice = TextChoice(answer.text, 0, _finish_reason(answer.done), logprobs)
         return json_response(env.wrap([choice], _usage(answer.done)))
 
@@ -511,7 +511,7 @@ async def completions(request: Request) -> Response:
     offsets = TextOffsets()  # over the whole stream
 
     def piece(part: Part, first: bool, lps: tuple[Logprob, ...] = ()) -> Completion:
-        logprobs = openai_completion_json(lps, offsets) if lps else None
+        logprobs = openai_completion_json(lps, offsets, _text(part)) if lps else None
         return env.wrap([TextChoice(_text(part), 0, None, logprobs)], each)
 
     return _sse(

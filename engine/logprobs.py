@@ -75,11 +75,16 @@ def readable(
 ) -> Logprob:
     """`entry` with its tokens as text and bytes: `raw` gives a token's own bytes (a token
     that is part of a character decodes to U+FFFD; its bytes then say which part), so the
-    bytes of consecutive tokens join into the text."""
+    bytes of consecutive tokens join into the text, and the text is what they decode to (a
+    SentencePiece `▁world` is " world": decoded alone, the tokenizer drops its space)."""
 
     def one(token: int, logprob: float, top: tuple[Logprob, ...] = ()) -> Logprob:
-        text = decode([token])
-        data = raw(token) if raw is not None else text.encode("utf-8", "surrogatepass")
+        if raw is None:
+            text = decode([token])
+            data = text.encode("utf-8", "surrogatepass")
+        else:
+            data = raw(token)
+            text = data.decode("utf-8", "replace")
         return Logprob(text, logprob, tuple(data), top)
 
     return one(entry.token, entry.logprob, tuple(one(t, v) for t, v in entry.top))

@@ -403,6 +403,9 @@ def load_pairing(
         close_target(target)
         raise ModelUnavailable(f"a forward pass failed: {exc}") from exc
     vocab = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    fim = detect_fim(vocab)
+    if fim is not None and fim.end in vocab:  # a fill ends there (CodeLlama's <EOT>)
+        tokenizer.add_eos_token(fim.end)
     return Pairing(
         entry=entry,
         target=target,
@@ -412,7 +415,7 @@ def load_pairing(
         draft_dir=draft_dir,
         config=config,
         costs=costs,
-        fim=detect_fim(vocab),
+        fim=fim,
         revision=revision_of(target_dir, config, backend),
         draft_revision=draft_revision,
         kv=kv,

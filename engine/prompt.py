@@ -17,21 +17,26 @@ class PromptError(ValueError):
 
 @dataclass(frozen=True)
 class FimFormat:
-    """Fill-in-the-middle special tokens, prefix-suffix-middle order."""
+    """Fill-in-the-middle special tokens, prefix-suffix-middle order; `lead`: text between the
+    prefix token and the prompt; `end`: the token that ends a fill, where it is not EOS."""
 
     prefix: str
     suffix: str
     middle: str
+    lead: str = ""
+    end: str | None = None
 
     def render(self, prefix: str, suffix: str) -> str:
-        return f"{self.prefix}{prefix}{self.suffix}{suffix}{self.middle}"
+        return f"{self.prefix}{self.lead}{prefix}{self.suffix}{suffix}{self.middle}"
 
 
 _FIM_FORMATS = (
     FimFormat("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder, StarCoder2
     FimFormat("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),  # StarCoder
     FimFormat("<｜fim▁begin｜>", "<｜fim▁hole｜>", "<｜fim▁end｜>"),  # DeepSeek-Coder
-    FimFormat("<PRE>", "<SUF>", "<MID>"),  # CodeLlama
+    # CodeLlama, whose pieces carry the space before them: "<PRE> {prefix} <SUF>{suffix} <MID>"
+    FimFormat("\u2581<PRE>", "\u2581<SUF>", "\u2581<MID>", lead=" ", end="\u2581<EOT>"),
+    FimFormat("<PRE>", "<SUF>", "<MID>"),  # the same, converted without the spaces
 )
 
 

@@ -30,7 +30,7 @@ def token_bytes(tokenizer: Any) -> TokenBytes:
         return decode([token]).encode("utf-8", "surrogatepass")
 
     if not isinstance(table, list) or not table:
-        return text_bytes
+        return _spm_pieces(tokenizer) or text_bytes
     if isinstance(table[0], bytes):  # SentencePiece: bytes already, `▁` for a space
         return lambda t: table[t].replace(SPM_SPACE, b" ") if t < len(table) else text_bytes(t)
     alphabet = _byte_alphabet()
@@ -42,6 +42,29 @@ def token_bytes(tokenizer: Any) -> TokenBytes:
         return b"".join(bytes([alphabet[c]]) if c in alphabet else c.encode("utf-8") for c in piece)
 
     return bpe
+
+
+def _spm_pieces(tokenizer: Any) -> TokenBytes | None:
+    """A SentencePiece vocabulary's bytes where mlx-lm holds no table for it (a model shipping
+    only `tokenizer.model`): read from its pieces, `<0xNN>` a byte and `▁` a space; None for a
+    vocabulary of another kind."""
+    convert = getattr(tokenizer, "convert_ids_to_tokens", None)
+    vocab = getattr(tokenizer, "vocab", None)
+    if convert is None or not isinstance(vocab, dict) or "<0x0A>" not in vocab:
+        return None
+    if not any(piece.startswith("\u2581") for piece in vocab):
+        return None
+    decode: Decode = tokenizer.decode
+
+    def piece_bytes(token: int) -> bytes:
+        piece = convert(token)
+        if not isinstance(piece, str):
+            return decode([token]).encode("utf-8", "surrogatepass")
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            return bytes([int(piece[3:5], 16)])
+        return piece.replace("\u2581", " ").encode("utf-8", "surrogatepass")
+
+    return piece_bytes
 
 
 @functools.lru_cache(maxsize=1)
