@@ -84,13 +84,14 @@ class Lifecycle:
         if error is not None:
             return error
         stale, fresh = changed_entries(before, self.live())
-        if (stale or fresh) and self._loop is not None:
+        if self._loop is not None:  # an entry as it was may have new files (a pull)
             self._loop.call_soon_threadsafe(self._apply, stale, fresh)
         return None
 
     def _apply(self, stale: list[str], fresh: list[ModelEntry]) -> None:
         for name in stale:
             self.manager.unload(name, shared=True)
+        self.manager.unload_changed()
         if fresh:
             log.info("registry changed: %s", ", ".join(e.name for e in fresh) or "removals only")
             task = asyncio.get_running_loop().create_task(self.manager.probe_all(fresh))

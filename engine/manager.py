@@ -287,6 +287,7 @@ class Resident:
     # entries served on this base, the most recently used last
     names: dict[str, None] = field(default_factory=dict)
     key: tuple[object, ...] = ()  # where the manager keeps it (`_key_for`)
+    files: tuple[tuple[str, int, int], ...] = ()  # `files_stamp` of its entry when it loaded
 
     @property
     def loading(self) -> bool:
@@ -695,7 +696,10 @@ class ModelManager:
             runner = EmbeddingRunner(entry, self.backend, spec)
         else:
             runner = PairingRunner(entry, self.backend, costs, self.prefix, self.num_parallel)
-        model = Resident(entry, runner, need, self.default_keep_alive, key=_key_for(entry))
+        model = Resident(
+            entry, runner, need, self.default_keep_alive, key=_key_for(entry),
+            files=files_stamp(entry),
+        )  # fmt: skip
         self._loaded[model.key] = model
         self.counts.note(LOAD, entry.name)
         log.info("loading %s (%s)", entry.name, human_bytes(need.total))
@@ -888,6 +892,18 @@ class ModelManager:
             if model.users == 0:
                 self._retire(model)
         return bool(found)
+
+    def unload_changed(self) -> list[str]:
+        """Unload (once idle) the models whose files changed since they loaded: a pull that
+        fetched a new revision of a served repo is served from the next load on, as Ollama
+        reloads a model whose files changed. The names unloaded."""
+        changed = [m for m in self._loaded.values() if files_stamp(m.entry) != m.files]
+        for model in changed:
+            log.info("the files of %s changed: it reloads when next used", model.entry.name)
+            model.keep_alive = 0
+            if model.users == 0:
+                self._retire(model)
+        return [m.entry.name for m in changed]
 
     def loaded(self) -> dict[str, Resident]:
         """Loaded bases by the name of the entry each was loaded for."""

@@ -46,7 +46,7 @@ import re
 import shutil
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -71,7 +71,7 @@ from huggingface_hub.file_download import http_get, repo_folder_name
 from huggingface_hub.utils import build_hf_headers, filter_repo_objects
 
 from mlxd.registry.home import user_registry_path
-from mlxd.registry.names import HUB_HOSTS, hub_name, parse_name
+from mlxd.registry.names import HUB_HOSTS, ModelName, hub_name, parse_name
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import ModelEntry, RegistryError
 from mlxd.registry.store import (
@@ -109,6 +109,9 @@ __all__ = [
 DEFAULT_ENDPOINT = "https://huggingface.co"
 PROGRESS_INTERVAL = 0.08  # seconds between progress objects while a file downloads
 DOWNLOAD_CHUNK = 1024 * 1024  # bytes per read: how often progress moves and a cancel is seen
+# the manifest's request (huggingface_hub sets no limit on it): a hub that never answers is a
+# clear error, not a pull that waits for ever (a large repo's listing takes a few seconds)
+MANIFEST_TIMEOUT_S = 30.0
 
 _COMMIT_RE = re.compile(r"[0-9a-f]{40}")
 _SHA1_RE = re.compile(r"[0-9a-f]{40}")
@@ -255,6 +258,7 @@ class PullPlan:
     hub: tuple[HubRef, ...]  # target first, then the draft
     local: tuple[Path, ...] = ()  # local directories the entry points at (must exist)
     register: bool = False  # add ``name`` to the user registry once the files are in
+    keep: Mapping[str, Any] = field(default_factory=dict)  # the entry's fields a pull keeps
 
 
 def _cache_ref(target: str, env: Mapping[str, str]) -> HubRef | Path:
@@ -301,22 +305,34 @@ def plan_pull(
     :class:`PullError` for one that is neither registered nor a hub repo.
     """
     name = parse_name(ref)
-    if registry is not None:
-        entry = registry.get(ref)
-        if entry is not None:
-            return _entry_plan(entry, env)
     hub = hub_name(name)
+    entry = registry.get(ref) if registry is not None else None
+    if entry is None and hub is not None and registry is not None:
+        entry = registry.get(hub.display)  # pulled before (or configured) under its hub name
+    if entry is not None and not (hub is not None and _tag_moves(entry, hub, env)):
+        return _entry_plan(entry, env)
     if hub is None:
         raise PullNotFound("pull model manifest: file does not exist")
-    if registry is not None:
-        entry = registry.get(hub.display)
-        if entry is not None:  # pulled before (or configured) under its hub name
-            return _entry_plan(entry, env)
     revision = "main" if hub.tag.lower() == "latest" else hub.tag
     return PullPlan(
         name=hub.display,
         hub=(HubRef(f"{hub.namespace}/{hub.model}", revision),),
         register=True,
+        keep=entry_fields(entry) if entry is not None else {},
+    )
+
+
+def _tag_moves(entry: ModelEntry, hub: ModelName, env: Mapping[str, str]) -> bool:
+    """Whether `entry` is a pull of `hub`'s tag (registered at the commit the tag named then),
+    which a pull must look up again, as `ollama pull model:tag` does: the tag may have moved.
+    A `latest` entry follows the hub's main branch by itself; a commit never moves."""
+    if hub.tag.lower() == "latest" or _COMMIT_RE.fullmatch(hub.tag) or entry.draft is not None:
+        return False
+    pinned = _cache_ref(entry.target, env)
+    return (
+        isinstance(pinned, HubRef)
+        and pinned.pinned
+        and pinned.repo_id.lower() == f"{hub.namespace}/{hub.model}".lower()
     )
 
 
@@ -428,7 +444,9 @@ def _checked_file(repo_id: str, name: str, size: Any, oid: Any, sha256: Any) -> 
 
 
 def _fetch_manifest(ref: HubRef, api: HfApi, cache: Path) -> _Manifest:
-    info = api.model_info(ref.repo_id, revision=ref.revision, files_metadata=True)
+    info = api.model_info(
+        ref.repo_id, revision=ref.revision, files_metadata=True, timeout=MANIFEST_TIMEOUT_S
+    )
     commit = info.sha or ""
     if not _COMMIT_RE.fullmatch(commit):
         raise PullError(
@@ -838,11 +856,19 @@ def pull(
         _check_space(jobs, cache)
 
         downloaded: list[_Job] = []
+        shown: set[str] = set()  # one series per digest: a file the draft shares with the
+        # target (its tokenizer) is fetched into each repo, its bar drawn once
         for job in jobs:
             if cancel.is_set():
                 raise PullCancelled()
             fetching = job.state == "download"
-            yield from _transfer(job, endpoint, token, cancel)
+            moves = _transfer(job, endpoint, token, cancel)
+            if job.digest in shown:
+                for _ in moves:
+                    pass
+            else:
+                shown.add(job.digest)
+                yield from moves
             if fetching and job.state == "download":
                 downloaded.append(job)
 
@@ -861,7 +887,8 @@ def pull(
             for manifest in manifests:
                 _write_ref(manifest)
             if plan.register:
-                set_entry(plan.name, _registration(manifests[0]), path=user_registry_path(env))
+                fields = {**plan.keep, **_registration(manifests[0])}
+                set_entry(plan.name, fields, path=user_registry_path(env))
         except Exception as exc:
             raise _explain(exc, "write manifest", endpoint) from exc
     yield Progress("success")

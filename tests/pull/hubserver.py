@@ -34,6 +34,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -122,6 +123,7 @@ class HubServer:
     def __init__(self, lfs_patterns: Iterable[str] = LFS_PATTERNS) -> None:
         self.lfs_patterns = tuple(lfs_patterns)
         self.lfs_redirect = False
+        self.stall_api = 0.0  # seconds the model-info API waits before it answers
         self._repos: dict[str, _Repo] = {}
         self._corrupt: set[tuple[str, str]] = set()
         self._cuts: dict[tuple[str, str], _Cut] = {}
@@ -410,6 +412,8 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
         # -- api --
 
         def _api(self, parts: list[str], query: Mapping[str, str]) -> None:
+            if hub.stall_api:
+                time.sleep(hub.stall_api)
             repo_id, rest = self._split_repo(parts)
             repo = hub._repo(repo_id)
             if repo is None:

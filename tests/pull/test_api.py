@@ -57,6 +57,24 @@ def test_pull_with_the_ollama_client_then_list_and_generate(
     assert out.done and out.eval_count == GREEDY["num_predict"] and out.response
 
 
+def test_a_new_revision_pulled_while_loaded_is_served_next(
+    mlxd: RunningServer, hub_env: HubEnv
+) -> None:
+    """The hub's main moved and was pulled again while the model stayed loaded: the next
+    request runs on the new weights (it kept the old ones until the model unloaded), and
+    `/api/ps` names what is loaded."""
+    c = client(mlxd)
+    c.pull("hf.co/org/tiny")
+    prompt = "Why is the sky blue?"
+    before = c.generate(model=HUB_NAME, prompt=prompt, options=GREEDY).response
+    hub_env.hub.add_repo(TARGET_REPO, hub_env.pair.draft)  # a new commit on main
+    c.pull("hf.co/org/tiny")
+    after = c.generate(model=HUB_NAME, prompt=prompt, options=GREEDY).response
+    assert after != before
+    listed = {m.model: m.digest for m in c.list().models}
+    assert {m.model: m.digest for m in c.ps().models} == {HUB_NAME: listed[HUB_NAME]}
+
+
 def test_raw_stream_shape_and_stream_false(mlxd: RunningServer, hub_env: HubEnv) -> None:
     r = raw_pull(mlxd, {"model": "org/tiny"})
     assert r.status_code == 200

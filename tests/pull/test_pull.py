@@ -262,9 +262,46 @@ def test_a_registry_name_pulls_target_and_draft(hub_env: HubEnv, tmp_path: Path)
         f"sha256:{hashlib.sha256(files['model.safetensors']).hexdigest()}"
         for files in (target, draft)
     }
-    assert weights <= set(by_digest(items))
+    groups = by_digest(items)
+    assert weights <= set(groups)
+    for lines in groups.values():  # the tokenizer both share: one series, as Ollama's bar
+        completed = [line.completed or 0 for line in lines]
+        assert completed == sorted(completed) and completed.count(lines[0].total) == 1
     assert resolve_local(TARGET_REPO) is not None and resolve_local(DRAFT_REPO) is not None
     assert user_entries(hub_env) == {}  # already registered: nothing to add
+
+
+def test_pulling_a_tag_again_follows_it_where_it_moved(hub_env: HubEnv) -> None:
+    """As `ollama pull model:tag`: the tag is looked up again (it pinned the entry to the
+    commit it named then), and the entry keeps what the user added to it."""
+    first = hub_env.hub.add_repo(TARGET_REPO, hub_env.pair.target, revision="stable")
+    run("hf.co/org/tiny:stable")
+    storage = hub_env.storage(TARGET_REPO)
+    assert user_entries(hub_env)["hf.co/org/tiny:stable"].target == str(
+        storage / "snapshots" / first
+    )
+    text = hub_env.user_file.read_text(encoding="utf-8")
+    hub_env.user_file.write_text(text + "    system: Be brief.\n", encoding="utf-8")
+    moved = hub_env.hub.add_repo(TARGET_REPO, hub_env.pair.draft, revision="stable")
+    registry = Registry.load([hub_env.user_file])
+    run("hf.co/org/tiny:stable", registry=registry)
+    entry = user_entries(hub_env)["hf.co/org/tiny:stable"]
+    assert entry.target == str(storage / "snapshots" / moved)
+    assert model_files(Path(entry.target)) == model_files(hub_env.pair.draft)
+    assert entry.system == "Be brief."
+    hub_env.hub.clear()
+    run(f"hf.co/org/tiny:{moved}", registry=Registry.load([hub_env.user_file]))
+    assert hub_env.hub.gets() == []  # a commit never moves: nothing fetched
+
+
+def test_a_hub_that_never_answers_the_listing_fails_the_pull(
+    hub_env: HubEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(pull_module, "MANIFEST_TIMEOUT_S", 0.5)
+    hub_env.hub.stall_api = 3.0
+    items, error = failing("org/tiny")
+    assert [i.status for i in items] == ["pulling manifest"]
+    assert "timed out" in str(error) or "cannot reach" in str(error), str(error)
 
 
 def test_hub_names_need_the_user_registry(hub_env: HubEnv, tmp_path: Path) -> None:
