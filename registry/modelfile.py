@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,10 +166,15 @@ def render_modelfile(
     template: str | None,
     messages: list[dict[str, str]] | None = None,
     header: str = "",
+    draft: str | None = None,
+    licenses: Sequence[str] = (),
 ) -> str:
-    """A Modelfile that creates the model again (what `mlxd show --modelfile` prints)."""
+    """A Modelfile that creates the model again (what `/api/show` and `mlxd show --modelfile`
+    print)."""
     lines = [header] if header else []
     lines.append(f"FROM {shlex.quote(from_) if ' ' in from_ else from_}")
+    if draft:
+        lines.append(f"DRAFT {shlex.quote(draft) if ' ' in draft else draft}")
     lines += [f"ADAPTER {a}" for a in adapters]
     if template:
         lines.append(f"TEMPLATE {_quote(template)}")
@@ -179,4 +185,5 @@ def render_modelfile(
             lines.append(f"PARAMETER {key} {json.dumps(v)}")
     for m in messages or []:
         lines.append(f"MESSAGE {m['role']} {_quote(m['content'])}")
+    lines += [f"LICENSE {_quote(text)}" for text in licenses]
     return "\n".join(lines) + "\n"
