@@ -41,6 +41,7 @@ class ChatFormat:
     harmony: bool = False
     think_switch: bool = False  # the template reads `enable_thinking`
     think_levels: bool = False  # the template reads `reasoning_effort` (low/medium/high)
+    named_calls: bool = False  # Mistral v11+: a call is `[TOOL_CALLS]name[ARGS]{...}`
 
     @property
     def thinks(self) -> bool:
@@ -107,6 +108,7 @@ def chat_format(template: str | None) -> ChatFormat:
         harmony=harmony,
         think_switch="enable_thinking" in text,
         think_levels="reasoning_effort" in text,
+        named_calls="[ARGS]" in text,
     )
 
 
@@ -116,7 +118,10 @@ def model_format(template: str | None, tokenizer: Any) -> ChatFormat:
     return chat_format(template or getattr(tokenizer, "chat_template", None))
 
 
-def opens_thinking(prompt: str, tags: ThinkTags) -> bool:
+def opens_thinking(prompt: str, tags: ThinkTags, after: str = "") -> bool:
     """The rendered prompt leaves a think block open (R1 distills, Qwen3-Thinking-2507): the
-    model's output starts inside its reasoning."""
-    return prompt.rfind(tags.open) > prompt.rfind(tags.close)
+    model's output starts inside its reasoning. Only what follows `after` (the request's own
+    last text) counts: a user who writes the tag does not open a block."""
+    at = prompt.rfind(after) if after else -1
+    tail = prompt[at + len(after) :] if at >= 0 else prompt
+    return tail.rfind(tags.open) > tail.rfind(tags.close)

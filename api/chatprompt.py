@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxd.api.chatformat import MISTRAL, ChatFormat, model_format, opens_thinking
+from mlxd.api.chatformat import LLAMA3, MISTRAL, ChatFormat, model_format, opens_thinking
 from mlxd.api.errors import ApiError
 from mlxd.api.reply import Parser, Plain, reply_parser
 from mlxd.api.toolgrammar import AUTO, after_thinking, tool_grammar
@@ -88,7 +88,44 @@ def template_messages(messages: Sequence[dict[str, Any]], fmt: ChatFormat) -> li
             if ident:
                 m["tool_call_id"] = mistral_id(ident) if mistral else ident
         out.append(m)
+    return _one_call_a_turn(out) if fmt.tools == LLAMA3 else out
+
+
+def _one_call_a_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Llama 3.1's template renders one call per assistant turn and refuses a turn of several
+    ("only supports single tool-calls at once"), which the model's own reply of `;`-separated
+    calls is: such a turn goes in as a turn per call, each followed by its result."""
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(messages):
+        m = messages[i]
+        calls = m.get("tool_calls") or []
+        i += 1
+        if m.get("role") != "assistant" or len(calls) < 2:
+            out.append(m)
+            continue
+        results: list[dict[str, Any]] = []
+        while i < len(messages) and messages[i].get("role") == "tool" and len(results) < len(calls):
+            results.append(messages[i])
+            i += 1
+        for n, call in enumerate(calls):
+            out.append(
+                {**m, "tool_calls": [call]}
+                if n == 0
+                else {"role": "assistant", "content": "", "tool_calls": [call]}
+            )
+            out.extend(results[n : n + 1])
     return out
+
+
+def _last_text(messages: Sequence[dict[str, Any]]) -> str:
+    """The last message's text that is not the assistant's (a prefill the model continues may
+    open its reasoning; a user's text never does)."""
+    for msg in reversed(messages):
+        content = msg.get("content")
+        if msg.get("role") != "assistant" and isinstance(content, str) and content:
+            return content
+    return ""
 
 
 class ChatPrompt:
@@ -132,8 +169,9 @@ class ChatPrompt:
             go_template(self.entry.template),
         )  # fmt: skip
         think, tools = self.think.on, self.tools
-        self._parser = lambda: reply_parser(fmt, text, think, tools)
-        inside = fmt.think is not None and think and opens_thinking(text, fmt.think)
+        own = _last_text(self.messages)
+        self._parser = lambda: reply_parser(fmt, text, think, tools, own)
+        inside = fmt.think is not None and think and opens_thinking(text, fmt.think, own)
         if self.answer_format is not None:
             self.grammar = after_thinking(self.answer_format, fmt, pairing.tokenizer, think, inside)
         elif tools:

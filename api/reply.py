@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from mlxd.api.chatformat import ChatFormat, opens_thinking
+from mlxd.api.chatformat import QWEN_XML, ChatFormat, opens_thinking
 from mlxd.api.harmony import HarmonyParser
 from mlxd.api.thinking import CONTENT, THINKING, Piece, ThinkSplitter
 from mlxd.api.tools import ToolCall, ToolCallParser
@@ -65,7 +65,9 @@ class ReplyParser:
         return out
 
 
-def reply_parser(fmt: ChatFormat, prompt: str, think: bool, tools: Sequence[Any] | None) -> Parser:
+def reply_parser(
+    fmt: ChatFormat, prompt: str, think: bool, tools: Sequence[Any] | None, after: str = ""
+) -> Parser:
     """The parser for one request: thinking is split when it is on (from inside the block when
     the prompt opened it); with `think: false` a model that thinks anyway keeps its reasoning
     in the content, as Ollama does, rather than losing it. Tool calls are parsed when tools
@@ -74,7 +76,8 @@ def reply_parser(fmt: ChatFormat, prompt: str, think: bool, tools: Sequence[Any]
         return HarmonyParser(tools)
     splitter = None
     if fmt.think is not None and think:
-        splitter = ThinkSplitter(fmt.think, opens_thinking(prompt, fmt.think))
+        call = "<tool_call>" if tools and fmt.tools == QWEN_XML else None
+        splitter = ThinkSplitter(fmt.think, opens_thinking(prompt, fmt.think, after), call)
     parser = ToolCallParser(fmt.tools, tools) if tools and fmt.tools else None
     if splitter is None and parser is None:
         return Plain()

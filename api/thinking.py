@@ -37,11 +37,16 @@ class ThinkSplitter:
 
     Only a think block at the start of the output is reasoning (as Ollama's parser): once
     content has started, a later `<think>` is content. Whitespace around the tags is dropped,
-    as the templates put newlines there.
+    as the templates put newlines there. `call`: a call's opening that ends the reasoning
+    without its close (Qwen3.5 writes `<tool_call>` then `<function=` before `</think>`); it
+    goes on as content, for the tool parser.
     """
 
-    def __init__(self, tags: ThinkTags, inside: bool = False) -> None:
+    CALL_BODY = "<function="  # what follows `call` where it ends the reasoning
+
+    def __init__(self, tags: ThinkTags, inside: bool = False, call: str | None = None) -> None:
         self.tags = tags
+        self.call = call
         self._state = "thinking" if inside else "start"  # start | thinking | content
         self._held = ""
         self._strip = inside  # drop whitespace at the next text
@@ -74,20 +79,51 @@ class ThinkSplitter:
                 continue
             # thinking
             at = text.find(self.tags.close)
+            call = self._call_at(text, at)
+            if call is not None:
+                if call < 0:  # a call's opening, not yet followed far enough to tell
+                    body = text[: -call - 1].rstrip()
+                    if body:
+                        out.append(Piece(THINKING, body))
+                    self._held = text[len(body) :]
+                    return out
+                if text[:call].rstrip():
+                    out.append(Piece(THINKING, text[:call].rstrip()))
+                self._state = "content"
+                text = text[call:]
+                continue
             if at >= 0:
                 if text[:at].rstrip():
                     out.append(Piece(THINKING, text[:at].rstrip()))
                 self._state, self._strip = "content", True
                 text = text[at + len(self.tags.close) :]
                 continue
-            # hold a possible start of the closing tag, and whitespace that may precede it
-            body = text[: len(text) - partial_tail(text, self.tags.close)]
+            # hold a possible start of the closing tag (or a call's), and whitespace before it
+            keep = partial_tail(text, self.tags.close)
+            if self.call is not None:
+                keep = max(keep, partial_tail(text, self.call))
+            body = text[: len(text) - keep]
             body = body.rstrip()
             if body:
                 out.append(Piece(THINKING, body))
             self._held = text[len(body) :]
             return out
         return out
+
+    def _call_at(self, text: str, close: int) -> int | None:
+        """Where a call opens the text before the close (`close`, -1: none yet): its index; or
+        -(index + 1) where what follows it cannot tell yet; None where no call opens."""
+        if self.call is None:
+            return None
+        start = 0
+        while (at := text.find(self.call, start)) >= 0 and (close < 0 or at < close):
+            after = text[at + len(self.call) :].lstrip()
+            if after.startswith(self.CALL_BODY):
+                return at
+            if self.CALL_BODY.startswith(after):
+                return -(at + 1)
+            start = at + len(self.call)
+        return None
 
     def finish(self) -> list[Piece]:
         """Held text at the end: a reasoning that never closed stays reasoning."""

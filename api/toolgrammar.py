@@ -132,6 +132,14 @@ def tool_grammar(
         open_, close = _token(tokenizer, "<tool_call>"), _token(tokenizer, "</tool_call>")
         rules.append(f'call: {open_} "\\n" ({bodies}) "\\n" {close}')
         start = f"{think}(call {WS}){many}" if forced else f"{think}(TEXT call)* TEXT"
+    elif fmt.tools == MISTRAL and fmt.named_calls:  # v11+: [TOOL_CALLS]name[ARGS]{...}, repeated
+        marker, args = _token(tokenizer, "[TOOL_CALLS]"), _token(tokenizer, "[ARGS]")
+        rules = [
+            f"call_{i}: {json.dumps(tool['function']['name'])} {args} %json {_schema(tool)}"
+            for i, tool in enumerate(tools)
+        ] + rule
+        rules.append(f"call: {marker} ({bodies})")
+        start = f"{think}call{many}" if forced else f"{think}TEXT call*"
     elif fmt.tools == MISTRAL:
         marker = _token(tokenizer, "[TOOL_CALLS]")
         more = f' (", " ({bodies}))*' if many or not forced else ""

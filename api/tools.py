@@ -117,22 +117,42 @@ def _objects(text: str) -> list[Any] | None:
 _MISTRAL_V11 = re.compile(r"\s*([A-Za-z0-9_.-]+)\s*\[ARGS\]")
 
 
+def _in_string(body: str) -> bool:
+    """Whether a JSON call body ends inside a string (its quotes not all closed)."""
+    if not body.lstrip().startswith(("{", "[")):
+        return False  # XML calls, whose values are raw text
+    inside, escaped = False, False
+    for ch in body:
+        if escaped:
+            escaped = False
+        elif ch == "\\":
+            escaped = inside
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
 def _mistral_v11(text: str) -> list[Any] | None:
-    """`name[ARGS]{...}` repeated (with `[TOOL_CALLS]` between calls already removed)."""
+    """`name[ARGS]{...}` repeated, `[TOOL_CALLS]` between calls (the first one already
+    removed); read call by call, so a marker inside an argument's string stays text."""
     out: list[Any] = []
     decoder = json.JSONDecoder()
-    for part in text.split("[TOOL_CALLS]"):
-        m = _MISTRAL_V11.match(part)
+    pos = 0
+    while True:
+        m = _MISTRAL_V11.match(text, pos)
         if not m:
             return None
         try:
-            args, end = decoder.raw_decode(part, m.end())
+            args, pos = decoder.raw_decode(text, m.end())
         except ValueError:
             return None
-        if part[end:].strip():
-            return None
         out.append({"name": m.group(1), "arguments": args})
-    return out
+        rest = text[pos:].lstrip()
+        if not rest:
+            return out
+        if not rest.startswith("[TOOL_CALLS]"):
+            return None
+        pos = len(text) - len(rest) + len("[TOOL_CALLS]")
 
 
 _XML_FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.S)
@@ -255,9 +275,12 @@ class ToolCallParser:
                 self._state, self._opener = "call", start
                 text = text[at + len(start) :]
                 continue
-            # call: buffered until its end marker, or the end of the answer
+            # call: buffered until its end marker, or the end of the answer; a marker inside
+            # a JSON string (an argument holding code) does not end the call
             end = self.markers.end
             at = text.find(end) if end else -1
+            while at >= 0 and end is not None and _in_string(text[:at]):
+                at = text.find(end, at + len(end))
             if at < 0:
                 self._held = text
                 return out
