@@ -52,7 +52,8 @@ def parse_host(value: str | None) -> tuple[str, int]:
         port = parts.port
     except ValueError as exc:
         raise ConfigError(f"invalid host {value!r}: {exc}") from exc
-    host = parts.hostname or DEFAULT_HOST
+    # `:PORT` names no host: every interface, as Ollama listens on `:PORT`
+    host = parts.hostname or ("0.0.0.0" if address.startswith(":") else DEFAULT_HOST)
     return host, port if port is not None else default_port
 
 
@@ -82,7 +83,7 @@ _SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**1
 
 def parse_bytes(value: str) -> int:
     """`8GiB`, `512MB`, `1048576`."""
-    m = re.fullmatch(r"\s*([\d.]+)\s*([A-Za-z]*)\s*", value)
+    m = re.fullmatch(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*", value)
     if m is None or m.group(2).lower() not in _SIZE_UNITS:
         raise ConfigError(f"invalid size {value!r} (examples: 2GiB, 512MB, 1048576)")
     return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])

@@ -7,7 +7,15 @@ import math
 import pytest
 
 from mlxd.api.durations import DurationError, env_keep_alive, parse_go_duration, parse_keep_alive
-from mlxd.daemon.config import DEFAULT_PORT, ConfigError, Settings, client_base_url, env, parse_host
+from mlxd.daemon.config import (
+    DEFAULT_PORT,
+    ConfigError,
+    Settings,
+    client_base_url,
+    env,
+    parse_bytes,
+    parse_host,
+)
 
 
 @pytest.mark.parametrize(
@@ -31,6 +39,8 @@ from mlxd.daemon.config import DEFAULT_PORT, ConfigError, Settings, client_base_
         ("::1", ("::1", 11434)),  # a bare IPv6 address, as Ollama takes it
         ("::", ("::", 11434)),
         ("http://::1", ("::1", 80)),
+        (":8080", ("0.0.0.0", 8080)),  # no host: every interface, as Ollama listens on `:PORT`
+        ("http://:8080", ("0.0.0.0", 8080)),
     ],
 )
 def test_parse_host(value: str | None, expected: tuple[str, int]) -> None:
@@ -41,6 +51,21 @@ def test_parse_host(value: str | None, expected: tuple[str, int]) -> None:
 def test_parse_host_bad_port(value: str) -> None:
     with pytest.raises(ConfigError):
         parse_host(value)
+
+
+@pytest.mark.parametrize("value", ["1.2.3", ".", "1..5GB", "..", "1.2.3GiB"])
+def test_a_malformed_size_is_a_config_error(value: str) -> None:
+    """Not a traceback from float(): `mlxd serve` prints the error line it prints for any
+    setting it cannot read."""
+    with pytest.raises(ConfigError, match="invalid size"):
+        Settings.from_env({"MLXD_CACHE_RAM": value})
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("1.5GB", 1_500_000_000), (".5GiB", 2**29), ("3.", 3)]
+)
+def test_sizes_with_a_decimal_point(value: str, expected: int) -> None:
+    assert parse_bytes(value) == expected
 
 
 def test_default_port_constant() -> None:
