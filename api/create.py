@@ -51,6 +51,8 @@ async def post_blob(request: Request) -> Response:
         created = await store_blob(digest, request.stream())
     except BlobError as exc:
         raise ApiError(400, str(exc)) from exc
+    except OSError as exc:  # an unwritable home, a full disk: the server's, said plainly
+        raise ApiError(500, f"could not store the blob: {exc.strerror or exc}") from exc
     return Response(status_code=201 if created else 200)
 
 
@@ -119,7 +121,7 @@ def _create(state: ServerState, spec: CreateSpec) -> list[Progress]:
         steps = list(create_model(spec, registry))
     except CreateError as exc:
         raise ApiError(exc.status, str(exc)) from exc
-    except RegistryError as exc:
+    except (RegistryError, OSError) as exc:
         raise ApiError(500, str(exc)) from exc
     error = state.reload()
     if isinstance(error, Exception):

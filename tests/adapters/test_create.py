@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -410,6 +411,29 @@ def test_a_created_model_is_a_new_model_with_its_license(
     assert listed["licensed:latest"].digest != listed["coder:latest"].digest
     assert listed["again:latest"].digest == listed["coder:latest"].digest
     assert listed["again:latest"].modified_at > listed["coder:latest"].modified_at
+
+
+def test_a_home_that_cannot_be_written_answers_a_plain_500(
+    served: tuple[RunningServer, ServerThread], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The server's own trouble (a read-only or full home) is a 500 with its reason, as copy
+    and delete answer it, not an error the route lets escape (two tracebacks a request)."""
+    server, _ = served
+    home = Path(os.environ["MLXD_HOME"])
+    shutil.rmtree(home / "blobs", ignore_errors=True)
+    (home / "blobs").write_text("not a folder")  # the blob store cannot be made
+    (home / ".models.yaml.lock").mkdir()  # registry edits cannot take their lock
+    data = b"hello"
+    with caplog.at_level(logging.ERROR):
+        blob = httpx.post(
+            f"{server.base_url}/api/blobs/sha256:{hashlib.sha256(data).hexdigest()}", content=data
+        )
+        made = httpx.post(
+            f"{server.base_url}/api/create", json={"model": "c", "from": "coder", "system": "s"}
+        )
+    assert (blob.status_code, made.status_code) == (500, 500)
+    assert blob.json()["error"].startswith("could not store the blob") and made.json()["error"]
+    assert not [r for r in caplog.records if r.exc_info], caplog.text
 
 
 def test_a_model_shipped_in_the_package_is_a_base_to_create_from(
