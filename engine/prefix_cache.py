@@ -43,6 +43,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache
 from mlxd.engine.kvcache import new_kv_cache
 from mlxd.engine.ssd_store import BadEntry, Parts, Reclaimed, StoreUnavailable, open_store
 from mlxd.engine.threads import start_mlx_thread
+from mlxd.registry.leftovers import writer_running
 
 log = logging.getLogger(__name__)
 
@@ -433,9 +434,11 @@ def probe_read_rate(directory: Path, readers: ThreadPoolExecutor) -> float:
         crc32c(data)
         return len(data)
 
-    for stale in directory.glob("read-probe-*.tmp"):  # left by a process that was killed
-        with contextlib.suppress(OSError):
-            stale.unlink()
+    for stale in directory.glob("read-probe-*-*.tmp"):  # left by a process that was killed
+        writer = stale.name.split("-")[2]  # (another daemon sharing the home keeps its own)
+        if writer.isdigit() and not writer_running(int(writer)):
+            with contextlib.suppress(OSError):
+                stale.unlink()
     try:
         payload = os.urandom(part)
         for path in paths:

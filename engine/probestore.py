@@ -10,6 +10,7 @@ failed (memory, a file being written) is gone. A file that cannot be read is a m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -86,10 +87,12 @@ class ProbeStore:
         data["verify"] = {str(w): s for w, s in costs.verify.items()}
         data["draft_batch"] = {str(b): s for b, s in costs.draft_batch.items()}
         data["padded"] = {str(n): m for n, m in costs.padded.items()}
+        tmp = self.root / f".{key}.{os.getpid()}.tmp"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
-            tmp = self.root / f".{key}.{os.getpid()}.tmp"
             tmp.write_text(json.dumps(data), encoding="utf-8")
             os.replace(tmp, self.root / f"{key}.json")
         except OSError as exc:
             log.warning("cannot keep the probe result in %s: %s", self.root, exc)
+            with contextlib.suppress(OSError):
+                tmp.unlink()  # a full disk's half-written file

@@ -13,17 +13,19 @@ import re
 import shutil
 from pathlib import Path
 
-__all__ = ["sweep_leftovers"]
+__all__ = ["sweep_leftovers", "writer_running"]
 
 # (folder under the home, name pattern whose group 1 is the writer's pid)
 LEFTOVERS = (
     ("", re.compile(r"^\..+\.(\d+)\.\d+\.tmp$")),  # models.yaml, digests.json
     ("blobs", re.compile(r"^\.sha256-[0-9a-f]{64}\.(\d+)\.\d+\.partial$")),
     ("adapters", re.compile(r"^\.[0-9a-f]{64}\.(\d+)\.partial$")),
+    ("probes", re.compile(r"^\..+\.(\d+)\.tmp$")),  # a load's measured costs
 )
 
 
-def _running(pid: int) -> bool:
+def writer_running(pid: int) -> bool:
+    """Whether process `pid` (a file's writer, by the pid in its name) still runs."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -43,7 +45,7 @@ def sweep_leftovers(home: Path) -> int:
             continue
         for name in names:
             match = pattern.match(name)
-            if match is None or _running(int(match.group(1))):
+            if match is None or writer_running(int(match.group(1))):
                 continue
             path = home / folder / name
             with contextlib.suppress(OSError):

@@ -1114,14 +1114,20 @@ def test_the_ssd_is_used_only_where_it_beats_recomputing(tmp_path: Path) -> None
 
 
 def test_the_disk_read_rate_is_measured_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A killed process's probe files go; another daemon's on the same home, probing now, stay
+    (they were deleted under it, and its measure failed)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from mlxd.engine.prefix_cache import probe_read_rate
+    from tests.registry.test_leftovers import dead_pid
 
-    (tmp_path / "read-probe-1-0.tmp").write_bytes(b"left by a killed process")
+    killed = tmp_path / f"read-probe-{dead_pid()}-0.tmp"
+    killed.write_bytes(b"left by a killed process")
+    probing = tmp_path / f"read-probe-{os.getppid()}-0.tmp"
+    probing.write_bytes(b"another daemon's, being read")
     with ThreadPoolExecutor(2) as readers:
         assert probe_read_rate(tmp_path, readers) > 0
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.iterdir()) == [probing]
 
 
 def test_an_entry_is_written_from_a_copy_of_its_arrays() -> None:
