@@ -420,6 +420,7 @@ class RamTier:
 
 READERS = min(8, os.cpu_count() or 1)  # parallel block reads: files and checksums run GIL-free
 PROBE_BYTES = 32 << 20
+WRITE_PAUSE_S = 60.0  # after a failed SSD write (a full disk), the writes dropped meanwhile
 
 
 def probe_read_rate(directory: Path, readers: ThreadPoolExecutor) -> float:
@@ -496,13 +497,27 @@ class SsdTier:
         self._queue.put_nowait((key, block))
 
     def _write_loop(self) -> None:
+        paused_until = 0.0  # a failed write (a full disk) pauses writing: one warning, no flood
         while (item := self._queue.get()) is not None:
             key, block = item
             try:
-                if key not in self.cache:
+                if time.monotonic() < paused_until:
+                    with self._lock:
+                        self.dropped += 1
+                elif key not in self.cache:
                     self.cache.set(key, encoded(key, block))
-            except Exception:
-                log.exception("prefix cache: SSD write failed")
+            except Exception as exc:
+                paused_until = time.monotonic() + WRITE_PAUSE_S
+                with self._lock:
+                    self.dropped += 1
+                if isinstance(exc, OSError | sqlite3.Error):
+                    log.warning(
+                        "prefix cache: an SSD write failed (%s): writes pause for %.0f s, the"
+                        " RAM tier serves meanwhile", getattr(exc, "strerror", None) or exc,
+                        WRITE_PAUSE_S,
+                    )  # fmt: skip
+                else:
+                    log.exception("prefix cache: SSD write failed")
             finally:
                 with self._lock:
                     self._pending.discard(key)

@@ -95,7 +95,12 @@ class BytesDisk(diskcache.Disk):
             if value.nbytes < self.min_file_size:
                 return super().store(value.join(), read, key)
             filename, full_path = self.filename(key, value)
-            size = self._write(full_path, iter(value.chunks), "xb")  # writes run GIL-free
+            try:
+                size = self._write(full_path, iter(value.chunks), "xb")  # writes run GIL-free
+            except BaseException:
+                with contextlib.suppress(OSError):  # a full disk's empty or partial file
+                    os.unlink(full_path)
+                raise
             return size, MODE_BINARY, filename, None
         if type(value) is not bytes or read:
             raise TypeError("the SSD tier stores bytes")

@@ -214,3 +214,42 @@ def test_a_disk_with_no_room_turns_the_tier_off_and_keeps_what_it_holds(tmp_path
     assert not (directory / f"{DB_NAME}.damaged").exists()
     assert value_files(directory) == files
     check_tier(directory, set())  # room again: everything is there
+
+
+FULL_DISK_WRITES = """
+import logging, resource, signal, sys
+from pathlib import Path
+from mlxd.engine.prefix_cache import SsdTier
+from tests.cache.blocks import make_block
+seen = []
+handler = logging.Handler()
+handler.emit = lambda record: seen.append((record.levelname, bool(record.exc_info)))
+logging.getLogger("mlxd.engine.prefix_cache").addHandler(handler)
+tier = SsdTier(Path(sys.argv[1]), 1 << 26)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (4096, resource.RLIM_INFINITY))  # the disk fills up
+for i in range(6):
+    tier.put_async(f"{i:064x}", make_block(i, tokens=64))
+tier.flush()
+print(seen, tier.dropped)
+tier.close()
+"""
+
+
+def test_a_disk_that_fills_up_pauses_writes_with_one_warning(tmp_path: Path) -> None:
+    """Every block's failed write logged a traceback (hundreds a request) and left an empty
+    value file: the first failure now warns once and pauses writing; nothing is left behind."""
+    import ast
+    import subprocess
+    import sys
+
+    directory = tmp_path / "ssd"
+    out = subprocess.run(
+        [sys.executable, "-c", FULL_DISK_WRITES, str(directory)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2],
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    logged, dropped = out.stdout.strip().rsplit(" ", 1)
+    assert ast.literal_eval(logged) == [("WARNING", False)]
+    assert int(dropped) == 6
+    assert list(directory.rglob("*.val")) == []  # no value file a failed write began
