@@ -49,18 +49,23 @@ class _Server(uvicorn.Server):
         self.stop_serving()
 
 
-def port_free(host: str, port: int) -> str | None:
-    """None when we can bind, else the reason (checked before loading anything)."""
+def bind(host: str, port: int) -> socket.socket | str:
+    """The server's socket, listening from the start (before anything loads; connections wait
+    until uvicorn takes them), else the reason it cannot be: of two daemons started at once,
+    the second is refused here, not after its startup inside uvicorn (a bound socket does not
+    hold the port against another bound with SO_REUSEADDR; a listening one does)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                return "address already in use"
-            return exc.strerror or str(exc)
-    return None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            return "address already in use"
+        return exc.strerror or str(exc)
+    return sock
 
 
 def build_state(settings: Settings, backend: Backend) -> ServerState:
@@ -119,10 +124,10 @@ def _switch_interval() -> None:
 
 
 def serve(settings: Settings, backend: Backend) -> int:
-    problem = port_free(settings.host, settings.port)
-    if problem:
+    sock = bind(settings.host, settings.port)
+    if isinstance(sock, str):
         print(
-            f"Error: listen tcp {settings.host}:{settings.port}: bind: {problem}"
+            f"Error: listen tcp {settings.host}:{settings.port}: bind: {sock}"
             " (is another mlxd or ollama already running? set MLXD_HOST to use another address)",
             file=sys.stderr,
         )
@@ -130,6 +135,7 @@ def serve(settings: Settings, backend: Backend) -> int:
     try:
         state = build_state(settings, backend)
     except RegistryError as exc:
+        sock.close()
         print(f"Error: {exc}", file=sys.stderr)
         return 1
     _switch_interval()
@@ -144,5 +150,6 @@ def serve(settings: Settings, backend: Backend) -> int:
     )
     server = _Server(config, state.stop_serving)
     log.info("mlxd listening on %s:%d", settings.host, settings.port)
-    server.run()
+    with sock:
+        server.run(sockets=[sock])
     return 0

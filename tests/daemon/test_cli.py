@@ -385,6 +385,24 @@ def test_serve_port_in_use(server: RunningServer) -> None:
     assert answers(server.base_url)  # the running server is untouched
 
 
+def test_a_daemon_holds_its_port_from_the_start() -> None:
+    """Two daemons started at once (two CLIs starting one each): the port is held from the
+    check on, so the second is refused with the error line, not after its startup inside
+    uvicorn (status 3); a daemon started right after one stopped binds the port again."""
+    from mlxd.daemon.server import bind
+
+    port = free_port()
+    first = bind("127.0.0.1", port)
+    assert not isinstance(first, str)
+    try:
+        assert bind("127.0.0.1", port) == "address already in use"
+    finally:
+        first.close()
+    again = bind("127.0.0.1", port)
+    assert not isinstance(again, str)
+    again.close()
+
+
 @dataclass
 class Served:
     answered: dict[str, Any]
