@@ -18,7 +18,7 @@ from starlette.routing import Route
 
 from mlxd.api.codec import NDJSON, ndjson_line, read_request
 from mlxd.api.errors import ApiError
-from mlxd.api.state import ServerState, state_of
+from mlxd.api.state import CLOSING, ServerState, state_of
 from mlxd.api.types import CreateRequest
 from mlxd.engine.options import OptionsError, parse_options
 from mlxd.engine.prompt import PromptError, check_go_template, go_template
@@ -47,8 +47,16 @@ async def head_blob(request: Request) -> Response:
 
 async def post_blob(request: Request) -> Response:
     digest = _digest(request)
+    state = state_of(request)
+
+    async def body() -> AsyncIterator[bytes]:
+        async for chunk in request.stream():
+            if state.closing.is_set():  # the daemon is stopping: the upload ends now
+                raise ApiError(503, CLOSING)
+            yield chunk
+
     try:
-        created = await store_blob(digest, request.stream())
+        created = await store_blob(digest, body())
     except BlobError as exc:
         raise ApiError(400, str(exc)) from exc
     except OSError as exc:  # an unwritable home, a full disk: the server's, said plainly

@@ -16,12 +16,13 @@ from starlette.routing import Route
 
 from mlxd.api.codec import NDJSON, ndjson_line, read_request
 from mlxd.api.errors import ApiError, status_of
-from mlxd.api.state import ServerState, state_of
+from mlxd.api.state import CLOSING, ServerState, state_of
 from mlxd.api.types import CopyRequest, ErrorResponse, ModelRequest
 from mlxd.registry.names import InvalidModelName, parse_name
 from mlxd.registry.pull import (
     DeleteError,
     Progress,
+    PullCancelled,
     PullError,
     copy_model,
     delete_model,
@@ -55,6 +56,9 @@ def _progress(
         yield item
 
 
+CANCEL_CHECK_S = 0.1  # how often a pull waiting on its thread looks at its cancel flag
+
+
 async def _bridge(
     produce: Callable[[], Iterator[Progress]], cancel: threading.Event
 ) -> AsyncIterator[Progress | BaseException]:
@@ -62,6 +66,8 @@ async def _bridge(
 
     Closing this async iterator early (the client went away) sets ``cancel``; the thread then
     closes the generator, which stops the download and keeps what arrived for the next pull.
+    ``cancel`` set from outside (the daemon stopping) ends the iteration at once, not when the
+    thread next gets past a slow read.
     """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[Progress | BaseException | None] = asyncio.Queue()
@@ -88,7 +94,15 @@ async def _bridge(
 
     threading.Thread(target=run, name="mlxd-pull", daemon=True).start()
     try:
-        while (item := await queue.get()) is not None:
+        while True:
+            try:
+                item = await asyncio.wait_for(queue.get(), CANCEL_CHECK_S)
+            except TimeoutError:
+                if cancel.is_set():
+                    return
+                continue
+            if item is None:
+                return
             yield item
             if isinstance(item, BaseException):
                 return
@@ -113,20 +127,40 @@ async def pull(request: Request) -> Response:
     def produce() -> Iterator[Progress]:
         return _progress(state, name, registry, cancel)
 
+    def failure(exc: BaseException) -> tuple[int, str]:
+        """The daemon stopping cancels its pulls: that is what the client hears."""
+        if state.closing.is_set():
+            return 503, CLOSING
+        return status_of(exc), _message(exc)
+
+    async def items() -> AsyncIterator[Progress | BaseException]:
+        state.pulls.add(cancel)
+        ended = False
+        try:
+            if state.closing.is_set():
+                cancel.set()
+            async for item in _bridge(produce, cancel):
+                ended = isinstance(item, BaseException) or item.status == "success"
+                yield item
+            if not ended and state.closing.is_set():
+                yield PullCancelled()  # the stop cut the download short
+        finally:
+            state.pulls.discard(cancel)
+
     if not stream:
         last: Progress | None = None
-        async for item in _bridge(produce, cancel):
+        async for item in items():
             if isinstance(item, BaseException):
-                raise ApiError(status_of(item), _message(item))
+                raise ApiError(*failure(item))
             last = item
         if last is None:
             raise ApiError(500, "pull ended without a result")
         return JSONResponse(last.as_dict())
 
     async def lines() -> AsyncIterator[bytes]:
-        async for item in _bridge(produce, cancel):
+        async for item in items():
             if isinstance(item, BaseException):
-                yield ndjson_line(ErrorResponse(_message(item)))
+                yield ndjson_line(ErrorResponse(failure(item)[1]))
             else:
                 yield ndjson_line(item.as_dict())
 

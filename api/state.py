@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from starlette.requests import Request
 
 from mlxd.api.errors import ApiError
 from mlxd.api.limits import DEFAULT_MAX_BODY
-from mlxd.engine.manager import ModelManager
+from mlxd.engine.manager import CLOSING, ModelManager
 from mlxd.registry.names import InvalidModelName, parse_name
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import ModelEntry
+
+__all__ = ["CLOSING", "ServerState", "lookup", "state_of"]
 
 
 @dataclass
@@ -25,8 +28,19 @@ class ServerState:
     registry_errors: Callable[[], list[str]] = list  # why the last registry edit was not applied
     startup: Callable[[], Awaitable[None]] | None = None  # runs before the server is ready
     shutdown: Callable[[], Awaitable[None]] | None = None
-    stop_serving: Callable[[], object] = lambda: None  # told to stop: end requests now (any thread)
+    stop_engine: Callable[[], object] = lambda: None  # end the engine's requests (any thread)
     max_body: int = DEFAULT_MAX_BODY  # bytes a request body may have (MLXD_MAX_BODY)
+    closing: threading.Event = field(default_factory=threading.Event)  # told to stop
+    pulls: set[threading.Event] = field(default_factory=set)  # running pulls' cancel flags
+
+    def stop_serving(self) -> None:
+        """Told to stop (from any thread: a signal handler): every request in flight ends now
+        with an error line (a generation, a pull, an upload), so the server's connections
+        close at once instead of at its graceful-shutdown timeout."""
+        self.closing.set()
+        for cancel in list(self.pulls):
+            cancel.set()
+        self.stop_engine()
 
 
 def state_of(request: Request) -> ServerState:

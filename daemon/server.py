@@ -102,7 +102,7 @@ def build_state(settings: Settings, backend: Backend) -> ServerState:
         registry_errors=live.errors,
         startup=life.startup,
         shutdown=life.shutdown,
-        stop_serving=life.stop_serving,
+        stop_engine=life.stop_serving,
         max_body=settings.max_body,
     )
 

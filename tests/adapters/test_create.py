@@ -11,6 +11,8 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -434,6 +436,30 @@ def test_a_home_that_cannot_be_written_answers_a_plain_500(
     assert (blob.status_code, made.status_code) == (500, 500)
     assert blob.json()["error"].startswith("could not store the blob") and made.json()["error"]
     assert not [r for r in caplog.records if r.exc_info], caplog.text
+
+
+def test_an_upload_ends_when_the_daemon_is_told_to_stop(
+    served: tuple[RunningServer, ServerThread],
+) -> None:
+    """A blob arriving slowly ends with 503 at the stop (it held the shutdown for uvicorn's
+    graceful timeout, then was cut), and nothing of it is kept."""
+    server, thread = served
+    told = threading.Event()
+
+    def chunks() -> Iterator[bytes]:
+        yield b"x" * 4096
+        thread.state.stop_serving()
+        told.set()
+        for _ in range(50):
+            time.sleep(0.1)
+            yield b"x" * 4096
+
+    digest = "sha256:" + "0" * 64
+    r = httpx.post(f"{server.base_url}/api/blobs/{digest}", content=chunks(), timeout=60)
+    assert told.is_set()
+    assert r.status_code == 503 and r.json() == {"error": "mlxd is shutting down"}
+    blobs = Path(os.environ["MLXD_HOME"]) / "blobs"
+    assert not blobs.exists() or list(blobs.iterdir()) == []
 
 
 def test_a_model_shipped_in_the_package_is_a_base_to_create_from(

@@ -124,6 +124,7 @@ class HubServer:
         self.lfs_patterns = tuple(lfs_patterns)
         self.lfs_redirect = False
         self.stall_api = 0.0  # seconds the model-info API waits before it answers
+        self.stall_body = 0.0  # seconds a file body waits after its first 16 KiB
         self._repos: dict[str, _Repo] = {}
         self._corrupt: set[tuple[str, str]] = set()
         self._cuts: dict[tuple[str, str], _Cut] = {}
@@ -599,6 +600,11 @@ def _handler(hub: HubServer) -> type[BaseHTTPRequestHandler]:
                 self.wfile.flush()
                 self.close_connection = True  # the client sees a body shorter than announced
                 return
+            if hub.stall_body and len(part) > 16384:
+                self.wfile.write(part[:16384])
+                self.wfile.flush()
+                time.sleep(hub.stall_body)
+                part = part[16384:]
             self.wfile.write(part)
 
     return Handler

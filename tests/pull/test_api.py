@@ -4,6 +4,9 @@ HTTP, pulling from the local hub."""
 from __future__ import annotations
 
 import json
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -12,7 +15,7 @@ import pytest
 
 from mlxd.registry.schema import load_registry_file
 from mlxd.registry.store import resolve_local
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, ServerThread, wait_for
 from tests.daemon.test_cli import mlxd as mlxd_cli
 from tests.pull.conftest import DRAFT_REPO, GREEDY, TARGET_REPO, HubEnv
 
@@ -236,3 +239,32 @@ def test_the_name_a_repo_was_pulled_by_keeps_working_offline(
     assert info.value.status_code == 404
     c.delete("org/tiny")
     assert HUB_NAME not in tags(mlxd)
+
+
+def test_a_pull_ends_with_the_shutdown_line_when_the_daemon_is_told_to_stop(
+    hub_env: HubEnv, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As every stream in flight ends when the daemon stops: a pull waiting on a slow hub
+    ends at once with the shutdown line (it waited out uvicorn's graceful timeout, then was
+    cut with no line and a traceback in the log)."""
+    monkeypatch.setenv("MLXD_REGISTRY", str(hub_env.user_file))
+    hub_env.hub.stall_body = 30.0
+    server = ServerThread(None)  # type: ignore[arg-type]
+    with server as srv:
+        lines: list[dict[str, Any]] = []
+
+        def pull() -> None:
+            body = {"model": "hf.co/org/tiny"}
+            with httpx.stream("POST", f"{srv.base_url}/api/pull", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(json.loads(line))
+
+        thread = threading.Thread(target=pull)
+        thread.start()
+        assert wait_for(lambda: any(line.get("digest") for line in lines), 30)
+        t0 = time.monotonic()
+        server.state.stop_serving()
+        thread.join(20)
+        assert time.monotonic() - t0 < 5
+        assert lines[-1] == {"error": "mlxd is shutting down"}
