@@ -18,6 +18,7 @@ HERMES = "hermes"  # Qwen2.5 / Qwen3 / Hermes: <tool_call>{json}</tool_call>
 QWEN_XML = "qwen_xml"  # Qwen3-Coder / Qwen3.5: <tool_call><function=f><parameter=p>...
 LLAMA3 = "llama3"  # Llama 3.1-3.3: a bare JSON object, or after <|python_tag|>
 MISTRAL = "mistral"  # [TOOL_CALLS] [{...}] (or v11's name[ARGS]{...})
+GRANITE = "granite"  # Granite 3.x: <|tool_call|>[{...}]
 HARMONY = "harmony"  # gpt-oss: channels and recipients
 JSON = "json"  # a template that takes tools but names no format: a bare JSON object
 
@@ -82,6 +83,8 @@ def _tool_format(template: str) -> str | None:
         return HARMONY
     if "[TOOL_CALLS]" in template:
         return MISTRAL
+    if "<|tool_call|>" in template:
+        return GRANITE
     if "<tool_call>" in template:
         return QWEN_XML if "<function=" in template else HERMES
     if "<|python_tag|>" in template or ('"parameters"' in template and "ipython" in template):

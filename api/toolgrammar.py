@@ -3,7 +3,7 @@
 A Lark grammar (llguidance) per request, built from the declared tools:
 
 - `auto`: free text, and wherever the model opens a call (its marker token: `<tool_call>`,
-  `[TOOL_CALLS]`) the call must name a declared tool and its arguments must match that tool's
+  `[TOOL_CALLS]`, `<|tool_call|>`) the call must name a declared tool and its arguments must match that tool's
   JSON schema, so they always parse;
 - `required`: the reply is calls, one or more (after an optional think block);
 - a named function: the reply is one call of that function.
@@ -22,7 +22,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from mlxd.api.chatformat import HERMES, JSON, LLAMA3, MISTRAL, ChatFormat
+from mlxd.api.chatformat import GRANITE, HERMES, JSON, LLAMA3, MISTRAL, ChatFormat
 from mlxd.engine.grammar import (
     ANY_OBJECT,
     JSON_LAYOUT,
@@ -140,8 +140,8 @@ def tool_grammar(
         ] + rule
         rules.append(f"call: {marker} ({bodies})")
         start = f"{think}call{many}" if forced else f"{think}TEXT call*"
-    elif fmt.tools == MISTRAL:
-        marker = _token(tokenizer, "[TOOL_CALLS]")
+    elif fmt.tools in (MISTRAL, GRANITE):  # the marker, then a JSON array of calls
+        marker = _token(tokenizer, "[TOOL_CALLS]" if fmt.tools == MISTRAL else "<|tool_call|>")
         more = f' (", " ({bodies}))*' if many or not forced else ""
         rules.append(f'calls: {marker} " "? "[" ({bodies}){more} "]"')
         start = f"{think}calls" if forced else f"{think}TEXT calls?"

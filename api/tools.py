@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxd.api.chatformat import HERMES, JSON, LLAMA3, MISTRAL, QWEN_XML
+from mlxd.api.chatformat import GRANITE, HERMES, JSON, LLAMA3, MISTRAL, QWEN_XML
 from mlxd.api.errors import ApiError
 from mlxd.api.thinking import CONTENT, Piece, partial_tail
 
@@ -83,6 +83,7 @@ MARKERS = {
     QWEN_XML: Markers("<tool_call>", "</tool_call>", False),
     LLAMA3: Markers("<|python_tag|>", None, True),
     MISTRAL: Markers("[TOOL_CALLS]", None, False),
+    GRANITE: Markers("<|tool_call|>", None, False),
     JSON: Markers(None, None, True),
 }
 

@@ -1,7 +1,8 @@
 """Tool calls and thinking where a family's own way of writing them once went wrong: Mistral v11's
 `name[ARGS]{...}` calls under the tool grammar, Qwen3.5's call inside its reasoning, Llama 3's
 several calls sent back, a user's `<think>` text, and a call marker inside an argument's
-string. Scripted models write each family's markers, served by one real server."""
+string, Granite's `<|tool_call|>` calls. Scripted models write each family's markers, served by
+one real server."""
 
 from __future__ import annotations
 
@@ -69,6 +70,11 @@ MODELS: dict[str, tuple[str, Script]] = {
     "llama3-two": ("llama3", Script("\n", (LLAMA3_CALLS,))),
     "qwen3-think": ("qwen3", Script(
         "\n", ("<think>", "\nHmm.\n", "</think>", "\n\nIt marks reasoning."),
+    )),
+    # Granite 3.x: its marker token, then a JSON array, the arguments in several tokens
+    "granite": ("granite", Script(
+        "<|end_of_role|>", ("<|tool_call|>", '[{"name": "get_weather", "arguments": {"city": "',
+                            "Paris", '"}}]'),
     )),
     "hermes-marker": ("qwen2_5", Script(
         "\n", ("<tool_call>", '\n{"name": "run", "arguments": ', '{"code": "',
@@ -156,6 +162,14 @@ def test_mistral_v11_call_comes_back_under_the_grammar(http: httpx.Client, way: 
     """Declared tools constrain v11's calls to `[TOOL_CALLS]name[ARGS]{...}`, not the older
     `[TOOL_CALLS][{...}]` array, which derailed a model writing its own form."""
     assert ask(http, way, "v11", tools=[WEATHER]) == ("", "", [("get_weather", PARIS)])
+
+
+@pytest.mark.parametrize("way", WAYS)
+def test_granite_calls_come_back_as_calls(http: httpx.Client, way: str) -> None:
+    """Granite's template teaches `<|tool_call|>[{...}]`: a call (it came back as content,
+    marker and all, under the generic JSON format), held to the tool's schema once the marker
+    opens it."""
+    assert ask(http, way, "granite", tools=[WEATHER]) == ("", "", [("get_weather", PARIS)])
 
 
 @pytest.mark.parametrize("way", WAYS)
