@@ -28,6 +28,7 @@ import mlx.core as mx
 from mlxd.engine.kvcache import BucketedBatchKVCache, BucketedKVCache
 from mlxd.engine.sampling import to_ints
 from mlxd.engine.smallarrays import kernel_array
+from mlxd.engine.threads import reset_after_work
 
 Ragged = Callable[[mx.array, mx.array, mx.array, float, mx.array, int], mx.array]
 
@@ -225,6 +226,14 @@ class _Additive(threading.local):
 
 
 _additive = _Additive()
+
+
+@reset_after_work
+def _forget_thread() -> None:
+    """A pooled thread's next work (another model, a probe) starts as a fresh thread would:
+    no warm-up seen, no mask held."""
+    _warmed.__init__()  # type: ignore[misc]
+    _additive.__init__()  # type: ignore[misc]
 
 
 def additive(mask: mx.array, dtype: mx.Dtype) -> mx.array:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+from mlxd.engine.threads import reset_after_work
+
 _local = threading.local()
 
 
@@ -23,3 +25,6 @@ def beat() -> None:
     fn: Callable[[], None] | None = getattr(_local, "beat", None)
     if fn is not None:
         fn()
+
+
+reset_after_work(lambda: beat_with(None))  # a pooled thread's next work is not that runner's

@@ -57,19 +57,23 @@ class _Worker:
         self.thread.start()
 
     def _main(self) -> None:
-        thread = threading.current_thread()
         while True:
-            target, work = self.jobs.get()
-            thread.name = work.name
-            try:
-                target()
-            except BaseException:
-                log.exception("MLX work %s failed", work.name)
-            finally:
-                settle_streams()
-                thread.name = IDLE_NAME
-                self.pool.idle(self)  # back before `done`: who waited can take it again
-                work._done.set()
+            self._run(*self.jobs.get())  # its frame, holding the work, ends with it
+
+    def _run(self, target: Callable[[], None], work: MlxWork) -> None:
+        thread = threading.current_thread()
+        thread.name = work.name
+        try:
+            target()
+        except BaseException:
+            log.exception("MLX work %s failed", work.name)
+        finally:
+            settle_streams()
+            for reset in _RESETS:  # what the work kept per thread (a runner, its masks)
+                reset()
+            thread.name = IDLE_NAME
+            self.pool.idle(self)  # back before `done`: who waited can take it again
+            work._done.set()
 
 
 class _Pool:
@@ -82,10 +86,10 @@ class _Pool:
         work = MlxWork(name)
         with self._lock:
             worker = self._idle.pop() if self._idle else None
-            if worker is None:
-                self.size += 1
         if worker is None:
-            worker = _Worker(self)
+            worker = _Worker(self)  # (a system out of threads raises here, counting nothing)
+            with self._lock:
+                self.size += 1
         worker.jobs.put((target, work))
         return work
 
@@ -96,6 +100,15 @@ class _Pool:
 
 _POOL = _Pool()
 _local = threading.local()
+_RESETS: list[Callable[[], None]] = []
+
+
+def reset_after_work(reset: Callable[[], None]) -> Callable[[], None]:
+    """Register what clears a module's per-thread state when a piece of work ends: the next
+    piece on the thread starts clean, and nothing the work held (a runner, and through it a
+    model's weights) outlives it on the pooled thread."""
+    _RESETS.append(reset)
+    return reset
 
 
 def pool_size() -> int:
@@ -104,9 +117,11 @@ def pool_size() -> int:
 
 
 def settle_streams() -> None:
-    """Let the calling thread's queued MLX work finish."""
+    """Let the calling thread's queued MLX work finish, on its default stream and its own."""
     with contextlib.suppress(RuntimeError):  # a thread that never ran MLX work has no stream
         mx.synchronize()
+    for stream in _local.__dict__.get("streams", {}).values():
+        mx.synchronize(stream)
 
 
 def thread_stream() -> mx.Stream:

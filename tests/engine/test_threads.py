@@ -4,15 +4,23 @@ workers running for good, so a thread per piece of work would grow the process f
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import threading
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 
+from mlxd.engine.attention import additive
+from mlxd.engine.backend import configure_backend
+from mlxd.engine.progress import beat_with
+from mlxd.engine.runner import PairingRunner
 from mlxd.engine.threads import pool_size, run_in_mlx_thread, start_mlx_thread, thread_stream
+from mlxd.registry.schema import ModelEntry
+from tests.fixtures.tiny_models import TinyPair
 
 
 def _sum_on_current_thread() -> tuple[str, float]:
@@ -97,7 +105,42 @@ def test_a_failure_is_logged_and_the_thread_serves_on(caplog: pytest.LogCaptureF
     assert got == [("after", 45.0)]
 
 
-def test_a_caller_that_leaves_does_not_break_the_work(caplog: pytest.LogCaptureFixture) -> None:
+class _Held:
+    """Stands for what a piece of work holds (a runner, and through it a model's weights)."""
+
+
+def test_what_work_kept_per_thread_goes_with_it() -> None:
+    """A pooled thread outlives its work: neither the work itself nor what it kept per thread
+    (a runner's beat, a forward's mask) may keep the work's objects alive."""
+
+    def run_holding() -> weakref.ref[_Held]:
+        held = _Held()
+
+        def work() -> None:
+            beat_with(lambda: print(held))  # a runner installs its beat
+            mx.eval(additive(mx.ones((2, 2), dtype=mx.bool_), mx.float32))
+
+        start_mlx_thread(work, "runner").join(10)
+        return weakref.ref(held)
+
+    ref = run_holding()
+    gc.collect()
+    assert ref() is None
+
+
+def test_an_unloaded_model_is_freed_on_its_pooled_thread(tiny_pair: TinyPair) -> None:
+    """The runner's model is gone once it stops, though its thread serves on."""
+    entry = ModelEntry(name="tiny", target=str(tiny_pair.target), draft=str(tiny_pair.draft))
+    runner = PairingRunner(entry, configure_backend(), None, None, 1)
+    pairing = weakref.ref(runner.loaded.result(120))
+    runner.stop()
+    assert runner.join(60)
+    del runner
+    gc.collect()
+    assert pairing() is None
+
+
+def test_a_caller_that_leaves_does_not_break_the_work() -> None:
     """A cancelled await lets the running work finish quietly (the probe of a model whose
     request went away)."""
     started, finish, finished = threading.Event(), threading.Event(), threading.Event()
@@ -117,9 +160,7 @@ def test_a_caller_that_leaves_does_not_break_the_work(caplog: pytest.LogCaptureF
         with pytest.raises(asyncio.CancelledError):
             await task
 
-    with caplog.at_level(logging.ERROR, logger="mlxd.engine.threads"):
-        asyncio.run(leave())
-        finish.set()
-        assert finished.wait(10)
+    asyncio.run(leave())
+    finish.set()
+    assert finished.wait(10)
     assert done == [4.0]
-    assert "slow" not in caplog.text
