@@ -121,10 +121,10 @@ def model_format(template: str | None, tokenizer: Any) -> ChatFormat:
     return chat_format(template or getattr(tokenizer, "chat_template", None))
 
 
-def opens_thinking(prompt: str, tags: ThinkTags, after: str = "") -> bool:
-    """The rendered prompt leaves a think block open (R1 distills, Qwen3-Thinking-2507): the
-    model's output starts inside its reasoning. Only what follows `after` (the request's own
-    last text) counts: a user who writes the tag does not open a block."""
-    at = prompt.rfind(after) if after else -1
-    tail = prompt[at + len(after) :] if at >= 0 else prompt
-    return tail.rfind(tags.open) > tail.rfind(tags.close)
+def opens_thinking(prompt: str, tags: ThinkTags, prefill: str = "") -> bool:
+    """The model's output starts inside its reasoning: the rendered prompt ends with the open
+    tag (R1 distills, Qwen3-Thinking-2507), as Ollama decides (a user's message that mentions
+    the tag opens nothing), or the assistant text it continues (`prefill`) left a block open."""
+    if prefill:
+        return prefill.rfind(tags.open) > prefill.rfind(tags.close)
+    return prompt.rstrip().endswith(tags.open)

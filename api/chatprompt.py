@@ -19,7 +19,7 @@ from mlxd.api.toolgrammar import AUTO, after_thinking, tool_grammar
 from mlxd.api.tools import mistral_id, template_calls, tool_names
 from mlxd.engine.grammar import GrammarError, GrammarSpec, validate
 from mlxd.engine.pairing import Pairing
-from mlxd.engine.prompt import go_template, render_chat, with_system
+from mlxd.engine.prompt import continued, go_template, render_chat, with_system
 from mlxd.registry.schema import ModelEntry
 
 THINK_LEVELS = ("low", "medium", "high", "max")
@@ -118,16 +118,6 @@ def _one_call_a_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def _last_text(messages: Sequence[dict[str, Any]]) -> str:
-    """The last message's text that is not the assistant's (a prefill the model continues may
-    open its reasoning; a user's text never does)."""
-    for msg in reversed(messages):
-        content = msg.get("content")
-        if msg.get("role") != "assistant" and isinstance(content, str) and content:
-            return content
-    return ""
-
-
 class ChatPrompt:
     """Renders one chat request for a loaded pairing; afterwards `parser()` gives the parser
     its reply goes through and `grammar` the constraint on its tool calls (`choice`: AUTO,
@@ -169,9 +159,9 @@ class ChatPrompt:
             go_template(self.entry.template),
         )  # fmt: skip
         think, tools = self.think.on, self.tools
-        own = _last_text(self.messages)
-        self._parser = lambda: reply_parser(fmt, text, think, tools, own)
-        inside = fmt.think is not None and think and opens_thinking(text, fmt.think, own)
+        prefill = continued(self.messages)
+        self._parser = lambda: reply_parser(fmt, text, think, tools, prefill)
+        inside = fmt.think is not None and think and opens_thinking(text, fmt.think, prefill)
         if self.answer_format is not None:
             self.grammar = after_thinking(self.answer_format, fmt, pairing.tokenizer, think, inside)
         elif tools:

@@ -280,10 +280,9 @@ async def generate(request: Request) -> Response:
         # the model's own tags split its thinking; a prompt it did not render (`raw`, a
         # request's template) only where `think` asks for it, as Ollama does
         if not suffix and (bool(body.think) or not (raw or body.template)):
-            own = "" if raw else prompt  # the request's text, where a template wrapped it
-            parsers[0] = lambda: reply_parser(fmt, text, think.on, None, own)
+            parsers[0] = lambda: reply_parser(fmt, text, think.on, None)
             if grammar is not None and fmt.think is not None:
-                inside = opens_thinking(text, fmt.think, own)
+                inside = opens_thinking(text, fmt.think)
                 grammars[0] = after_thinking(grammar, fmt, pairing.tokenizer, think.on, inside)
         return text
 

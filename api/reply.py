@@ -66,7 +66,7 @@ class ReplyParser:
 
 
 def reply_parser(
-    fmt: ChatFormat, prompt: str, think: bool, tools: Sequence[Any] | None, after: str = ""
+    fmt: ChatFormat, prompt: str, think: bool, tools: Sequence[Any] | None, prefill: str = ""
 ) -> Parser:
     """The parser for one request: thinking is split when it is on (from inside the block when
     the prompt opened it); with `think: false` a model that thinks anyway keeps its reasoning
@@ -77,7 +77,7 @@ def reply_parser(
     splitter = None
     if fmt.think is not None and think:
         call = "<tool_call>" if tools and fmt.tools == QWEN_XML else None
-        splitter = ThinkSplitter(fmt.think, opens_thinking(prompt, fmt.think, after), call)
+        splitter = ThinkSplitter(fmt.think, opens_thinking(prompt, fmt.think, prefill), call)
     parser = ToolCallParser(fmt.tools, tools) if tools and fmt.tools else None
     if splitter is None and parser is None:
         return Plain()

@@ -250,7 +250,7 @@ def render_chat(
         return render_go_chat(template, messages)
     if _empty_turn(messages):
         messages = messages[:-1]  # an empty assistant turn is the one opened below
-    continuing = _continues(messages)
+    continuing = bool(continued(messages))
     if template or getattr(tokenizer, "chat_template", None):
         chosen = {"chat_template": template} if template else {}
         turn = {"continue_final_message": True} if continuing else {}
@@ -272,11 +272,14 @@ def render_chat(
     return BareText("\n".join(lines if continuing else [*lines, "assistant:"]))
 
 
-def _continues(messages: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether the last message is an assistant's text to continue (not a tool call)."""
+def continued(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The assistant's text a conversation ends with, which the model continues (a prefill);
+    "" where it ends otherwise (a tool call is no text to continue)."""
     last = messages[-1] if messages else {}
     content = last.get("content")
-    return last.get("role") == "assistant" and bool(content) and not last.get("tool_calls")
+    if last.get("role") != "assistant" or last.get("tool_calls") or not isinstance(content, str):
+        return ""
+    return content
 
 
 def _empty_turn(messages: Sequence[Mapping[str, Any]]) -> bool:

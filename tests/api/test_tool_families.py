@@ -68,6 +68,8 @@ MODELS: dict[str, tuple[str, Script]] = {
                "</tool_call>"),
     )),
     "llama3-two": ("llama3", Script("\n", (LLAMA3_CALLS,))),
+    # the generation prompt opens `<think>`: the reply starts inside the reasoning
+    "r1": ("r1", Script("\n", ("Two and two.", "</think>", "\n\nFour."))),
     "qwen3-think": ("qwen3", Script(
         "\n", ("<think>", "\nHmm.\n", "</think>", "\n\nIt marks reasoning."),
     )),
@@ -236,12 +238,23 @@ def test_llama3_several_calls_go_back_on_openai(http: httpx.Client) -> None:
 
 
 @pytest.mark.parametrize("way", WAYS)
-def test_a_users_think_text_opens_no_block(http: httpx.Client, way: str) -> None:
+@pytest.mark.parametrize("text", ["What does the <think> tag do?", "What does <think> do?\n"])
+def test_a_users_think_text_opens_no_block(http: httpx.Client, way: str, text: str) -> None:
     """`<think>` in the user's message is the user's text: the reply's own block is the
-    reasoning, its tag no part of it."""
-    messages = [{"role": "user", "content": "What does the <think> tag do?"}]
-    got = ask(http, way, "qwen3-think", messages=messages)
+    reasoning, its tag no part of it (also where the template trims the message)."""
+    got = ask(http, way, "qwen3-think", messages=[{"role": "user", "content": text}])
     assert got == ("It marks reasoning.", "Hmm.", [])
+
+
+@pytest.mark.parametrize("way", WAYS)
+@pytest.mark.parametrize("text", ["hi", "think", "What is 2 + 2?"])
+def test_a_prompt_that_opens_the_block_starts_the_reply_in_it(
+    http: httpx.Client, way: str, text: str
+) -> None:
+    """R1's generation prompt ends in `<think>`: the reply starts inside the reasoning, whatever
+    the user wrote (a message whose letters occur in the tag, "hi", once hid it)."""
+    got = ask(http, way, "r1", messages=[{"role": "user", "content": text}])
+    assert got == ("Four.", "Two and two.", [])
 
 
 @pytest.mark.parametrize("way", WAYS)
