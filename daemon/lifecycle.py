@@ -77,8 +77,9 @@ class Lifecycle:
             log.info("shutting down: ended %d running requests", ended)
 
     def reload(self) -> RegistryError | None:
-        """Re-read the registry (from any thread); stale pairings unload once idle, new ones
-        are probed in the background."""
+        """Re-read the registry (from any thread); stale pairings unload once idle, loaded
+        ones whose files changed (a pull) leave service, new ones are probed in the
+        background."""
         before = self.live()
         error = self.live.reload()
         if error is not None:

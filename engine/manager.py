@@ -894,15 +894,14 @@ class ModelManager:
         return bool(found)
 
     def unload_changed(self) -> list[str]:
-        """Unload (once idle) the models whose files changed since they loaded: a pull that
-        fetched a new revision of a served repo is served from the next load on, as Ollama
-        reloads a model whose files changed. The names unloaded."""
+        """Take out of service the models whose files changed since they loaded (a pull that
+        fetched a new revision of a served repo): the next request loads the new files, as
+        Ollama reloads a model whose files changed; requests already on the old one finish
+        there. The names retired."""
         changed = [m for m in self._loaded.values() if files_stamp(m.entry) != m.files]
         for model in changed:
-            log.info("the files of %s changed: it reloads when next used", model.entry.name)
-            model.keep_alive = 0
-            if model.users == 0:
-                self._retire(model)
+            log.info("the files of %s changed: the next request loads them", model.entry.name)
+            self._retire(model)
         return [m.entry.name for m in changed]
 
     def loaded(self) -> dict[str, Resident]:

@@ -315,7 +315,7 @@ def plan_pull(
         raise PullNotFound("pull model manifest: file does not exist")
     revision = "main" if hub.tag.lower() == "latest" else hub.tag
     return PullPlan(
-        name=hub.display,
+        name=entry.name if entry is not None else hub.display,  # a moved tag: its own entry
         hub=(HubRef(f"{hub.namespace}/{hub.model}", revision),),
         register=True,
         keep=entry_fields(entry) if entry is not None else {},

@@ -78,6 +78,35 @@ def test_a_new_revision_pulled_while_loaded_is_served_next(
     assert {m.model: m.digest for m in c.ps().models} == {HUB_NAME: listed[HUB_NAME]}
 
 
+def test_a_new_revision_is_served_next_while_the_old_one_finishes_a_stream(
+    mlxd: RunningServer, hub_env: HubEnv
+) -> None:
+    """Busy when its new files arrive: the stream in flight finishes on the old weights and
+    the next request loads the new ones (it was handed the busy old model)."""
+    c = client(mlxd)
+    c.pull("hf.co/org/tiny")
+    prompt = "Why is the sky blue?"
+    before = c.generate(model=HUB_NAME, prompt=prompt, options=GREEDY).response
+    streamed: list[str] = []
+    first = threading.Event()
+
+    def long_stream() -> None:
+        options = {"temperature": 0, "num_predict": 400}
+        for part in c.generate(model=HUB_NAME, prompt=prompt, options=options, stream=True):
+            streamed.append(part.response)
+            first.set()
+
+    thread = threading.Thread(target=long_stream)
+    thread.start()
+    assert first.wait(60)
+    hub_env.hub.add_repo(TARGET_REPO, hub_env.pair.draft)
+    c.pull("hf.co/org/tiny")
+    after = c.generate(model=HUB_NAME, prompt=prompt, options=GREEDY).response
+    thread.join(120)
+    assert after != before
+    assert "".join(streamed).startswith(before)  # the old weights' answer, whole
+
+
 def test_raw_stream_shape_and_stream_false(mlxd: RunningServer, hub_env: HubEnv) -> None:
     r = raw_pull(mlxd, {"model": "org/tiny"})
     assert r.status_code == 200

@@ -294,6 +294,22 @@ def test_pulling_a_tag_again_follows_it_where_it_moved(hub_env: HubEnv) -> None:
     assert hub_env.hub.gets() == []  # a commit never moves: nothing fetched
 
 
+def test_a_tag_pinned_under_its_own_name_is_updated_there(hub_env: HubEnv) -> None:
+    """An entry the user named `org/tiny:stable`, pinned to the commit its tag named: pulling
+    that name again moves that entry, not a `hf.co/...` copy of it beside."""
+    first = hub_env.hub.add_repo(TARGET_REPO, hub_env.pair.target, revision="stable")
+    run("hf.co/org/tiny:stable")
+    snapshot = hub_env.storage(TARGET_REPO) / "snapshots" / first
+    hub_env.user_file.write_text(
+        f"models:\n  org/tiny:stable:\n    target: {snapshot}\n", encoding="utf-8"
+    )
+    moved = hub_env.hub.add_repo(TARGET_REPO, hub_env.pair.draft, revision="stable")
+    run("org/tiny:stable", registry=Registry.load([hub_env.user_file]))
+    entries = user_entries(hub_env)
+    assert list(entries) == ["org/tiny:stable"]
+    assert entries["org/tiny:stable"].target == str(snapshot.parent / moved)
+
+
 def test_a_hub_that_never_answers_the_listing_fails_the_pull(
     hub_env: HubEnv, monkeypatch: pytest.MonkeyPatch
 ) -> None:
