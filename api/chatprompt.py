@@ -94,7 +94,8 @@ def template_messages(messages: Sequence[dict[str, Any]], fmt: ChatFormat) -> li
 def _one_call_a_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Llama 3.1's template renders one call per assistant turn and refuses a turn of several
     ("only supports single tool-calls at once"), which the model's own reply of `;`-separated
-    calls is: such a turn goes in as a turn per call, each followed by its result."""
+    calls is: such a turn goes in as a turn per call, each followed by its result (by the id
+    it answers where the results name them, else in order)."""
     out: list[dict[str, Any]] = []
     i = 0
     while i < len(messages):
@@ -108,6 +109,10 @@ def _one_call_a_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         while i < len(messages) and messages[i].get("role") == "tool" and len(results) < len(calls):
             results.append(messages[i])
             i += 1
+        by_id = {r.get("tool_call_id"): r for r in results}
+        answered = [by_id.get(call.get("id")) for call in calls]
+        if len(results) == len(calls) and all(answered) and len(by_id) == len(results):
+            results = [r for r in answered if r is not None]
         for n, call in enumerate(calls):
             out.append(
                 {**m, "tool_calls": [call]}

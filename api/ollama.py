@@ -202,9 +202,10 @@ async def _load_or_unload(
 def _continued(done: Done, tokenizer: Any) -> list[int]:
     """The output as `context` carries it: its tokens, or where a stop string cut the text
     short of them, the text sent (as Ollama's `context` is: a client continues from what it
-    read, not from the stop it never saw): the tokens whose text it holds whole, then the
-    rest of it tokenized. Tokenizing all of it anew would read the reply out of its place (a
-    SentencePiece tokenizer gives its first word a space the model never wrote)."""
+    read, not from the stop it never saw): the tokens whose text it holds whole, and where
+    the stop cut a token, the text tokenized whole where that keeps those tokens (tokenizing
+    a tail alone gives a SentencePiece tokenizer's `▁` to it, a space the model never wrote;
+    tokenizing all of it gives one to a reply the model opened without)."""
     out, text = done.output_tokens, done.stopped_text
     if text is None:
         return out
@@ -216,7 +217,12 @@ def _continued(done: Done, tokenizer: Any) -> list[int]:
         else:
             hi = mid - 1
     rest = text[len(tokenizer.decode(out[:lo])) :]
-    return out[:lo] + (list(tokenizer.encode(rest, add_special_tokens=False)) if rest else [])
+    if not rest:
+        return out[:lo]
+    whole = list(tokenizer.encode(text, add_special_tokens=False))
+    if whole[:lo] == out[:lo]:
+        return whole
+    return out[:lo] + list(tokenizer.encode(rest, add_special_tokens=False))
 
 
 def _rendered(name: str, text: str, images: int, **reply: Any) -> Response:

@@ -304,6 +304,12 @@ class ToolCallParser:
     def finish(self) -> list[Piece | ToolCall]:
         held, self._held = self._held, ""
         if self._state == "call":
+            end = self.markers.end
+            at = held.find(end) if end else -1
+            if at >= 0 and end is not None:  # a quote the call never closed held its end
+                out = self._close(held[:at], end)  # marker as string text: it ends it after all
+                self._state = "text"
+                return out + self.feed(held[at + len(end) :]) + self.finish()
             return self._close(held, "")
         return [Piece(CONTENT, held)] if held else []
 

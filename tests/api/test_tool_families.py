@@ -220,7 +220,8 @@ def test_llama3_several_calls_go_back_a_turn_each(http: httpx.Client) -> None:
 
 
 def test_llama3_several_calls_go_back_on_openai(http: httpx.Client) -> None:
-    """The same history in OpenAI's shape, results matched to calls by id."""
+    """The same history in OpenAI's shape, its results sent in another order than the calls:
+    each follows the call whose id it names."""
     calls = [
         {"id": f"call_{n}", "type": "function",
          "function": {"name": "get_weather", "arguments": json.dumps(args)}}
@@ -229,12 +230,17 @@ def test_llama3_several_calls_go_back_on_openai(http: httpx.Client) -> None:
     messages = [
         *USER,
         {"role": "assistant", "content": None, "tool_calls": calls},
-        {"role": "tool", "tool_call_id": "call_0", "content": "18C"},
         {"role": "tool", "tool_call_id": "call_1", "content": "25C"},
+        {"role": "tool", "tool_call_id": "call_0", "content": "18C"},
     ]
     body = {"model": "llama3-two", "messages": messages, "tools": [WEATHER], "temperature": 0}
     r = http.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
+    shown = http.post(
+        "/api/chat", json={**body, "stream": False, "_debug_render_only": True}
+    ).json()["_debug_info"]["rendered_template"]
+    paris, rome = shown.index('"Paris"'), shown.index('"Rome"')
+    assert paris < shown.index("18C") < rome < shown.index("25C")
 
 
 @pytest.mark.parametrize("way", WAYS)

@@ -181,3 +181,23 @@ def test_model_file_only_logprob_bytes_are_each_tokens_own(served: httpx.Client)
     assert got == [piece_bytes(p) for p in SPLIT.first]
     assert got[1] == b" w" and got[-4:] == [b"\xf0", b"\x9f", b"\x98", b"\x80"]
     assert b"".join(got).decode() == " " + TEXT
+
+
+def test_context_after_a_stop_inside_a_token_adds_no_space() -> None:
+    """A stop that cuts a token (`ld` of `▁wor ld`, stop "d"): the tail it leaves is read in
+    its place, not alone (`▁l`, a space the model never wrote)."""
+    from types import SimpleNamespace
+
+    from transformers import PreTrainedTokenizerFast
+
+    from mlxd.api.ollama import _continued
+    from tests.fixtures.spm_models import spm_tokenizer
+
+    script = Script("]", ("\u2581Hello", "\u2581wor", "ld"))
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=spm_tokenizer(script), bos_token=BOS, eos_token="</s>"
+    )
+    out = tok.convert_tokens_to_ids(["\u2581Hello", "\u2581wor", "ld"])
+    context = _continued(SimpleNamespace(output_tokens=out, stopped_text="Hello worl"), tok)
+    assert tok.decode(context) == "Hello worl"
+    assert context[:2] == out[:2]

@@ -86,6 +86,14 @@ CASES = [
     # a JSON call whose argument text holds `<function=` is still a JSON call
     (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a <function=f> b"}}\n'
      '</tool_call>', "", [("get_weather", {"city": "a <function=f> b"})]),
+    # the end marker inside an argument's string does not end the call
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "</tool_call>"}}\n'
+     '</tool_call>', "", [("get_weather", {"city": "</tool_call>"})]),
+    # a quote the call never closes: its end marker ends it after all, the next call parses
+    (HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a"b"}}\n</tool_call>'
+     '\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>\nDone.',
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "a"b"}}\n</tool_call>\n\nDone.',
+     [("get_time", {})]),
 ]  # fmt: skip
 
 
