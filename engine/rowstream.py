@@ -41,6 +41,7 @@ class RowStream:
         self._ready = ""  # text the stop strings released, not sent yet
         self._sent: list[str] = []  # the text emitted so far
         self._sent_chars = 0
+        self._accepted = 0  # `stats.accepted` as of the last push
 
     def _send(self, text: str, final: bool = False) -> None:
         """Send released text with the log-probabilities of the tokens it completes. Where
@@ -81,9 +82,12 @@ class RowStream:
         the next text sent); True once the row is finished (EOS, stop string, limit, cancel)."""
         if self.t_first is None:
             self.prefilled()
+        tokens = list(tokens)
+        kept = 0
         for i, tok in enumerate(tokens):
             if self.finished:
                 break
+            kept = i + 1
             if tok in self.eos:
                 self.reason = "stop"
                 break
@@ -98,9 +102,18 @@ class RowStream:
                 self.reason = "stop"
             elif len(self.output) >= self.limit:
                 self.reason = "length"
+        self._uncount(kept)
         if self.request.cancel.is_set() and not self.finished:
             self.reason = "cancel"
         return self.finished
+
+    def _uncount(self, kept: int) -> None:
+        """A round's accepted drafts open its tokens; those past where the row ended (a stop
+        string, EOS) were never output, so they do not count as accepted: `draft_accepted`
+        stays within `eval_count`, as it does where the limit ends a row."""
+        accepted = self.stats.accepted - self._accepted  # this push's round
+        self.stats.drop_accepted(accepted - min(kept, accepted), accepted)
+        self._accepted = self.stats.accepted
 
     def finish(self, reason: str | None = None) -> None:
         """Flush held text and send the final object (nothing is sent to a cancelled client)."""

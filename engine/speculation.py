@@ -109,6 +109,15 @@ class SpecStats:
             if i < accepted:
                 self.accepted_at[i] += 1
 
+    def drop_accepted(self, n: int, of: int) -> None:
+        """The last round's final `n` of its `of` accepted drafts were cut off (the row ended
+        before them)."""
+        if n <= 0:
+            return
+        self.accepted -= n
+        for i in range(of - n, of):
+            self.accepted_at[i] -= 1
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.drafted if self.drafted else 0.0

@@ -60,3 +60,24 @@ def test_a_token_without_text_sends_its_value_with_the_next_text(stop: list[str]
     chunks = stream([1, 9, 2, 9], stop, logprobs=True)
     assert "".join(c.text for c in chunks) == " return np"
     assert [lp.token for c in chunks for lp in c.logprobs] == [" return", "", " np", ""]
+
+
+@pytest.mark.parametrize(("stop", "kept", "accepted"), [(["np"], 2, 2), ([")"], 7, 6), ([], 8, 6)])
+def test_drafts_past_a_stop_are_not_counted_accepted(
+    stop: list[str], kept: int, accepted: int
+) -> None:
+    """A round commits its accepted drafts, then the target's own token; where a stop string
+    ends the row inside them, the drafts after it were never output: `draft_accepted` stays
+    within `eval_count`, the positions' counts with it."""
+    events: list[Event] = []
+    opts = parse_options({"stop": stop, "temperature": 0})
+    row = RowStream(GenerationRequest([1], opts), events.append, decode, {0}, limit=100)
+    row.stats.observe(4, 4)  # " return np . array" drafted and accepted, "(" the target's
+    row.push([1, 2, 3, 4, 5])
+    row.stats.observe(3, 2)  # "x )" accepted, then the target's
+    row.push([6, 7, 5])
+    row.finish()
+    done = events[-1]
+    assert done.metrics.eval_count == kept  # type: ignore[attr-defined]
+    assert row.stats.accepted == accepted <= kept
+    assert sum(row.stats.accepted_at) == accepted
