@@ -34,7 +34,9 @@ from mlxd.engine.grammar import (
 
 AUTO, REQUIRED = "auto", "required"
 TEXT = "TEXT: /(.|\\n)*/"
-WS = "/[ \\t\\n]*/"
+# between the parts a grammar forces (after the reasoning, between calls): a few characters,
+# so a model that would rather not call cannot fill the reply with whitespace until the limit
+WS = "/[ \\t\\n]{0,8}/"
 
 
 def _token_id(tokenizer: Any, text: str) -> int | None:

@@ -81,3 +81,17 @@ def test_a_schemas_own_layout_wins() -> None:
     body = json.loads(with_layout({"type": "object", "x-guidance": {"key_separator": ":"}}))
     assert body["x-guidance"]["key_separator"] == ":"
     assert body["x-guidance"]["item_separator"] == ", "
+
+
+def test_a_required_call_after_thinking_comes_within_a_few_characters(tmp_path: Path) -> None:
+    """Whitespace between the reasoning and the call it must make is bounded: a model that
+    would rather not call wrote tabs until the limit (3,555 tokens), never the call."""
+    family, script = MODELS["qwen3-tools"]
+    path = build_scripted(tmp_path / "thinker", family, script)
+    m, tok = matcher(path, REQUIRED, [WEATHER])
+    thought = tok.encode("<think>\nNo call.\n</think>", add_special_tokens=False)
+    newline = tok.encode("\n", add_special_tokens=False)
+    assert len(newline) == 1
+    assert masked_walk(m, thought + newline * 8) == len(thought) + 8
+    m, _ = matcher(path, REQUIRED, [WEATHER])
+    assert masked_walk(m, thought + newline * 9) == len(thought) + 8
