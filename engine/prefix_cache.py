@@ -365,6 +365,29 @@ def decode(key: str, data: bytes) -> Block | None:
 # -- tiers -------------------------------------------------------------------------------------
 
 
+RAM, SSD, TAIL = "ram", "ssd", "tail"  # where a found block came from (a tail: RAM, partial)
+
+
+class Found(list[tuple[str, Block]]):
+    """What a lookup found, (key, block) by position, and the tier each came from: counted as
+    hits per tier only once the caller restores them (`PrefixCache.used`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiers: list[str] = []
+
+    def add(self, key: str, block: Block, tier: str) -> None:
+        self.append((key, block))
+        self.tiers.append(tier)
+
+    def first(self, n: int) -> Found:
+        """The first `n` (what every rank of a sharded model holds)."""
+        out = Found()
+        for (key, block), tier in zip(self[:n], self.tiers[:n], strict=True):
+            out.add(key, block, tier)
+        return out
+
+
 class RamTier:
     """LRU by bytes."""
 
@@ -651,11 +674,21 @@ class PrefixCache:
         return [block for _, block in found]
 
     def used(self, found: Sequence[tuple[str, Block]]) -> None:
-        """Count a hit its caller restores (`hit_tokens`, `restored_bytes`): one it refuses
-        (a quantizing row's partial head, an unusable entry) is no hit."""
+        """Count a hit its caller restores (`hit_tokens`, `restored_bytes`, the blocks and
+        bytes of each tier): one it refuses (a quantizing row's partial head, an unusable
+        entry) is no hit."""
+        tiers = found.tiers if isinstance(found, Found) else [RAM] * len(found)
+        s = self.stats
         with self._lock:
-            self.stats.hit_tokens += sum(b.tokens for _, b in found)
-            self.stats.restored_bytes += sum(b.nbytes for _, b in found)
+            for (_, block), tier in zip(found, tiers, strict=True):
+                s.hit_tokens += block.tokens
+                s.restored_bytes += block.nbytes
+                if tier == SSD:
+                    s.ssd_hit_blocks += 1
+                    s.ssd_hit_bytes += block.nbytes
+                else:
+                    s.ram_hit_blocks += tier == RAM  # a partial block counts its bytes only
+                    s.ram_hit_bytes += block.nbytes
 
     def ssd_pays(self, recompute_rate: float) -> bool:
         """Whether reading K/V back from the SSD beats recomputing it: `recompute_rate` is the
@@ -669,11 +702,11 @@ class PrefixCache:
 
     def lookup_keyed(
         self, ns: Namespace, tokens: Sequence[int], recompute_rate: float = 0.0
-    ) -> list[tuple[str, Block]]:
+    ) -> Found:
         """`lookup`, with each block's key (for its attachments), not yet counted as a hit
         (`used`). SSD blocks are used only where reading them beats recomputing them
         (`ssd_pays`); runs of them are read in parallel."""
-        found: list[tuple[str, Block]] = []
+        found = Found()
         keys = block_keys(tokens, ns, self.block)
         with self._lock:
             self.stats.lookups += 1
@@ -685,9 +718,7 @@ class PrefixCache:
             while i < len(keys):
                 block = self.ram.get(keys[i])
                 if block is not None:
-                    self.stats.ram_hit_blocks += 1
-                    self.stats.ram_hit_bytes += block.nbytes
-                    found.append((keys[i], block))
+                    found.add(keys[i], block, RAM)
                     i += 1
                     continue
                 if not use_ssd or self.ssd is None:
@@ -697,10 +728,8 @@ class PrefixCache:
                 )
                 run = self.ssd.get_run(keys[i:end])
                 for key, block in zip(keys[i:end], run, strict=False):
-                    self.stats.ssd_hit_blocks += 1
-                    self.stats.ssd_hit_bytes += block.nbytes
                     self._spill(self.ram.put(key, block))
-                    found.append((key, block))
+                    found.add(key, block, SSD)
                 if len(run) < end - i:
                     break
                 i = end
@@ -711,8 +740,7 @@ class PrefixCache:
             if common is not None and (tail is None or common[1].tokens > tail[1].tokens):
                 tail = common
             if tail is not None:
-                self.stats.ram_hit_bytes += tail[1].nbytes
-                found.append(tail)
+                found.add(*tail, TAIL)
         return found
 
     def attachments(

@@ -26,7 +26,7 @@ from mlx_lm.utils import load_model
 
 from mlxd.engine.cache_use import offer_caches
 from mlxd.engine.distributed import wire
-from mlxd.engine.prefix_cache import Namespace, PrefixCache, build_caches
+from mlxd.engine.prefix_cache import Found, Namespace, PrefixCache, build_caches
 
 LAST_ONLY = "last"
 QUIT = "quit"
@@ -63,12 +63,12 @@ class Replica:
 
     def restore(self, sid: int, tokens: list[int], fields: tuple[str, str, str]) -> int:
         """Restore the prefix every rank holds into new caches `sid`; how many tokens."""
-        found = []
+        found = Found()
         if self.prefix is not None:
             try:
                 found = self.prefix.lookup_keyed(self.namespace(fields), tokens)
             except Exception:  # an unreadable entry is a miss on this rank
-                found = []
+                found = Found()
         mine = mx.array([len(found)], dtype=mx.int32)
         agreed = len(found)
         if self.group is not None and self.group.size() > 1:
@@ -80,7 +80,7 @@ class Replica:
         layers = len(make_prompt_cache(self.model))
         self.caches[sid] = build_caches(blocks, 0, layers, None)
         if self.prefix is not None:
-            self.prefix.used(found[:agreed])
+            self.prefix.used(found.first(agreed))
         return int(self.caches[sid][0].offset)
 
     def apply(self, op: tuple[Any, ...]) -> Any:

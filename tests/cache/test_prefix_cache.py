@@ -739,6 +739,7 @@ def test_draft_attachments_count_as_restored_bytes_per_tier(tmp_path: Path) -> N
     try:
         found = reopened.lookup_keyed(ns, tokens)
         assert len(reopened.attachments([k for k, _ in found], "draft-rev")) == len(keys)
+        reopened.used(found)
         assert reopened.stats.ssd_hit_bytes == target + draft
         assert reopened.stats.ram_hit_bytes == 0
     finally:
@@ -825,6 +826,25 @@ def test_a_prompt_diverging_inside_a_full_block_restores_its_shared_rows() -> No
         small.insert(key, make_block(990 + i))
     assert small.lookup(ns, [*tokens[:40], 1]) == []
     assert not small._children and not small._child_of
+
+
+def test_a_lookup_counts_per_tier_only_what_its_caller_restores() -> None:
+    """A hit a row refuses (a quantizing row's partial head) moved the blocks and bytes
+    counted per tier though nothing was restored; they count with `hit_tokens`, at `used`."""
+    ns = Namespace(model="counted")
+    tokens = chain(2, seed=6)
+    keys = block_keys(tokens, ns, BLOCK)
+    cache = PrefixCache(256 * MiB)
+    for i, key in enumerate(keys):
+        parent = keys[i - 1] if i else ns.seed.hex()
+        cache.insert(key, make_block(600 + i), under=(parent, tokens[i * BLOCK : (i + 1) * BLOCK]))
+    found = cache.lookup_keyed(ns, [*tokens[: BLOCK + 20], 7])  # a block and a partial one
+    assert [b.tokens for _, b in found] == [BLOCK, 20]
+    s = cache.stats
+    assert (s.ram_hit_blocks, s.ram_hit_bytes, s.hit_tokens) == (0, 0, 0)  # refused: no hit
+    cache.used(found)
+    assert (s.ram_hit_blocks, s.hit_tokens) == (1, BLOCK + 20)
+    assert s.ram_hit_bytes == s.restored_bytes == sum(b.nbytes for _, b in found)
 
 
 def test_partial_blocks_are_bounded_per_parent_and_leave_with_ram() -> None:
