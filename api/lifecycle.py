@@ -102,7 +102,7 @@ StatsPart = Callable[[ServerState], Any]
 def model_stats(status: ModelStatus, now: datetime) -> dict[str, Any]:
     need = status.need
     return {
-        "name": status.entry.name,
+        "name": status.names[0] if status.names else status.entry.name,  # as /api/ps names it
         "loading": status.loading,
         "stopping": status.stopping,
         "active": status.active,

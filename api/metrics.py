@@ -20,7 +20,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
+from starlette.routing import BaseRoute, Match, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from mlxd.api.ollama import ServerState
@@ -103,7 +103,7 @@ class StateCollector(Collector):
         queue = manager.queue
         yield _gauge("queue_depth", "Requests waiting for a model or a row.", queue.count)
         yield _gauge("queue_limit", "Waiting requests allowed before answering 503.", queue.limit)
-        loaded = manager.loaded()
+        loaded = manager.shown()
         yield _gauge("models_loaded", "Pairings loaded (or loading).", len(loaded))
         rows = GaugeMetricFamily(f"{PREFIX}_rows_running", "Rows being decoded.", labels=["model"])
         for name, model in loaded.items():
@@ -241,9 +241,19 @@ class RequestCounter:
                 status = "500"  # the server's error handler answers outside this middleware
             raise
         finally:
-            route = scope.get("route")
+            route = scope.get("route") or _route_of(scope)
             path = getattr(route, "path", None) or UNMATCHED
             self.metrics.requests.labels(path, status).inc()
+
+
+def _route_of(scope: Scope) -> BaseRoute | None:
+    """The route a request's path names where an answer came before routing (a CORS preflight
+    answered by its middleware): counted under that route, not as unmatched."""
+    app = scope.get("app")
+    for route in getattr(app, "routes", ()):
+        if route.matches(scope)[0] != Match.NONE:  # (PARTIAL: the path, another method)
+            return route
+    return None
 
 
 def metrics_of(request: Request) -> ServerMetrics:

@@ -815,8 +815,7 @@ class ModelManager:
             self._retire(idle[0])
         elif order and not self._retiring:  # nothing on its way out: let a busy one finish
             log.info("waiting for %s to finish to make room", order[0].entry.name)
-            self.counts.note(EVICTION, order[0].entry.name)
-            order[0].evicted = True
+            order[0].evicted = True  # counted once it stops (`_keep_evicted` may keep it)
             self._retire(order[0])
 
     async def _changed(self) -> None:
@@ -861,6 +860,8 @@ class ModelManager:
             self._retiring.append(model)
         model.retired = True
         if model.users == 0 and not model.stopped:
+            if model.evicted:  # the busy model chosen to make room: it goes now
+                self.counts.note(EVICTION, model.entry.name)
             model.stopped = True
             model.runner.stop()
             task = asyncio.get_running_loop().create_task(self._reap(model))
@@ -907,6 +908,12 @@ class ModelManager:
     def loaded(self) -> dict[str, Resident]:
         """Loaded bases by the name of the entry each was loaded for."""
         return {m.entry.name: m for m in self._loaded.values()}
+
+    def shown(self) -> dict[str, Resident]:
+        """Every model in service (busy ones on their way out too, as `status` lists them),
+        by the name `/api/ps` shows it under: an entry it still serves."""
+        busy_leaving = [m for m in self._retiring if m.users > 0]
+        return {_served(m)[0]: m for m in [*self._loaded.values(), *busy_leaving]}
 
     def status(self) -> list[ModelStatus]:
         """Every model in service, plus busy ones on their way out."""

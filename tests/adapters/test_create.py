@@ -147,6 +147,14 @@ def test_ps_names_an_entry_the_base_still_serves(
     server.registry.write_text(head + "  coder-tests:" + rest.split("  coder-tests:")[1])
     assert wait_for(lambda: "coder-sql:latest" not in tags(server))
     assert ps() == ["coder:latest"]
+    stats = httpx.get(f"{server.base_url}/api/mlxd/stats").json()
+    assert [m["name"] for m in stats["models"]] == ["coder:latest"]  # as /api/ps names it
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert 'mlxd_rows_running{model="coder:latest"}' in metrics
+    gauges = ("mlxd_rows_running", "mlxd_adapters_mounted", "mlxd_adapter_bytes")
+    assert not [
+        line for line in metrics.splitlines() if line.startswith(gauges) and "coder-sql" in line
+    ]
     assert "not loaded" in cli(["stop", "coder-tests"], server).stderr  # never used on it
     answer(server, "coder-tests")
     stop = cli(["stop", "coder-tests"], server)  # served by the base ps lists as coder

@@ -123,6 +123,20 @@ def test_generation_counters(served: ServerThread) -> None:
     assert value(after, "mlxd_queue_depth") == 0
 
 
+def test_a_preflight_is_counted_under_its_route(served: ServerThread) -> None:
+    """A CORS preflight is answered before routing; it counts under the route it asks about,
+    not as a path no route serves."""
+    base = served.info.base_url
+    requests = "mlxd_http_requests_total"
+    before = value(scrape(base), requests, route="/api/chat", status="204")
+    headers = {"Origin": "http://localhost", "Access-Control-Request-Method": "POST"}
+    assert httpx.options(f"{base}/api/chat", headers=headers).status_code == 204
+    assert httpx.options(f"{base}/nowhere", headers=headers).status_code == 204
+    after = scrape(base)
+    assert value(after, requests, route="/api/chat", status="204") == before + 1
+    assert value(after, requests, route="unmatched", status="204") >= 1
+
+
 def test_runner_restarts_are_counted(served: ServerThread) -> None:
     """Zero for every loaded model until whatever restarts a runner reports it."""
     base = served.info.base_url

@@ -118,10 +118,13 @@ def test_a_request_waiting_for_room_leaves_the_queue_and_loads_nothing(
         with streaming(base, "slow"):  # `slow` holds the only place
             leave_early(base, path, {"model": model, **body})  # waits for room, then leaves
             assert wait_for(lambda: stats(base)["queue"]["waiting"] == 0, 20)
+            assert running(base) == 1  # its rows stay counted while chosen to make room
         assert wait_for(lambda: running(base) == 0, 20)
         loaded = [m["name"] for m in httpx.get(f"{base}/api/ps").json()["models"]]
         assert f"{model}:latest" not in loaded
         assert "slow:latest" in loaded  # chosen to make room for it, it stays: nobody waits
+        metrics = httpx.get(f"{base}/metrics", timeout=30).text
+        assert 'mlxd_model_evictions_total{model="slow:latest"} 0.0' in metrics  # never went
 
 
 def test_sigterm_ends_running_streams_with_an_error_and_refuses_waiting_ones(
