@@ -18,11 +18,11 @@ from starlette.routing import Route
 
 from mlxd.api.codec import json_response
 from mlxd.api.durations import MAX_SECONDS
-from mlxd.api.modelinfo import LocalModel, find_local, rfc3339
+from mlxd.api.modelinfo import LocalModel, find_local
 from mlxd.api.state import ServerState, state_of
 from mlxd.api.types import PsResponse, RunningModel
 from mlxd.engine.manager import ModelStatus
-from mlxd.registry.schema import ModelEntry
+from mlxd.registry.schema import ModelEntry, rfc3339
 
 # Go's largest Duration, as Ollama stores a negative keep_alive: "forever" lands in 2318.
 FOREVER_SECONDS = MAX_SECONDS

@@ -19,7 +19,7 @@ from mlxd.engine.embedding.spec import spec_from_dir
 from mlxd.engine.prompt import detect_fim, inserts
 from mlxd.registry.adapterfiles import ADAPTER_WEIGHTS, adapter_revision
 from mlxd.registry.modelfile import render_modelfile
-from mlxd.registry.schema import ModelEntry
+from mlxd.registry.schema import ModelEntry, parse_rfc3339, rfc3339
 from mlxd.registry.store import ModelDetails, model_digest, model_size, read_details, resolve_local
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ def _read_local(entry: ModelEntry, target: Path, draft: Path | None) -> LocalMod
     files = [p for d in dirs + [a for a in adapters if a.is_dir()] for p in d.iterdir()]
     mtime = max((p.stat().st_mtime for p in files if p.is_file()), default=0.0)
     if entry.modified_at:  # created or copied since: a new model, as Ollama's manifest is
-        written = datetime.fromisoformat(entry.modified_at.replace("Z", "+00:00"))
+        written = parse_rfc3339(entry.modified_at)
         mtime = max(mtime, written.timestamp())
     digest = model_digest(target)
     if draft is not None:
@@ -146,10 +146,6 @@ def _context_length(entry: ModelEntry, target: Path) -> int | None:
     differ from its config's positions), else the config's (None)."""
     spec = spec_from_dir(entry, target)
     return spec.max_length if spec is not None else entry.context_length
-
-
-def rfc3339(dt: datetime) -> str:
-    return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def tag_json(m: LocalModel, unavailable: str | None = None) -> ModelSummary:

@@ -30,7 +30,7 @@ import os
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -485,13 +485,23 @@ def _check_license(value: Any) -> tuple[str, ...]:
     return tuple(texts)
 
 
+def rfc3339(dt: datetime) -> str:
+    """A time as the API writes times (and `modified_at` is kept): UTC, microseconds, `Z`."""
+    return dt.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def parse_rfc3339(text: str) -> datetime:
+    """An RFC 3339 time back (ValueError where it is none)."""
+    return datetime.fromisoformat(text.replace("Z", "+00:00"))
+
+
 def _check_time(value: Any) -> str:
     """An RFC 3339 time (`2026-12-05T07:30:00Z`); YAML may have read it as a datetime."""
     if isinstance(value, datetime):
         value = value.isoformat().replace("+00:00", "Z")
     if isinstance(value, str):
         with contextlib.suppress(ValueError):
-            datetime.fromisoformat(value.replace("Z", "+00:00"))
+            parse_rfc3339(value)
             return value
     raise ValueError(f"expected an RFC 3339 time, got {_describe(value)}")
 

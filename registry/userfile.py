@@ -39,6 +39,7 @@ from mlxd.registry.schema import (
     RegistryError,
     load_registry_file,
     portable_ref,
+    rfc3339,
 )
 
 try:  # POSIX; MLX runs on macOS and Linux
@@ -122,8 +123,8 @@ def _plain(value: Any) -> Any:
 
 
 def written_now() -> str:
-    """An entry's `modified_at` for a write now (a create or copy), as the API prints times."""
-    return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """An entry's `modified_at` for a write now (a create or copy)."""
+    return rfc3339(datetime.now(timezone.utc))
 
 
 def entry_fields(entry: ModelEntry) -> dict[str, Any]:
