@@ -111,7 +111,8 @@ def _one_call_a_turn(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             i += 1
         by_id = {r.get("tool_call_id"): r for r in results}
         answered = [by_id.get(call.get("id")) for call in calls]
-        if len(results) == len(calls) and all(answered) and len(by_id) == len(results):
+        distinct = len({id(r) for r in answered}) == len(calls)
+        if len(results) == len(calls) and all(answered) and distinct:
             results = [r for r in answered if r is not None]
         for n, call in enumerate(calls):
             out.append(

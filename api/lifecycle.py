@@ -88,8 +88,7 @@ async def ps(request: Request) -> Response:
     now = datetime.now(timezone.utc)
     on_gpu = manager.backend.device == "gpu"
     models = [
-        ps_entry(s, local, now, on_gpu, s.names[0] if s.names else None)
-        for s, local in zip(statuses, locals_, strict=True)
+        ps_entry(s, local, now, on_gpu, s.name) for s, local in zip(statuses, locals_, strict=True)
     ]  # a base several entries share (adapters) is one row: its memory counted once
     return json_response(PsResponse(models))
 
@@ -102,7 +101,7 @@ StatsPart = Callable[[ServerState], Any]
 def model_stats(status: ModelStatus, now: datetime) -> dict[str, Any]:
     need = status.need
     return {
-        "name": status.names[0] if status.names else status.entry.name,  # as /api/ps names it
+        "name": status.name,  # as /api/ps names it
         "loading": status.loading,
         "stopping": status.stopping,
         "active": status.active,

@@ -103,17 +103,17 @@ class StateCollector(Collector):
         queue = manager.queue
         yield _gauge("queue_depth", "Requests waiting for a model or a row.", queue.count)
         yield _gauge("queue_limit", "Waiting requests allowed before answering 503.", queue.limit)
-        loaded = manager.shown()
-        yield _gauge("models_loaded", "Pairings loaded (or loading).", len(loaded))
+        shown = manager.shown()
+        yield _gauge("models_loaded", "Pairings loaded (or loading).", len(shown))
         rows = GaugeMetricFamily(f"{PREFIX}_rows_running", "Rows being decoded.", labels=["model"])
-        for name, model in loaded.items():
-            rows.add_metric([name], model.runner.running_rows)
+        for name, total in _per_name((n, m.runner.running_rows) for n, m in shown).items():
+            rows.add_metric([name], total)
         yield rows
-        yield from _adapters(loaded)
+        yield from _adapters(shown)
         yield _gauge("memory_used_bytes", "Memory held by loaded pairings.", manager.memory_used())
         yield _gauge("memory_budget_bytes", "The memory budget.", manager.budget.bytes)
         yield _gauge("memory_arrays_bytes", "Bytes MLX's arrays hold now.", arrays_bytes())
-        yield from self._lifecycle(list(loaded))
+        yield from self._lifecycle([name for name, _ in shown])
         yield from self._prefix_cache()
 
     def _lifecycle(self, loaded: list[str]) -> Iterator[Metric]:
@@ -165,7 +165,16 @@ class StateCollector(Collector):
         )
 
 
-def _adapters(loaded: dict[str, Resident]) -> Iterator[Metric]:
+def _per_name(values: Iterable[tuple[str, int]]) -> dict[str, int]:
+    """Values summed per name: a copy leaving and a fresh load of new files are shown under
+    one."""
+    totals: dict[str, int] = {}
+    for name, value in values:
+        totals[name] = totals.get(name, 0) + value
+    return totals
+
+
+def _adapters(shown: list[tuple[str, Resident]]) -> Iterator[Metric]:
     """Adapters resident on each loaded base, and their bytes."""
     count = GaugeMetricFamily(
         f"{PREFIX}_adapters_mounted", "Adapters resident on a loaded base.", labels=["model"]
@@ -173,11 +182,11 @@ def _adapters(loaded: dict[str, Resident]) -> Iterator[Metric]:
     size = GaugeMetricFamily(
         f"{PREFIX}_adapter_bytes", "Bytes of the adapters resident on a base.", labels=["model"]
     )
-    for name, model in loaded.items():
-        pairing = model.runner.pairing
-        if pairing is not None:
-            count.add_metric([name], pairing.adapters.count)
-            size.add_metric([name], pairing.adapters.resident_bytes)
+    mounted = [(n, m.runner.pairing.adapters) for n, m in shown if m.runner.pairing is not None]
+    for name, total in _per_name((n, a.count) for n, a in mounted).items():
+        count.add_metric([name], total)
+    for name, total in _per_name((n, a.resident_bytes) for n, a in mounted).items():
+        size.add_metric([name], total)
     yield count
     yield size
 

@@ -202,10 +202,9 @@ async def _load_or_unload(
 def _continued(done: Done, tokenizer: Any) -> list[int]:
     """The output as `context` carries it: its tokens, or where a stop string cut the text
     short of them, the text sent (as Ollama's `context` is: a client continues from what it
-    read, not from the stop it never saw): the tokens whose text it holds whole, and where
-    the stop cut a token, the text tokenized whole where that keeps those tokens (tokenizing
-    a tail alone gives a SentencePiece tokenizer's `▁` to it, a space the model never wrote;
-    tokenizing all of it gives one to a reply the model opened without)."""
+    read, not from the stop it never saw): the tokens whose text it holds whole, then the
+    rest of a token the stop cut, read in its place (`_tail`): tokenizing it alone, or the
+    whole reply, gives a SentencePiece tokenizer's `▁` where the model wrote no space."""
     out, text = done.output_tokens, done.stopped_text
     if text is None:
         return out
@@ -217,12 +216,19 @@ def _continued(done: Done, tokenizer: Any) -> list[int]:
         else:
             hi = mid - 1
     rest = text[len(tokenizer.decode(out[:lo])) :]
-    if not rest:
-        return out[:lo]
-    whole = list(tokenizer.encode(text, add_special_tokens=False))
-    if whole[:lo] == out[:lo]:
-        return whole
-    return out[:lo] + list(tokenizer.encode(rest, add_special_tokens=False))
+    return out[:lo] + (_tail(rest, tokenizer) if rest else [])
+
+
+def _tail(rest: str, tokenizer: Any) -> list[int]:
+    """Tokens of text that continues other text: read after an anchor and split off from it,
+    so a SentencePiece tokenizer gives it no `▁` of its own (where the split does not give
+    the text back, its own tokens)."""
+    anchor = "\n"
+    head = list(tokenizer.encode(anchor, add_special_tokens=False))
+    both = list(tokenizer.encode(anchor + rest, add_special_tokens=False))
+    if both[: len(head)] == head and tokenizer.decode(both[len(head) :]) == rest:
+        return both[len(head) :]
+    return list(tokenizer.encode(rest, add_special_tokens=False))
 
 
 def _rendered(name: str, text: str, images: int, **reply: Any) -> Response:

@@ -336,6 +336,11 @@ class ModelStatus:
     ranks: tuple[str, ...] = ()  # a distributed target's ranks (and why its group ended)
     names: tuple[str, ...] = ()  # the entries it serves now (adapter entries share a base)
 
+    @property
+    def name(self) -> str:
+        """The name it is shown under (`/api/ps`, stats): the first entry it serves."""
+        return self.names[0] if self.names else self.entry.name
+
 
 def _served(model: Resident) -> tuple[str, ...]:
     """The entries `model` serves: the one it was loaded for first while it still does (an
@@ -795,7 +800,12 @@ class ModelManager:
         """A load that gave up waiting (its client left) no longer needs the busy model it
         chose to make room: that one stays in service rather than go for nobody."""
         for model in list(self._retiring):
-            if model.evicted and not model.stopped and self._loaded.get(model.key) is None:
+            if (
+                model.evicted
+                and not model.stopped
+                and self._loaded.get(model.key) is None
+                and files_stamp(model.entry) == model.files  # not where new files came
+            ):
                 self._retiring.remove(model)
                 model.retired = model.evicted = False
                 self._loaded[model.key] = model
@@ -811,7 +821,7 @@ class ModelManager:
         idle = [m for m in order if m.users == 0]
         if idle:
             log.info("unloading %s to make room", idle[0].entry.name)
-            self.counts.note(EVICTION, idle[0].entry.name)
+            idle[0].evicted = True  # counted as it stops, in `_retire`
             self._retire(idle[0])
         elif order and not self._retiring:  # nothing on its way out: let a busy one finish
             log.info("waiting for %s to finish to make room", order[0].entry.name)
@@ -860,8 +870,8 @@ class ModelManager:
             self._retiring.append(model)
         model.retired = True
         if model.users == 0 and not model.stopped:
-            if model.evicted:  # the busy model chosen to make room: it goes now
-                self.counts.note(EVICTION, model.entry.name)
+            if model.evicted:  # chosen to make room (busy: `_keep_evicted` may keep it)
+                self.counts.note(EVICTION, _served(model)[0])
             model.stopped = True
             model.runner.stop()
             task = asyncio.get_running_loop().create_task(self._reap(model))
@@ -909,17 +919,19 @@ class ModelManager:
         """Loaded bases by the name of the entry each was loaded for."""
         return {m.entry.name: m for m in self._loaded.values()}
 
-    def shown(self) -> dict[str, Resident]:
-        """Every model in service (busy ones on their way out too, as `status` lists them),
-        by the name `/api/ps` shows it under: an entry it still serves."""
-        busy_leaving = [m for m in self._retiring if m.users > 0]
-        return {_served(m)[0]: m for m in [*self._loaded.values(), *busy_leaving]}
+    def _in_service(self) -> list[Resident]:
+        """Every model loaded, plus busy ones on their way out (a name may be on two: the
+        copy leaving and a fresh load of new files)."""
+        return [*self._loaded.values(), *(m for m in self._retiring if m.users > 0)]
+
+    def shown(self) -> list[tuple[str, Resident]]:
+        """Every model in service with the name `/api/ps` shows it under."""
+        return [(_served(m)[0], m) for m in self._in_service()]
 
     def status(self) -> list[ModelStatus]:
         """Every model in service, plus busy ones on their way out."""
         now = time.monotonic()
-        busy_leaving = [m for m in self._retiring if m.users > 0]
-        return [_status(m, now) for m in [*self._loaded.values(), *busy_leaving]]
+        return [_status(m, now) for m in self._in_service()]
 
     def stop_serving(self) -> int:
         """The daemon was told to stop: refuse requests waiting for a model (`ServerClosing`)

@@ -673,14 +673,13 @@ class PrefixCache:
         self.used(found)
         return [block for _, block in found]
 
-    def used(self, found: Sequence[tuple[str, Block]]) -> None:
+    def used(self, found: Found) -> None:
         """Count a hit its caller restores (`hit_tokens`, `restored_bytes`, the blocks and
         bytes of each tier): one it refuses (a quantizing row's partial head, an unusable
         entry) is no hit."""
-        tiers = found.tiers if isinstance(found, Found) else [RAM] * len(found)
         s = self.stats
         with self._lock:
-            for (_, block), tier in zip(found, tiers, strict=True):
+            for (_, block), tier in zip(found, found.tiers, strict=True):
                 s.hit_tokens += block.tokens
                 s.restored_bytes += block.nbytes
                 if tier == SSD:

@@ -57,23 +57,26 @@ class _Worker:
         self.thread.start()
 
     def _main(self) -> None:
-        while True:
-            self._run(*self.jobs.get())  # its frame, holding the work, ends with it
-
-    def _run(self, target: Callable[[], None], work: MlxWork) -> None:
         thread = threading.current_thread()
-        thread.name = work.name
+        while True:
+            work = self._run(self.jobs.get())  # its frame, holding the target, has ended
+            thread.name = IDLE_NAME
+            self.pool.idle(self)  # back before `done`: who waited can take it again
+            work._done.set()
+
+    def _run(self, job: tuple[Callable[[], None], MlxWork]) -> MlxWork:
+        target, work = job
+        threading.current_thread().name = work.name
         try:
             target()
         except BaseException:
             log.exception("MLX work %s failed", work.name)
-        finally:
-            settle_streams()
-            for reset in _RESETS:  # what the work kept per thread (a runner, its masks)
-                reset()
-            thread.name = IDLE_NAME
-            self.pool.idle(self)  # back before `done`: who waited can take it again
-            work._done.set()
+        for step in (settle_streams, *_RESETS):  # the queued work, what it kept per thread
+            try:
+                step()
+            except Exception:  # (a device error surfacing at a sync): the thread serves on
+                log.exception("after MLX work %s", work.name)
+        return work
 
 
 class _Pool:

@@ -14,7 +14,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlxd.engine.attention import additive
+from mlxd.engine import attention
 from mlxd.engine.backend import configure_backend
 from mlxd.engine.progress import beat_with
 from mlxd.engine.runner import PairingRunner
@@ -111,21 +111,26 @@ class _Held:
 
 def test_what_work_kept_per_thread_goes_with_it() -> None:
     """A pooled thread outlives its work: neither the work itself nor what it kept per thread
-    (a runner's beat, a forward's mask) may keep the work's objects alive."""
+    (a runner's beat) may keep the work's objects alive, and the next work on the thread
+    starts as on a fresh one (no warm-up seen: a probe measures with MLX's own attention)."""
 
     def run_holding() -> weakref.ref[_Held]:
         held = _Held()
 
         def work() -> None:
             beat_with(lambda: print(held))  # a runner installs its beat
-            mx.eval(additive(mx.ones((2, 2), dtype=mx.bool_), mx.float32))
+            with attention.warming():
+                pass
 
         start_mlx_thread(work, "runner").join(10)
         return weakref.ref(held)
 
     ref = run_holding()
+    seen: list[bool] = []
+    start_mlx_thread(lambda: seen.append(attention._warmed.ran), "probe").join(10)
     gc.collect()
     assert ref() is None
+    assert seen == [False]
 
 
 def test_an_unloaded_model_is_freed_on_its_pooled_thread(tiny_pair: TinyPair) -> None:

@@ -116,9 +116,15 @@ def test_a_request_waiting_for_room_leaves_the_queue_and_loads_nothing(
     with ServerThread(registry, max_loaded=1, num_parallel=1) as srv:
         base = srv.base_url
         with streaming(base, "slow"):  # `slow` holds the only place
-            leave_early(base, path, {"model": model, **body})  # waits for room, then leaves
+            leaver = threading.Thread(
+                target=leave_early, args=(base, path, {"model": model, **body})
+            )
+            leaver.start()  # waits for room, then leaves
+            # (a stream's client may be gone before its wait shows: then `slow` is back)
+            assert wait_for(lambda: stats(base)["queue"]["waiting"] == 1 or not leaver.is_alive())
+            assert running(base) == 1  # chosen to make room, its rows are still counted
+            leaver.join(30)
             assert wait_for(lambda: stats(base)["queue"]["waiting"] == 0, 20)
-            assert running(base) == 1  # its rows stay counted while chosen to make room
         assert wait_for(lambda: running(base) == 0, 20)
         loaded = [m["name"] for m in httpx.get(f"{base}/api/ps").json()["models"]]
         assert f"{model}:latest" not in loaded
