@@ -821,7 +821,7 @@ class ModelManager:
         idle = [m for m in order if m.users == 0]
         if idle:
             log.info("unloading %s to make room", idle[0].entry.name)
-            idle[0].evicted = True  # counted as it stops, in `_retire`
+            self.counts.note(EVICTION, _served(idle[0])[0])
             self._retire(idle[0])
         elif order and not self._retiring:  # nothing on its way out: let a busy one finish
             log.info("waiting for %s to finish to make room", order[0].entry.name)
@@ -870,7 +870,7 @@ class ModelManager:
             self._retiring.append(model)
         model.retired = True
         if model.users == 0 and not model.stopped:
-            if model.evicted:  # chosen to make room (busy: `_keep_evicted` may keep it)
+            if model.evicted:  # chosen busy to make room: counted as it goes (it may stay)
                 self.counts.note(EVICTION, _served(model)[0])
             model.stopped = True
             model.runner.stop()

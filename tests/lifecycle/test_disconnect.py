@@ -22,8 +22,10 @@ from tests.fixtures.tiny_embedders import build_wordpiece, write_bert
 from tests.fixtures.tiny_models import TARGET_SHAPE, TinyPair, write_model
 
 REPO = Path(__file__).resolve().parents[2]
-# an answer far longer than the test waits: the grammar holds back the end of sequence
-LONG = {"num_predict": 30000, "temperature": 0, "grammar": {"regex": "([a-z]{100}){300}"}}
+# an answer far longer than the test waits: the grammar holds back the end of sequence, and
+# the registry's models take contexts of 32k tokens (at 4k the slow model's answer ended
+# after 40 s on a 2-core machine, inside a long test: it then made room it should not have)
+LONG = {"num_predict": 300000, "temperature": 0, "grammar": {"regex": "([a-z]{100}){3000}"}}
 
 
 @pytest.fixture(scope="module")
@@ -35,12 +37,16 @@ def registry(tiny_pair: TinyPair, tmp_path_factory: pytest.TempPathFactory) -> P
         root / "slow", tiny_pair.tokenizer_dir, seed=5, max_position_embeddings=40000,
         hidden_size=384, num_layers=6, num_heads=6, num_kv_heads=2, intermediate_size=768,
     )  # fmt: skip
-    other = write_model(root / "other", tiny_pair.tokenizer_dir, seed=6, **TARGET_SHAPE)
+    other = write_model(
+        root / "other", tiny_pair.tokenizer_dir, seed=6, max_position_embeddings=40000,
+        **TARGET_SHAPE,
+    )  # fmt: skip
     embedder = write_bert(root / "minilm", build_wordpiece(root / "wordpiece"), seed=11)
     path = root / "models.yaml"
+    long = "    options:\n      num_ctx: 32768\n"
     path.write_text(
-        f"models:\n  slow:\n    target: {slow}\n  embedder:\n    target: {embedder}\n"
-        f"  other:\n    target: {other}\n",
+        f"models:\n  slow:\n    target: {slow}\n{long}  embedder:\n    target: {embedder}\n"
+        f"  other:\n    target: {other}\n{long}",
         encoding="utf-8",
     )
     return path
@@ -190,13 +196,15 @@ def test_a_request_waiting_for_an_entry_removed_meanwhile_loads_nothing(
         assert "other:latest" not in loaded
 
 
-def test_one_load_evicts_one_model(registry: Path, tmp_path: Path) -> None:
+def test_one_load_evicts_one_model(registry: Path, tmp_path: Path, tiny_pair: TinyPair) -> None:
     """Both places busy: the model chosen to make room is waited for, and the other, idle
-    meanwhile, stays loaded (as Ollama's scheduler waits for the runner it chose)."""
+    meanwhile, stays loaded (as Ollama's scheduler waits for the runner it chose). `third` is
+    a model of its own: an entry on `other`'s files would share its loaded base, and would
+    then take it without waiting, where its probe ended before the request came."""
     three = tmp_path / "models.yaml"
-    other = registry.read_text(encoding="utf-8").split("target: ")[-1].strip()
+    third = write_model(tmp_path / "third", tiny_pair.tokenizer_dir, seed=7, **TARGET_SHAPE)
     three.write_text(
-        registry.read_text(encoding="utf-8") + f"  third:\n    target: {other}\n", "utf-8"
+        registry.read_text(encoding="utf-8") + f"  third:\n    target: {third}\n", "utf-8"
     )
     with ServerThread(three, max_loaded=2, num_parallel=1) as srv:
         base = srv.base_url
