@@ -15,19 +15,8 @@ import pytest
 
 from tests.conftest import RunningServer, ServerThread
 from tests.fixtures.scripted_models import Script, build_scripted
+from tests.tools.conftest import WEATHER
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string"}},
-            "required": ["city"],
-        },
-    },
-}
 RUN = {
     "type": "function",
     "function": {
