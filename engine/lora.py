@@ -151,15 +151,13 @@ class _Group:
     def restacked(self) -> None:
         """A member's adapters changed: routes are decided anew."""
         self.together.clear()
+        for member in self.members:
+            member.forget_route()
 
-    def output(
+    def members_with(
         self, member: RowLoRA, x: mx.array, part: lora_cuda.Part, idx: mx.array | None
-    ) -> mx.array:
-        """`member`'s output for x, computed in one call with those of the members routed
-        alike (the same slots, or all on the base; a bias alike), whose outputs wait in `y`
-        until they are called (`RowLoRA.__call__` takes them first)."""
-        if self.x is not x:
-            self.x, self.y = x, {}
+    ) -> list[tuple[RowLoRA, lora_cuda.Part]]:
+        """The members computed in `member`'s call for x (`member` first)."""
         key = (id(member), member.selection.slots, x.shape, x.dtype)
         together = self.together.get(key)
         if together is None:
@@ -172,6 +170,14 @@ class _Group:
             if len(self.together) >= MAX_PLANS:
                 self.together.clear()
             self.together[key] = together
+        return together
+
+    def run(
+        self, x: mx.array, idx: mx.array | None, together: list[tuple[RowLoRA, lora_cuda.Part]]
+    ) -> mx.array:
+        """The first of `together`'s outputs; the others wait in `y`."""
+        if self.x is not x:
+            self.x, self.y = x, {}
         parts = [p for _, p in together]
         ys = _fused_terms(x, idx, together) if idx is not None else None
         if ys is None:
@@ -251,6 +257,21 @@ class _Slots:
     # on a CPU (float32, LoRA): the base's product, which `RowLoRA._direct` takes with the
     # slots' own views (None: the general path)
     base: Callable[[mx.array], mx.array] | None = None
+    route: _Route | None = None  # the last adapted kernel route, for the next like forward
+
+
+@dataclass(frozen=True)
+class _Route:
+    """An adapted projection's kernel call for inputs of one shape on one set of rows' slots:
+    a decoding row's every step routes alike, so it looks this up (about half the Python of
+    deciding it again, where the Python of a lone row's step is what its speed is bound by)."""
+
+    slots: tuple[int, ...]  # `Selection.slots`
+    shape: tuple[int, ...]
+    dtype: mx.Dtype
+    part: lora_cuda.Part
+    idx: mx.array
+    together: list[tuple[RowLoRA, lora_cuda.Part]] | None  # with its group's, if in one
 
 
 def _base_weight(base: nn.Module) -> mx.array:
@@ -365,7 +386,11 @@ class RowLoRA(nn.Module):
         held = self._slots.by_slot.get(slot)
         return 0 if held is None else held.nbytes
 
+    def forget_route(self) -> None:
+        self._slots.route = None
+
     def _restack(self) -> None:
+        self.forget_route()
         if self.group is not None:
             self.group.restacked()
         held = self._slots.by_slot
@@ -442,13 +467,28 @@ class RowLoRA(nn.Module):
         group = self.group
         if group is not None and group.x is x and id(self) in group.y:
             return group.y.pop(id(self))  # computed with a sibling's, in its call
+        known = held.route
+        if (
+            known is not None
+            and known.slots == self.selection.slots
+            and known.shape == x.shape
+            and known.dtype == x.dtype
+        ):
+            if known.together is None:
+                return lora_cuda.project(x, known.idx, [known.part])[0]
+            assert group is not None
+            return group.run(x, known.idx, known.together)
         plan = self._plan(x)
         route = self._route(x, plan)
         if route is not None:
             part, idx = route
-            if group is None:
+            together = None if group is None else group.members_with(self, x, part, idx)
+            if idx is not None and self.selection.slots is not None:  # adapted: kept
+                held.route = _Route(self.selection.slots, x.shape, x.dtype, part, idx, together)
+            if together is None:
                 return lora_cuda.project(x, idx, [part])[0]
-            return group.output(self, x, part, idx)
+            assert group is not None
+            return group.run(x, idx, together)
         if plan is None:
             return self.base(x)  # no row's adapter touches this projection
         stacks = self._slots.stacks

@@ -433,7 +433,7 @@ def fits(x: mx.array, dtype: mx.Dtype, term: bool = True) -> bool:
     """Whether the kernels take input x (batch rows, tokens, K) of a projection in `dtype`:
     up to `MAX_ROWS` rows x tokens, and rows on the base alone (no `term`) up to the
     tensor-core kernel's."""
-    most = mma_cuda.MAX_ROWS if mma_on() and not term else MAX_ROWS
+    most = mma_cuda.MAX_ROWS if not term and mma_on() else MAX_ROWS  # adapted: no env read
     return x.ndim == 3 and x.dtype == dtype and x.shape[0] * x.shape[1] <= most
 
 

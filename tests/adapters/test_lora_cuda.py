@@ -121,6 +121,50 @@ def test_projections_of_one_input_share_one_call_per_forward(
     assert calls == [*expected[:5], *expected[6:]]
 
 
+@pytest.mark.usefixtures("on_the_cpu")
+def test_a_decoding_rows_steps_keep_their_routes_until_an_adapter_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lone row's later steps on the same slots call the kernels as its first did without
+    deciding their routes again; remounting an adapter (new weights at the same slot, on one
+    projection of a group) and changing a row's slot are followed at the next step."""
+    plain_sel, fused_sel = Selection(), Selection()
+    plain, fused = tiny_model(4), tiny_model(4)
+    mount(plain, plain_sel)
+    monkeypatch.setattr(lora, "_decodes_fused", lambda base: True)
+    monkeypatch.setattr(lora_cuda, "warm", lambda dtype, count, bias, term: None)
+    mount(fused, fused_sel)
+    calls = counted_calls(monkeypatch)
+    token = mx.array([[7]])
+    decided: list[int] = []
+    route = lora.RowLoRA._route
+    monkeypatch.setattr(
+        lora.RowLoRA, "_route", lambda self, x, plan: decided.append(1) or route(self, x, plan)
+    )
+
+    def step(slot: int) -> None:
+        calls.clear()
+        got, want = logits_on([slot], token, (fused, fused_sel), (plain, plain_sel))
+        assert calls == [(n, True) for n in (3, 1, 2, 1, 2, 1, 1, 2, 1)]
+        assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
+
+    step(1)
+    assert decided
+    decided.clear()
+    step(1)
+    assert not decided  # the second step routed as the first
+    ka, kb = mx.random.split(mx.random.key(99))
+    for model, selection, kernels in ((plain, plain_sel, False), (fused, fused_sel, True)):
+        row = wrap(model, "model.layers.1.self_attn.v_proj", selection)
+        d_out, d_in = row.base.weight.shape
+        a, b = mx.random.normal((d_in, 8), key=ka), mx.random.normal((8, d_out), key=kb)
+        with monkeypatch.context() as patched:
+            patched.setattr(lora, "_decodes_fused", lambda base, kernels=kernels: kernels)
+            row.put(1, LayerWeights(a, b, 2.0))
+    step(1)
+    step(2)
+
+
 def counted_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
     """`lora_cuda.project` by MLX ops, each call noted as (projections, with terms)."""
     calls: list[tuple[int, bool]] = []
