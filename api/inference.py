@@ -127,6 +127,9 @@ def tokenize(
     budget = Budget.of(pairing.row_context(opts), opts.num_predict, pairing.chars_per_token)
     # a chat template's text has its own BOS; after a `context` (which opens with one) none
     specials = (not templated or isinstance(text, BareText)) and not before
+    bos = getattr(pairing.tokenizer, "bos_token_id", None)
+    # a `context`'s BOS, which the text after it leaves out: kept where the context is cut
+    lead = before[:1] if before and before[0] == bos else []
     new: list[int] | None = None
     if len(text) <= budget.window:
         new = _after(before, encode(pairing.tokenizer, text, specials), pairing.tokenizer)
@@ -138,7 +141,7 @@ def tokenize(
         if new is not None and len(before) + len(new) < budget.context:
             return before + new
         raise ApiError(400, "the input length exceeds the context length")
-    if new is None or len(new) > budget.prompt:
+    if new is None or len(new) > budget.prompt - len(lead):
         start = head()  # rendered only when the prompt must be cut
         # the characters before the request's own content: the start it shares with
         # the rendering that leaves that content out
@@ -147,9 +150,10 @@ def tokenize(
             before, encode(pairing.tokenizer, text[:cut], specials), pairing.tokenizer
         )
         body = encode(pairing.tokenizer, text[cut:][-budget.window :], False)
-        new = fit(kept_head, body, budget.prompt)
-    room = budget.prompt - len(new)
-    tokens = (before[len(before) - room :] if room > 0 else []) + new
+        new = fit(kept_head, body, budget.prompt - len(lead))
+    room = budget.prompt - len(lead) - len(new)
+    rest = before[len(lead) :]
+    tokens = lead + (rest[len(rest) - room :] if room > 0 else []) + new
     log.warning(
         "truncating input prompt of %s: limit=%d prompt=%d characters (+%d context tokens)"
         " new=%d",
@@ -159,12 +163,14 @@ def tokenize(
 
 
 def chat_head(entry: ModelEntry, messages: list[dict[str, Any]]) -> Callable[[Pairing], str]:
-    """A chat's head: its system messages alone (what truncation keeps first)."""
+    """A chat's head, what truncation keeps first: the template's opening and the system
+    messages, rendered alone. With none, the opening a template writes before a first user
+    message (a BOS, a default system block), read off a rendering of an empty one: templates
+    refuse a conversation of no messages."""
     system = [m for m in with_system(messages, entry.system) if m["role"] == "system"]
+    shown = system or [{"role": "user", "content": ""}]
     template = go_template(entry.template)
-    return lambda pairing: (
-        render_chat(pairing.tokenizer, system, template=template) if system else ""
-    )
+    return lambda pairing: render_chat(pairing.tokenizer, shown, template=template)
 
 
 def compile_for(pairing: Pairing, grammar: GrammarSpec) -> None:

@@ -306,7 +306,7 @@ async def generate(request: Request) -> Response:
         )  # fmt: skip
 
     if body.debug_render_only:
-        text = await with_pairing(state, entry, keep, render)
+        text = await with_pairing(state, entry, keep, lambda p: _after_context(p, context, render))
         return _rendered(name, text, len(body.images or []), response="")
 
     slot, load_seconds, prompt_tokens = await while_connected(request, prepare(
@@ -347,6 +347,15 @@ async def generate(request: Request) -> Response:
 
     writer = NdjsonWriter(chunk, final, parsers[0]())
     return StreamingResponse(pump(state.manager, slot, gen, writer), media_type=NDJSON)
+
+
+def _after_context(
+    pairing: Pairing, context: list[int] | None, render: Callable[[Pairing], str]
+) -> str:
+    """The prompt as the model reads it: a `context` sent back (its text, as Ollama writes it
+    before the template), then the rendering."""
+    text = render(pairing)  # checks the context's ids
+    return pairing.tokenizer.decode(list(context)) + text if context else text
 
 
 def _check_ids(ids: list[int], pairing: Pairing) -> None:

@@ -15,10 +15,12 @@ from mlx_lm.tokenizer_utils import load as load_tokenizer
 
 from mlxd.engine.truncation import Budget, fit
 from tests.conftest import RunningServer, ServerThread
+from tests.fixtures.scripted_models import Script, build_scripted
 from tests.fixtures.tiny_models import SPECIAL_TOKENS, TinyPair
 
 CTX = 96
 SYSTEM = "You are a terse assistant who answers in one word."
+LLAMA_BOS = "<|begin_of_text|>"
 
 
 def test_budget_leaves_room_to_answer() -> None:
@@ -150,3 +152,72 @@ def test_truncate_false_refuses_a_prompt_that_does_not_fit(short: RunningServer)
 
 def test_a_vocabulary_of_long_tokens_widens_the_window_read() -> None:
     assert Budget.of(100, 10, chars_per_token=65).window > 100 * 64
+
+
+@pytest.fixture(scope="module")
+def opening(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RunningServer, Path]]:
+    """A Llama 3 template (its rendering opens with BOS and a system block whatever the
+    messages) on a model that answers "Marked answer!" where BOS is in what it reads."""
+    root = tmp_path_factory.mktemp("opening")
+    script = Script("\n", ("Plain", " answer", "."), ("Marked", " answer", "!"), LLAMA_BOS)
+    model = build_scripted(root / "l3", "llama3", script)
+    registry = root / "models.yaml"
+    registry.write_text(
+        f"models:\n  l3:\n    target: {model}\n    options:\n      temperature: 0\n",
+        encoding="utf-8",
+    )
+    with ServerThread(registry) as info:
+        yield info, model
+
+
+def test_a_cut_chat_without_a_system_message_keeps_the_templates_opening(
+    opening: tuple[RunningServer, Path],
+) -> None:
+    """The head kept is what the template writes before the first message (BOS, its default
+    system block), as Ollama renders the template again over the messages it keeps."""
+    history = []
+    for i in range(30):
+        history += [
+            {"role": "user", "content": f"question number {i}"},
+            {"role": "assistant", "content": f"answer number {i}"},
+        ]
+    history.append({"role": "user", "content": "last one"})
+    body = {"model": "l3", "messages": history, "stream": False,
+            "options": {"num_ctx": 256, "num_predict": 3}}  # fmt: skip
+    out = httpx.post(opening[0].base_url + "/api/chat", json=body, timeout=120).json()
+    assert out["prompt_eval_count"] < 256
+    assert out["message"]["content"] == "Marked answer!"
+
+
+def test_a_cut_context_keeps_its_bos(opening: tuple[RunningServer, Path]) -> None:
+    """The text after a `context` leaves its own BOS out, so where the context is cut its
+    BOS stays first: the prompt opens with one BOS, as it does uncut."""
+    url = opening[0].base_url + "/api/generate"
+    first = httpx.post(url, timeout=120, json={
+        "model": "l3", "prompt": story(12), "stream": False, "options": {"num_predict": 3}
+    }).json()  # fmt: skip
+    bos = first["context"][0]
+    for num_ctx in (10_000, len(first["context"]) + 40, 60):
+        out = httpx.post(url, timeout=120, json={
+            "model": "l3", "prompt": "and then?", "context": first["context"], "stream": False,
+            "options": {"num_ctx": num_ctx, "num_predict": 3},
+        }).json()  # fmt: skip
+        kept = out["context"][: out["prompt_eval_count"]]
+        assert kept[0] == bos and kept.count(bos) == 1, num_ctx
+        assert out["response"] == "Marked answer!"
+
+
+def test_a_rendering_asked_with_a_context_shows_it_first(
+    opening: tuple[RunningServer, Path],
+) -> None:
+    """`_debug_render_only` answers the prompt as the model reads it: the context's text,
+    then the rendering (as Ollama writes them into one buffer)."""
+    url = opening[0].base_url + "/api/generate"
+    first = httpx.post(url, timeout=120, json={
+        "model": "l3", "prompt": "hi", "stream": False, "options": {"num_predict": 3}
+    }).json()  # fmt: skip
+    asked = {"model": "l3", "prompt": "and then?", "_debug_render_only": True}
+    alone = httpx.post(url, json=asked, timeout=120).json()["_debug_info"]["rendered_template"]
+    shown = httpx.post(url, json={**asked, "context": first["context"]}, timeout=120).json()
+    text = load_tokenizer(opening[1]).decode(first["context"])
+    assert shown["_debug_info"]["rendered_template"] == text + alone
