@@ -39,7 +39,7 @@ from mlxd.engine.grammar import GrammarError, Matcher, row_grammar
 from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import FREE_DRAFT_TOKENS, Pairing, draft_cap, warm_up
-from mlxd.engine.prefill import batchable, bucketed, feed, feed_rows, row_shape
+from mlxd.engine.prefill import CHUNK, batchable, bucketed, feed, feed_rows, row_shape
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.row import Job, Row
 from mlxd.engine.rowstream import RowStream
@@ -315,8 +315,7 @@ class Scheduler:
 
     def _prefill_step(self) -> None:
         """Feed waiting prompts, oldest first, up to PREFILL_CHUNK tokens while rows decode
-        (a lone prompt whole); prompts read to their last token start decoding
-        together."""
+        (a CHUNK with none); prompts read to their last token start decoding together."""
         joining = self._read_prompts()
         for row in list(joining):  # after every feed is queued: offering syncs
             try:
@@ -355,21 +354,25 @@ class Scheduler:
             self._offer_read(p)
             p.row.stream.finish("cancel")
             self._close(p.row)
-        alone = not self.rows and len(self.prefilling) == 1
-        budget = 1 << 62 if alone else PREFILL_CHUNK
+        # with no row decoding, a whole chunk a step (the widths one feed of the whole prompt
+        # takes), not the whole prompt: a client leaving is seen within a chunk. Once a row
+        # is read to decode, no more than a decoding step's share: its first token waits
+        budget = PREFILL_CHUNK if self.rows else CHUNK
         joining: list[Joining] = []
+        spent = 0
         group = self._row_group()
         if group:
-            budget -= self._feed_group(group, joining)
-        while self.prefilling and budget > 0:
+            spent += self._feed_group(group, joining)
+            budget = PREFILL_CHUNK
+        while self.prefilling and spent < budget:
             p = self.prefilling[0]
             try:
                 if p.todo:
-                    chunk, p.todo = p.todo[:budget], p.todo[budget:]
+                    chunk, p.todo = p.todo[: budget - spent], p.todo[budget - spent :]
                     feed(p.row.gen.target, p.cache, chunk)
                     mx.async_eval([c.state for c in p.cache])  # runs while the next is built
                     p.fed += chunk
-                    budget -= max(len(chunk), MIN_FORWARD)
+                    spent += max(len(chunk), MIN_FORWARD)
                 if p.todo:
                     break
                 self.prefilling.popleft()
@@ -378,6 +381,7 @@ class Scheduler:
                 self._drop_prefilling(p, exc)
                 continue
             joining.append(p.row)
+            budget = PREFILL_CHUNK
         return joining
 
     def _offer_read(self, p: Prefilling) -> None:

@@ -4,6 +4,7 @@ out; a row cancelled before that still offers it; rows joining a batch offer it 
 from __future__ import annotations
 
 import queue
+from pathlib import Path
 from typing import Any
 
 import mlx.core as mx
@@ -13,11 +14,12 @@ from mlxd.engine.backend import Backend
 from mlxd.engine.events import Done, Event, GenerationRequest, TextChunk
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import Pairing, load_pairing
+from mlxd.engine.prefill import CHUNK
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.scheduler import Job, Scheduler
 from mlxd.engine.speculation import Costs
 from mlxd.registry.schema import ModelEntry
-from tests.fixtures.tiny_models import TinyPair
+from tests.fixtures.tiny_models import TARGET_SHAPE, TinyPair, build_model
 
 COSTS = Costs(verify={w: 1.0 for w in range(1, 10)}, draft_step=0.1)
 PROMPT = [5 + i % 90 for i in range(200)]
@@ -279,3 +281,27 @@ def test_a_prompt_cancelled_while_read_offers_what_was_read(pairing: Pairing) ->
     assert 0 < scheduler.read < len(long) - 1
     again = _run(pairing, cache, [], [GenerationRequest(long, opts)])
     assert _cached(again) == [scheduler.read // 16 * 16]
+
+
+def test_a_lone_prompt_cancelled_while_read_stops_within_a_chunk(
+    tmp_path: Path, backend: Backend
+) -> None:
+    """With no row decoding, a prompt is read a chunk a step: a client that leaves stops the
+    read there (it read the whole prompt for nobody before, holding up every other request),
+    and what was read is offered."""
+    model = build_model(
+        tmp_path, "long", seed=3, max_position_embeddings=4 * CHUNK, **TARGET_SHAPE
+    )
+    pairing = load_pairing(ModelEntry("long", str(model)), backend, costs=COSTS)
+    cache = PrefixCache(256 << 20, block=16)
+    opts = parse_options({"temperature": 0, "num_predict": 4, "draft_method": "off"})
+    long = [5 + i % 90 for i in range(3 * CHUNK)]
+    request = GenerationRequest(long, opts)
+    jobs: queue.Queue[Job | None] = queue.Queue()
+    jobs.put(Job(request, lambda e: None, lambda: None))
+    jobs.put(None)
+    scheduler = _CancelMidPrompt(request, pairing, jobs, cache, num_parallel=4)
+    scheduler.run()
+    assert scheduler.read == CHUNK
+    again = _run(pairing, cache, [], [GenerationRequest(long, opts)])
+    assert _cached(again) == [CHUNK]
