@@ -230,19 +230,23 @@ class WaitCounter:
     def count(self) -> int:
         return self._count
 
-    def enter(self) -> Ticket:
+    def enter(self, counted: bool = True) -> Ticket:
+        """A place in the count, or QueueFull past the limit; not `counted`: a request that
+        waits for neither a model nor a row (a free row of a loaded model takes it), which
+        requests arriving together must not refuse one another for."""
         with self._lock:
-            if self._count >= self.limit:
+            if counted and self._count >= self.limit:
                 raise QueueFull()
-            self._count += 1
-        return Ticket(self)
+            self._count += counted
+        return Ticket(self, counted)
 
 
 class Ticket:
     """One request's place in the wait count."""
 
-    def __init__(self, counter: WaitCounter) -> None:
+    def __init__(self, counter: WaitCounter, counted: bool = True) -> None:
         self._counter = counter
+        self._counted = counted
         self._model: Resident | None = None
         self.waiting = True
 
@@ -259,7 +263,7 @@ class Ticket:
             if not self.waiting:
                 return
             self.waiting = False
-            self._counter._count -= 1
+            self._counter._count -= self._counted
             if self._model is not None:
                 self._model.waiting -= 1
 
@@ -530,9 +534,10 @@ class ModelManager:
             raise ModelUnavailable(f"model '{entry.name}' is unavailable: {probed.reason}")
         if entry.distributed is not None:
             self._check_group(entry)
-        ticket = self.queue.enter()
+        model = self._ready(entry)  # fast path: loaded, no load decision to wait for
+        free_row = model is not None and not model.loading and model.users < self.num_parallel
+        ticket = self.queue.enter(counted=not free_row)
         try:
-            model = self._ready(entry)  # fast path: loaded, no load decision to wait for
             if model is not None:
                 lease = self._attach(model, keep_alive, ticket)
             else:
@@ -943,6 +948,8 @@ class ModelManager:
         for model in [*self._loaded.values(), *self._retiring]:
             if isinstance(model.runner, PairingRunner):
                 ended += model.runner.end_requests(CLOSING)
+            else:
+                ended += model.runner.end_requests(ServerClosing)
         self._notify()  # waiters for room wake up and see the daemon closing
         return ended
 

@@ -14,6 +14,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -178,10 +179,21 @@ class EmbeddingRunner:
     def abandon(self, message: str) -> int:
         """Fail every queued request with `message`; the thread exits if its forward returns."""
         self.abandoned = True
+        answered = self._fail_all(lambda: RuntimeError(message))
+        self._jobs.put(None)
+        return answered
+
+    def end_requests(self, error: Callable[[], BaseException]) -> int:
+        """The daemon is stopping: answer the running and queued requests with `error()` now
+        (the forward stops between its batches), not at the server's shutdown timeout."""
+        return self._fail_all(error)
+
+    def _fail_all(self, error: Callable[[], BaseException]) -> int:
         answered = 0
         for running in list(self._current):
             if not running.future.done():
-                _settle(running, RuntimeError(message))
+                running.gone.set()
+                _settle(running, error())
                 answered += 1
         while True:
             try:
@@ -189,9 +201,11 @@ class EmbeddingRunner:
             except queue.Empty:
                 break
             if job is not None and job.future.set_running_or_notify_cancel():
-                _settle(job, RuntimeError(message))
+                _settle(job, error())
                 answered += 1
-        self._jobs.put(None)
+            elif job is None:
+                self._jobs.put(None)  # a stop already asked for stays asked
+                break
         return answered
 
     @property

@@ -173,6 +173,51 @@ def test_sigterm_ends_running_streams_with_an_error_and_refuses_waiting_ones(
     assert "Exception in ASGI application" not in log and "Traceback" not in log, log
 
 
+def test_sigterm_answers_running_and_queued_embeddings_at_once(
+    registry: Path, tmp_path: Path
+) -> None:
+    """An embedding in flight and one queued behind it on the model's runner get the JSON
+    503 when the daemon is told to stop (they waited for the server's shutdown timeout, then
+    got a plain-text 500)."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OLLAMA_", "MLXD_HOST"))}
+    env.update(MLXD_HOST=f"127.0.0.1:{port}", MLXD_CACHE_DIR=str(tmp_path / "kvcache"))
+    cmd = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(registry)]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w", encoding="utf-8") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=log_file)
+    base = f"http://127.0.0.1:{port}"
+    got: dict[str, httpx.Response] = {}
+
+    def embed(name: str, inputs: Any) -> None:
+        body = {"model": "embedder", "input": inputs}
+        got[name] = httpx.post(f"{base}/api/embed", json=body, timeout=120)
+
+    try:
+        assert wait_for(lambda: up(base), timeout=90), "mlxd serve did not start"
+        embed("warm", "hi")
+        many = ["why is the sky blue on a clear day " * 6] * 40000  # tens of seconds here
+        threads = [threading.Thread(target=embed, args=("running", many))]
+        threads[0].start()
+        assert wait_for(lambda: running(base) == 1, 30)
+        threads.append(threading.Thread(target=embed, args=("queued", "x")))
+        threads[1].start()
+        assert wait_for(lambda: running(base) == 2, 30)
+        proc.send_signal(signal.SIGTERM)
+        for thread in threads:
+            thread.join(60)
+        for name in ("running", "queued"):
+            assert got[name].status_code == 503, (name, got[name].text)
+            assert got[name].json() == {"error": "mlxd is shutting down"}
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = log_path.read_text(encoding="utf-8")
+    assert "Exception in ASGI application" not in log and "Traceback" not in log, log
+
+
 def test_a_request_waiting_for_an_entry_removed_meanwhile_loads_nothing(
     registry: Path, tmp_path: Path
 ) -> None:

@@ -316,6 +316,23 @@ def test_queue_limit_answers_503(registry_file: Path) -> None:
         assert generate(base, "tiny").status_code == 200
 
 
+def test_requests_arriving_together_take_the_free_rows_before_the_queue(
+    registry_file: Path,
+) -> None:
+    """Only a request that waits for a model or a row takes a place in the queue: five sent
+    at once to a loaded model with four rows and a queue of one are all answered (the four
+    that found free rows counted as waiting until the runner started them, and refused the
+    rest with 503)."""
+    settings = {"max_queue": 1, "num_parallel": 4}
+    with ServerThread(registry_file, **settings) as srv:
+        assert generate(srv.base_url, "tiny").status_code == 200  # loaded
+        for _ in range(3):
+            with ThreadPoolExecutor(5) as pool:
+                answers = list(pool.map(lambda _: generate(srv.base_url, "tiny"), range(5)))
+            assert [r.status_code for r in answers] == [200] * 5
+        assert wait_for(lambda: idle(srv.base_url))
+
+
 # -- CLI --------------------------------------------------------------------------------------
 
 
