@@ -186,9 +186,11 @@ async def openai_embeddings(request: Request) -> Response:
     fmt = body.encoding_format or "float"
     if fmt not in ("float", "base64"):
         raise ApiError(400, f"invalid encoding_format {fmt!r}: expected 'float' or 'base64'")
+    opts = request_options(entry, None)  # the model's own (its num_ctx), as Ollama's routes
     engine_request = EngineRequest(
         texts,
         dimensions=_dimensions(body.dimensions),
+        num_ctx=opts.num_ctx,
         prefix=body.prefix,
         token_ids=token_ids,
     )

@@ -90,6 +90,8 @@ LOAD_KEYS: tuple[str, ...] = (
     "template",
     "context_length",
     "distributed",
+    "kind",  # what is loaded (a generation pairing or an embedding model)
+    "pooling",  # an embedding model's vectors
 )
 
 # Ollama's option names and their types (``ollama:api/types.go`` Options + Runner). Unknown

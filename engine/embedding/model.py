@@ -207,8 +207,8 @@ class Embedder:
         makes room for them; a decoder's end token is put back last)."""
         room = limit - (1 if self.spec.append_eos is not None else 0)
         self.tokenizer.enable_truncation(max_length=max(1, room))
-        try:
-            ids = list(self.tokenizer.encode(text).ids)
+        try:  # `encode_batch` lets go of the GIL (`encode` held it for seconds on a long text)
+            ids = list(self.tokenizer.encode_batch([text])[0].ids)
         finally:
             self.tokenizer.no_truncation()
         return self._finish(ids)[:limit]

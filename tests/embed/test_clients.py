@@ -6,6 +6,7 @@ from __future__ import annotations
 import base64
 import json
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -14,7 +15,7 @@ import ollama
 import openai
 import pytest
 
-from tests.conftest import RunningServer
+from tests.conftest import RunningServer, ServerThread, wait_for
 from tests.daemon.test_cli import mlxd as mlxd_cli
 from tests.embed.conftest import model_dirs
 from tests.embed.reference import Reference
@@ -325,3 +326,45 @@ def test_mlxd_run_prints_an_embedding_models_vector(
     assert json.loads(piped.stdout) == pytest.approx(want, abs=1e-6)
     empty = mlxd_cli(["run", "minilm"], embed_server.port, stdin="")
     assert empty.returncode == 1 and b"embedding models require input text" in empty.stderr
+
+
+@pytest.fixture(scope="module")
+def same_files(
+    embedders: TinyEmbedders, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[RunningServer]:
+    """Entries on one encoder's files: as it is, narrowed to 8 tokens, and served for
+    completion (which it cannot be)."""
+    path = tmp_path_factory.mktemp("same-files") / "models.yaml"
+    path.write_text(
+        f"models:\n  minilm:\n    target: {embedders.bert}\n"
+        f"  minilm-ctx8:\n    target: {embedders.bert}\n    options:\n      num_ctx: 8\n"
+        f"  bert-gen:\n    target: {embedders.bert}\n    kind: completion\n",
+        encoding="utf-8",
+    )
+    with ServerThread(path) as info:
+        yield info
+
+
+def test_every_route_cuts_at_the_models_own_num_ctx(same_files: RunningServer) -> None:
+    """/v1/embeddings reads an entry's options as Ollama's routes do: the same vector."""
+    text = "why is the sky blue on a clear day, and red at dusk? " * 4
+    ollama_route = httpx.post(
+        same_files.base_url + "/api/embed", json={"model": "minilm-ctx8", "input": text}
+    ).json()
+    assert ollama_route["prompt_eval_count"] == 8
+    oa = openai.OpenAI(base_url=same_files.base_url + "/v1", api_key="x")
+    out = oa.embeddings.create(model="minilm-ctx8", input=text, encoding_format="float")
+    assert out.usage.prompt_tokens == 8
+    np.testing.assert_allclose(out.data[0].embedding, ollama_route["embeddings"][0], atol=1e-6)
+
+
+def test_an_entry_served_as_what_its_files_cannot_be_is_unavailable(
+    same_files: RunningServer,
+) -> None:
+    """Its probe is its own, not the one of an entry on the same files served otherwise."""
+    assert wait_for(lambda: not any(
+        m.get("status") for m in httpx.get(same_files.base_url + "/api/tags").json()["models"]
+    ))  # fmt: skip
+    listed = {m["name"]: m for m in httpx.get(same_files.base_url + "/api/tags").json()["models"]}
+    assert "unavailable" not in listed["minilm:latest"]
+    assert "bert not supported" in listed["bert-gen:latest"]["unavailable"]
