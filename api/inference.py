@@ -110,6 +110,18 @@ def _after(before: list[int], new: list[int], tokenizer: Any) -> list[int]:
     return new[1:] if before and new and new[0] == bos else new
 
 
+HEAD_LOOKAHEAD = 64  # characters past a head's cut that settle how its last token is read
+
+
+def _whole_tokens(tokenizer: Any, text: str, cut: int, specials: bool) -> list[int]:
+    """The tokens of `text[:cut]` that `text` itself is read with: a cut inside a token (the
+    `<|` two renderings share before `<|user|>` and `<|assistant|>`, a `<` opening the
+    user's own text) drops that token's piece."""
+    head = encode(tokenizer, text[:cut], specials)
+    read = encode(tokenizer, text[: cut + HEAD_LOOKAHEAD], specials)
+    return head[: shared_prefix(head, read)]
+
+
 def tokenize(
     pairing: Pairing,
     opts: SamplingOptions,
@@ -146,9 +158,8 @@ def tokenize(
         # the characters before the request's own content: the start it shares with
         # the rendering that leaves that content out
         cut = shared_prefix(text, start) if start else 0
-        kept_head = _after(
-            before, encode(pairing.tokenizer, text[:cut], specials), pairing.tokenizer
-        )
+        kept_head = _after(before, _whole_tokens(pairing.tokenizer, text, cut, specials),
+                           pairing.tokenizer)  # fmt: skip
         body = encode(pairing.tokenizer, text[cut:][-budget.window :], False)
         new = fit(kept_head, body, budget.prompt - len(lead))
     room = budget.prompt - len(lead) - len(new)

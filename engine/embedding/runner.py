@@ -118,7 +118,10 @@ class EmbeddingRunner:
         t0 = time.perf_counter()
         tokenized: list[tuple[EmbedJob, list[list[int]]]] = []
         for job in jobs:
-            if not job.future.set_running_or_notify_cancel():
+            try:
+                if not job.future.set_running_or_notify_cancel():
+                    continue
+            except RuntimeError:  # answered meanwhile (the daemon stopping, the runner abandoned)
                 continue
             try:
                 tokenized.append((job, embedder.tokenize(job.request)))

@@ -10,6 +10,8 @@ import pytest
 
 from mlxd.engine.backend import Backend, configure_backend
 from mlxd.engine.embedding.model import Embedder, EmbedRequest, InputTooLong, load_embedder
+from mlxd.engine.embedding.runner import EmbeddingRunner, EmbedJob
+from mlxd.engine.embedding.spec import spec_from_dir
 from mlxd.registry.schema import ModelEntry
 from tests.embed.conftest import POOLING, model_dirs
 from tests.embed.reference import Reference
@@ -142,3 +144,24 @@ def test_batches_bound_padding_and_size() -> None:
         width, real = lengths[b.start], sum(lengths[i] for i in b)
         assert len(b) <= MAX_BATCH and len(b) * width <= max(width, MAX_BATCH_TOKENS)
         assert len(b) == 1 or len(b) * width <= (1 + MAX_PADDING) * real
+
+
+def test_a_job_answered_before_its_forward_is_skipped(embedders: TinyEmbedders) -> None:
+    """A job of a gathered forward that the daemon's stop answered before the runner took it
+    is left as answered; the forward goes on for the others (the runner's thread died)."""
+    entry = ModelEntry(name="minilm", target=str(embedders.bert))
+    spec = spec_from_dir(entry, embedders.bert)
+    assert spec is not None
+    runner = EmbeddingRunner(entry, configure_backend(), spec)
+    try:
+        embedder = runner.loaded.result(60)
+        answered, live = EmbedJob(EmbedRequest(("hi",))), EmbedJob(EmbedRequest(("hello",)))
+        runner._current = [answered]  # gathered, not yet taken
+        assert runner.end_requests(lambda: RuntimeError("stopping")) == 1
+        runner._run([answered, live], embedder)
+        assert isinstance(answered.future.exception(), RuntimeError)
+        assert live.future.result().vectors.shape[0] == 1
+    finally:
+        runner._current = []
+        runner.stop()
+        assert runner.join(60)

@@ -289,9 +289,7 @@ def test_a_lone_prompt_cancelled_while_read_stops_within_a_chunk(
     """With no row decoding, a prompt is read a chunk a step: a client that leaves stops the
     read there (it read the whole prompt for nobody before, holding up every other request),
     and what was read is offered."""
-    model = build_model(
-        tmp_path, "long", seed=3, max_position_embeddings=4 * CHUNK, **TARGET_SHAPE
-    )
+    model = build_model(tmp_path, "long", seed=3, max_position_embeddings=4 * CHUNK, **TARGET_SHAPE)
     pairing = load_pairing(ModelEntry("long", str(model)), backend, costs=COSTS)
     cache = PrefixCache(256 << 20, block=16)
     opts = parse_options({"temperature": 0, "num_predict": 4, "draft_method": "off"})

@@ -13,7 +13,12 @@ import openai
 import pytest
 from mlx_lm.tokenizer_utils import load as load_tokenizer
 
+from mlxd.api.inference import tokenize
+from mlxd.engine.backend import Backend
+from mlxd.engine.options import parse_options
+from mlxd.engine.pairing import load_pairing
 from mlxd.engine.truncation import Budget, fit
+from mlxd.registry.schema import ModelEntry
 from tests.conftest import RunningServer, ServerThread
 from tests.fixtures.scripted_models import Script, build_scripted
 from tests.fixtures.tiny_models import SPECIAL_TOKENS, TinyPair
@@ -221,3 +226,17 @@ def test_a_rendering_asked_with_a_context_shows_it_first(
     shown = httpx.post(url, json={**asked, "context": first["context"]}, timeout=120).json()
     text = load_tokenizer(opening[1]).decode(first["context"])
     assert shown["_debug_info"]["rendered_template"] == text + alone
+
+
+def test_a_head_cut_inside_a_special_token_keeps_none_of_it(
+    tiny_pair: TinyPair, backend: Backend
+) -> None:
+    """Two renderings can share the first characters of different special tokens (a
+    template that writes nothing for an empty user message: `<|im_start|>` against
+    `<|im_end|>`): the head keeps whole tokens of the text only, not `<|im_` as text."""
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend)
+    opts = parse_options({"num_ctx": CTX, "num_predict": 8})
+    text = "<|im_start|>user\n" + story(40) + "<|im_end|>\n<|im_start|>assistant\n"
+    kept = tokenize(pairing, opts, [], text, True, head=lambda: "<|im_end|>\n")
+    assert len(kept) == CTX - 8
+    assert not pairing.tokenizer.decode(kept).startswith("<|im_")
