@@ -158,8 +158,8 @@ def tokenize(
         # the characters before the request's own content: the start it shares with
         # the rendering that leaves that content out
         cut = shared_prefix(text, start) if start else 0
-        kept_head = _after(before, _whole_tokens(pairing.tokenizer, text, cut, specials),
-                           pairing.tokenizer)  # fmt: skip
+        head_ids = _whole_tokens(pairing.tokenizer, text, cut, specials)
+        kept_head = _after(before, head_ids, pairing.tokenizer)
         body = encode(pairing.tokenizer, text[cut:][-budget.window :], False)
         new = fit(kept_head, body, budget.prompt - len(lead))
     room = budget.prompt - len(lead) - len(new)
