@@ -328,11 +328,11 @@ def show_info(info: dict[str, Any]) -> None:
 
 
 def _stream_text(
-    client: Client, path: str, body: dict[str, Any], key: str
+    client: Client, path: str, body: dict[str, Any], key: str, hide_thinking: bool = False
 ) -> tuple[str, dict[str, Any]]:
     text: list[str] = []
     final: dict[str, Any] = {}
-    thoughts = ThinkingPrinter(sys.stdout)
+    thoughts = ThinkingPrinter(sys.stdout, hidden=hide_thinking)
     try:
         for obj in client.stream(path, body):
             fields = obj if key == "response" else obj.get("message", {})
@@ -355,13 +355,14 @@ class ThinkingPrinter:
     """A reply's thinking before its answer, as Ollama's CLI shows it: dimmed on a terminal,
     between `Thinking...` and `...done thinking.` lines otherwise."""
 
-    def __init__(self, out: TextIO) -> None:
+    def __init__(self, out: TextIO, hidden: bool = False) -> None:
         self.out = out
         self.tty = out.isatty()
+        self.hidden = hidden  # `--hidethinking`: the model thinks, nothing of it is shown
         self.open = False
 
     def write(self, text: str) -> None:
-        if not text:
+        if not text or self.hidden:
             return
         if not self.open:
             self.out.write("\x1b[2m" if self.tty else "Thinking...\n")
@@ -376,6 +377,7 @@ class ThinkingPrinter:
 
 
 def _read_multiline(first: str) -> str:
+    """The text between `first`, a line opening with \"\"\", and the line that ends with them."""
     lines = [first[3:]]
     while True:
         line = input("... ")
@@ -385,8 +387,35 @@ def _read_multiline(first: str) -> str:
         lines.append(line)
 
 
+def _quoted_block(text: str) -> str | None:
+    """The message of a line opening with \"\"\": a one-line block's text, or the lines up to
+    the closing quotes (KeyboardInterrupt drops them); None for a line that opens none."""
+    if not text.startswith('"""'):
+        return None
+    if text.endswith('"""') and len(text) > 5:
+        return text[3:-3]
+    return _read_multiline(text)
+
+
+def _line_editing() -> None:
+    """Arrow keys, history and pasting as a terminal's line editor gives them (`input` takes
+    them from `readline` once it is loaded): a paste of several lines arrives as one message
+    where the terminal brackets it."""
+    try:
+        import readline
+    except ImportError:  # a Python built without it: plain input
+        return
+    readline.parse_and_bind("set enable-bracketed-paste on")
+
+
 def interactive(client: Client, args: argparse.Namespace, options: dict[str, Any]) -> int:
-    session = repl.Session(args.model, options, verbose=args.verbose)
+    fields = run_fields(args)
+    session = repl.Session(
+        args.model, options, verbose=args.verbose,
+        format=fields.pop("format", None), think=fields.pop("think", None),
+    )  # fmt: skip
+    if sys.stdin.isatty():
+        _line_editing()
     while True:
         try:
             line = input(">>> ")
@@ -396,23 +425,23 @@ def interactive(client: Client, args: argparse.Namespace, options: dict[str, Any
         except KeyboardInterrupt:
             print("\nUse Ctrl + d or /bye to exit.")
             continue
-        if line.startswith('"""'):
-            if line.endswith('"""') and len(line) > 5:
-                line = line[3:-3]
-            else:
-                try:
-                    line = _read_multiline(line)
-                except EOFError:
-                    return 0
-                except KeyboardInterrupt:  # drops what was typed; the chat goes on
-                    print()
-                    continue
-        stripped = line.strip()
-        if not stripped:
+        try:
+            block = _quoted_block(line)
+            system = repl.system_block(line)
+            if system is not None:  # `/set system \"\"\"...`: the system message's lines
+                repl.set_system(session, _quoted_block(system) or "")
+                continue
+        except EOFError:
+            return 0
+        except KeyboardInterrupt:  # drops what was typed; the chat goes on
+            print()
             continue
-        if stripped.startswith("/"):
-            if not repl.command(client, session, stripped, show_info):
+        if block is None and line.strip().startswith("/"):  # a quoted block is a message
+            if not repl.command(client, session, line.strip(), show_info):
                 return 0
+            continue
+        line = line if block is None else block
+        if not line.strip():
             continue
         session.history.append({"role": "user", "content": line})
         body = {
@@ -420,10 +449,11 @@ def interactive(client: Client, args: argparse.Namespace, options: dict[str, Any
             "messages": session.messages(),
             "options": session.options,
             "stream": True,
-            **run_fields(args),
+            **fields,
+            **session.request_fields(),
         }
         try:
-            reply, final = _stream_text(client, "/api/chat", body, "message")
+            reply, final = _stream_text(client, "/api/chat", body, "message", args.hidethinking)
         except ClientError as exc:
             print(f"\nError: {exc}", file=sys.stderr)
             session.history.pop()
@@ -475,7 +505,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             **run_fields(args),
         }
         try:
-            _, final = _stream_text(client, "/api/generate", body, "response")
+            _, final = _stream_text(client, "/api/generate", body, "response", args.hidethinking)
         except ClientError as exc:
             print(file=sys.stderr)
             return _fail(str(exc))
@@ -718,6 +748,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="true|false|high|medium|low",
         help="thinking: --think turns it on, --think=VALUE sets it",
+    )
+    p.add_argument(
+        "--hidethinking", action="store_true", help="don't show a thinking model's thinking"
     )
     p.set_defaults(func=cmd_run)
 

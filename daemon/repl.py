@@ -16,10 +16,20 @@ from mlxd.daemon.client import Client, ClientError
 from mlxd.registry.modelfile import parameter_value
 from mlxd.registry.schema import check_option
 
-HELP = """Available Commands:
+SET_HELP = """Available Commands:
   /set parameter NAME VALUE   Set a parameter (num_ctx, temperature, stop, ...)
-  /set system MESSAGE         Set the system message
+  /set system MESSAGE         Set the system message (\"\"\" for several lines)
+  /set format json | noformat Answer in JSON, or as the model likes
+  /set think | nothink        Turn thinking on or off (thinking models)
   /set verbose | quiet        Show or hide timings after each answer
+  /set history | nohistory    Keep the lines typed for the arrow keys, or not
+  /set wordwrap | nowordwrap  Accepted as ollama does (mlxd never wraps)"""
+
+SHOW_HELP = """Available Commands:
+  /show info | modelfile | parameters | system | template | license"""
+
+HELP = """Available Commands:
+  /set ...                    Set a session setting (/set alone lists them)
   /show info | modelfile | parameters | system | template | license
   /load MODEL                 Load a session or model
   /save MODEL                 Save the session as a model
@@ -37,11 +47,31 @@ class Session:
     system: str | None = None
     history: list[dict[str, Any]] = field(default_factory=list)
     verbose: bool = False
+    format: Any = None  # the request's `format` ("json", a schema), None: none
+    think: Any = None  # the request's `think` (True, False, a level), None: the model's way
 
     def messages(self) -> list[dict[str, Any]]:
         """What a chat turn sends: the system message first, then the conversation."""
         system = [{"role": "system", "content": self.system}] if self.system else []
         return system + self.history
+
+    def request_fields(self) -> dict[str, Any]:
+        """The turn's `format` and `think`, where the session sets them."""
+        fields = {"format": self.format, "think": self.think}
+        return {k: v for k, v in fields.items() if v is not None}
+
+
+def system_block(line: str) -> str | None:
+    """What follows `/set system` where it opens a \"\"\" block (several lines); None else."""
+    words = line.split(maxsplit=2)
+    if words[:2] != ["/set", "system"] or len(words) < 3 or not words[2].startswith('"""'):
+        return None
+    return words[2]
+
+
+def set_system(session: Session, text: str) -> None:
+    session.system = text.strip() or None
+    print("Set system message.")
 
 
 def parse_value(name: str, words: list[str]) -> Any:
@@ -128,9 +158,19 @@ def _show(client: Client, session: Session, what: str, show_info: Callable[[dict
         print(f"Unknown command '/show {what}'. Type /? for help")
 
 
+def _history(on: bool) -> None:
+    try:
+        import readline
+    except ImportError:
+        return
+    readline.set_auto_history(on)
+
+
 def _set(session: Session, words: list[str]) -> None:
     what = words[0] if words else ""
-    if what == "parameter" and len(words) >= 3:
+    if not what:
+        print(SET_HELP)
+    elif what == "parameter" and len(words) >= 3:
         name = words[1]
         try:
             session.options[name] = parse_value(name, words[2:])
@@ -142,11 +182,26 @@ def _set(session: Session, words: list[str]) -> None:
     elif what == "parameter":
         print("Usage:\n  /set parameter NAME VALUE")
     elif what == "system":
-        session.system = " ".join(words[1:]).strip().strip('"') or None
-        print("Set system message.")
+        set_system(session, " ".join(words[1:]).strip().strip('"'))
     elif what in ("verbose", "quiet"):
         session.verbose = what == "verbose"
         print("Set 'verbose' mode." if session.verbose else "Set 'quiet' mode.")
+    elif what == "format" and words[1:] == ["json"]:
+        session.format = "json"
+        print("Set format to 'json' mode.")
+    elif what == "format":
+        print("Usage:\n  /set format json")
+    elif what == "noformat":
+        session.format = None
+        print("Disabled format.")
+    elif what in ("think", "nothink"):
+        session.think = what == "think"
+        print(f"Set '{what}' mode.")
+    elif what in ("history", "nohistory"):
+        _history(what == "history")
+        print(f"Set '{what}' mode.")
+    elif what in ("wordwrap", "nowordwrap"):
+        print(f"Set '{what}' mode.")
     else:
         print(f"Unknown command '/set {what}'. Type /? for help")
 
@@ -193,8 +248,10 @@ def command(client: Client, session: Session, line: str, show_info: Callable[[di
             print("Cleared session context")
         elif head == "/set":
             _set(session, rest)
+        elif head == "/show" and not rest:
+            print(SHOW_HELP)
         elif head == "/show":
-            _show(client, session, rest[0] if rest else "", show_info)
+            _show(client, session, rest[0], show_info)
         elif head == "/load" and len(rest) == 1:
             _load(client, session, rest[0])
         elif head == "/save" and len(rest) == 1:

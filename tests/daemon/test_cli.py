@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import builtins
+import io
 import os
 import re
 import shutil
@@ -651,7 +652,7 @@ def test_an_answer_cut_short_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> Non
     history has the question, not the half answer, as Ollama's chat keeps it."""
     sent: list[list[dict[str, Any]]] = []
 
-    def stream(client: Any, path: str, body: dict[str, Any], key: str) -> Any:
+    def stream(client: Any, path: str, body: dict[str, Any], key: str, *_: Any) -> Any:
         sent.append(list(body["messages"]))
         return ("half an ans", {}) if len(sent) == 1 else ("whole", {"done": True})
 
@@ -661,6 +662,61 @@ def test_an_answer_cut_short_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> Non
     assert cli.interactive(Client("http://127.0.0.1:9"), args, {}) == 0
     assert [m["content"] for m in sent[1]] == ["first", "second"]
     assert [m["content"] for m in sent[2]] == ["first", "second", "whole", "third"]
+
+
+def test_a_quoted_block_is_a_message_even_opening_with_a_slash(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Text between \"\"\" marks is sent whatever it starts with (a pasted path or traceback),
+    as Ollama's chat reads a block before any command: `/bye` there ended the chat."""
+    chat(server, monkeypatch, ['"""', "/bye is how a chat ends", '"""', '"""/usr/lib/x.py"""'])
+    out = capsys.readouterr().out
+    first = _chat(server, [{"role": "user", "content": "/bye is how a chat ends"}])
+    assert first + "\n\n" in out
+    second = _chat(server, [
+        {"role": "user", "content": "/bye is how a chat ends"},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "/usr/lib/x.py"},
+    ])  # fmt: skip
+    assert second + "\n\n" in out
+    assert "Unknown command" not in out
+
+
+def test_a_system_message_of_several_lines(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chat(server, monkeypatch, ['/set system """You are terse.', 'Answer in one word."""', "hi"])
+    out = capsys.readouterr().out
+    system = {"role": "system", "content": "You are terse.\nAnswer in one word."}
+    assert _chat(server, [system, {"role": "user", "content": "hi"}]) + "\n\n" in out
+    assert out.count("Set system message.") == 1
+
+
+def test_set_format_and_think_reach_the_turns(monkeypatch: pytest.MonkeyPatch) -> None:
+    bodies: list[dict[str, Any]] = []
+
+    def stream(client: Any, path: str, body: dict[str, Any], key: str, *_: Any) -> Any:
+        bodies.append(body)
+        return "ok", {"done": True}
+
+    monkeypatch.setattr(cli, "_stream_text", stream)
+    feed_input(monkeypatch, ["/set format json", "/set nothink", "a", "/set noformat",
+                             "/set think", "b", "/set nowordwrap", "/set", "c"])  # fmt: skip
+    args = cli.parse_args(cli.build_parser(), ["run", "sys", "--format", "json"])
+    assert cli.interactive(Client("http://127.0.0.1:9"), args, {}) == 0
+    assert (bodies[0]["format"], bodies[0]["think"]) == ("json", False)
+    assert "format" not in bodies[1] and bodies[1]["think"] is True
+    assert "format" not in bodies[2]
+
+
+def test_hidethinking_shows_none_of_it() -> None:
+    args = cli.parse_args(cli.build_parser(), ["run", "m", "--think=false", "--hidethinking"])
+    assert args.hidethinking and args.think == "false"
+    out = io.StringIO()
+    printer = cli.ThinkingPrinter(out, hidden=True)
+    printer.write("pondering")
+    printer.end()
+    assert out.getvalue() == ""
 
 
 def test_interactive_eof_exits(server: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
