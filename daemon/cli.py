@@ -405,7 +405,8 @@ def _line_editing() -> None:
         import readline
     except ImportError:  # a Python built without it: plain input
         return
-    readline.parse_and_bind("set enable-bracketed-paste on")
+    if "libedit" not in (readline.__doc__ or ""):  # GNU readline's setting (macOS: libedit)
+        readline.parse_and_bind("set enable-bracketed-paste on")
 
 
 def interactive(client: Client, args: argparse.Namespace, options: dict[str, Any]) -> int:
