@@ -145,7 +145,7 @@ def _context_length(entry: ModelEntry, target: Path) -> int | None:
     """What a request may use: the entry's, or an embedding model's serving limit (which can
     differ from its config's positions), else the config's (None)."""
     spec = spec_from_dir(entry, target)
-    return spec.max_length if spec is not None else entry.context_length
+    return spec.entry_limit(entry) if spec is not None else entry.context_length
 
 
 def tag_json(m: LocalModel, unavailable: str | None = None) -> ModelSummary:

@@ -201,9 +201,8 @@ def estimate_need(entry: ModelEntry, rows: int, backend: Backend) -> MemoryNeed:
     spec = embedding_spec(entry)
     if spec is not None:  # weights and activations: no KV cache outlives a request
         path = locate(entry.target, "model")
-        return estimate_embedding(
-            path, spec.max_length, backend.float32_compute, backend.quantized_float32
-        )
+        limit = spec.entry_limit(entry)  # the context it reports
+        return estimate_embedding(path, limit, backend.float32_compute, backend.quantized_float32)
     dirs: list[Path] = [locate(entry.target, "target")]
     if entry.draft:
         dirs.append(locate(entry.draft, "draft"))

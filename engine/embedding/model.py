@@ -163,9 +163,7 @@ class Embedder:
 
     def limit(self, num_ctx: int | None) -> int:
         """Tokens per input: the model's, or less when the request's num_ctx says so."""
-        if num_ctx is not None and num_ctx > 0:
-            return min(num_ctx, self.spec.max_length)
-        return self.spec.max_length
+        return self.spec.limit(num_ctx)
 
     def _finish(self, ids: list[int]) -> list[int]:
         eos = self.spec.append_eos

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from mlxd.engine.embedding.table import CLS, LAST, MEAN, POOLINGS, KnownModel, known_model
+from mlxd.engine.options import OptionsError, parse_options
 from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import resolve_local
 
@@ -50,6 +51,18 @@ class EmbeddingSpec:
     query_prefix: str = ""
     document_prefix: str = ""
     append_eos: int | None = None  # decoders: the token every input must end with
+
+    def limit(self, num_ctx: int | None) -> int:
+        """Tokens per input where a `num_ctx` (the request's, or its entry's) narrows them."""
+        return min(num_ctx, self.max_length) if num_ctx else self.max_length
+
+    def entry_limit(self, entry: ModelEntry) -> int:
+        """Tokens per input under the entry's own options (what it reports as its context);
+        options a request would be refused for leave the model's."""
+        try:
+            return self.limit(parse_options(entry.options).num_ctx)
+        except OptionsError:
+            return self.max_length
 
     def prefix(self, role: str | None) -> str:
         """`role` "query" or "document" picks the table's prefix; any other text is itself the

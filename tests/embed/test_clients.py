@@ -346,7 +346,8 @@ def same_files(
 
 
 def test_every_route_cuts_at_the_models_own_num_ctx(same_files: RunningServer) -> None:
-    """/v1/embeddings reads an entry's options as Ollama's routes do: the same vector."""
+    """/v1/embeddings reads an entry's options as Ollama's routes do: the same vector; /api/ps
+    and /api/show report the context the entry cuts at."""
     text = "why is the sky blue on a clear day, and red at dusk? " * 4
     ollama_route = httpx.post(
         same_files.base_url + "/api/embed", json={"model": "minilm-ctx8", "input": text}
@@ -356,6 +357,11 @@ def test_every_route_cuts_at_the_models_own_num_ctx(same_files: RunningServer) -
     out = oa.embeddings.create(model="minilm-ctx8", input=text, encoding_format="float")
     assert out.usage.prompt_tokens == 8
     np.testing.assert_allclose(out.data[0].embedding, ollama_route["embeddings"][0], atol=1e-6)
+    ps = httpx.get(same_files.base_url + "/api/ps").json()["models"]
+    assert [m["context_length"] for m in ps if m["name"] == "minilm-ctx8:latest"] == [8]
+    show = httpx.post(same_files.base_url + "/api/show", json={"model": "minilm-ctx8"}).json()
+    contexts = [v for k, v in show["model_info"].items() if k.endswith(".context_length")]
+    assert contexts == [8]
 
 
 def test_an_entry_served_as_what_its_files_cannot_be_is_unavailable(
