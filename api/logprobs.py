@@ -74,14 +74,33 @@ class TextOffsets:
         return out
 
 
+def _by_text(top: Sequence[Logprob]) -> dict[str, float]:
+    """Alternatives keyed by their text, most likely first. A token that is a piece of a
+    character (its text reads U+FFFD) is keyed by its bytes, as OpenAI writes them
+    (`bytes:\\xe6\\x97`): pieces of different characters no longer overwrite one another;
+    tokens that still read alike keep the likeliest's value."""
+    out: dict[str, float] = {}
+    for t in top:
+        out.setdefault(_text_key(t), t.logprob)
+    return out
+
+
+def _text_key(t: Logprob) -> str:
+    try:
+        bytes(t.bytes).decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in t.bytes)
+    return t.token
+
+
 def openai_completion_json(
     entries: Sequence[Logprob], offsets: TextOffsets, text: str
 ) -> dict[str, Any]:
     """A text choice's legacy `logprobs`: parallel lists, `text_offset` from `offsets` (the
     entries carry `text`)."""
     return {
-        "tokens": [p.token for p in entries],
+        "tokens": [_text_key(p) for p in entries],
         "token_logprobs": [p.logprob for p in entries],
-        "top_logprobs": [{t.token: t.logprob for t in p.top} for p in entries],
+        "top_logprobs": [_by_text(p.top) for p in entries],
         "text_offset": offsets.take(entries, text),
     }

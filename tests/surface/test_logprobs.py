@@ -15,6 +15,8 @@ import openai
 import pytest
 from mlx_lm.utils import load
 
+from mlxd.api.logprobs import TextOffsets, openai_completion_json
+from mlxd.engine.logprobs import Logprob
 from tests.conftest import RunningServer
 from tests.fixtures.tiny_models import TinyPair
 
@@ -190,3 +192,44 @@ def test_batched_rows_report_the_targets_distribution(http: httpx.Client, refere
     with ThreadPoolExecutor(4) as pool:
         for done in pool.map(one, prompts):
             check_exact(done, reference, 1)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tokens_a_stop_string_cut_away_have_no_values(http: httpx.Client, stream: bool) -> None:
+    """A reply cut by a stop string lists the values of the tokens it holds text of, as
+    Ollama trims them after the cut: the stop's own token (and any after it) left its text
+    out and its value in."""
+    whole = generate(http, "tiny", logprobs=True)
+    tokens = [lp["token"] for lp in whole["logprobs"]]
+    at = next(
+        i for i in range(2, len(tokens))
+        if tokens[i].strip() and tokens[i].isascii() and tokens[i] not in "".join(tokens[:i])
+    )  # fmt: skip
+    body = {"model": "tiny", "prompt": PROMPT, "stream": stream, "logprobs": True,
+            "options": {"temperature": 0, "num_predict": 12, "stop": [tokens[at]]}}  # fmt: skip
+    lines = [json.loads(line) for line in http.post("/api/generate", json=body).text.splitlines()]
+    response = "".join(line.get("response", "") for line in lines)
+    values = [lp for line in lines for lp in line.get("logprobs") or []]
+    assert response == "".join(tokens[:at])
+    assert [lp["token"] for lp in values] == tokens[:at]
+    text = openai.OpenAI(base_url=str(http.base_url) + "/v1", api_key="x").completions.create(
+        model="tiny", prompt=PROMPT, logprobs=1, max_tokens=12, temperature=0, stop=[tokens[at]]
+    )
+    legacy = text.choices[0].logprobs
+    assert legacy is not None and len(legacy.tokens or []) == at
+    assert all(o < len(text.choices[0].text) for o in legacy.text_offset or [])
+
+
+def test_legacy_alternatives_that_are_pieces_of_characters_are_keyed_by_their_bytes() -> None:
+    """Tokens that are pieces of a character all read U+FFFD: keyed by their bytes (OpenAI's
+    `bytes:` form) they are all listed, and text that reads alike keeps the likeliest value."""
+    top = (
+        Logprob("\ufffd", -1.0, (0xE6,)),
+        Logprob("\ufffd", -2.0, (0xE7,)),
+        Logprob("a", -3.0, (0x61,)),
+        Logprob("a", -4.0, (0x61,)),
+    )
+    chosen = Logprob("\ufffd", -1.0, (0xE6,), top)
+    legacy = openai_completion_json([chosen], TextOffsets(), "")
+    assert legacy["tokens"] == ["bytes:\\xe6"]
+    assert legacy["top_logprobs"] == [{"bytes:\\xe6": -1.0, "bytes:\\xe7": -2.0, "a": -3.0}]
