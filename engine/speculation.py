@@ -18,7 +18,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from mlxd.engine.options import MAX_DRAFT_TOKENS
+from mlxd.registry.bounds import MAX_DRAFT_TOKENS
 
 
 @dataclass(frozen=True)

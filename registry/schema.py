@@ -37,6 +37,7 @@ from typing import Any
 
 import yaml
 
+from mlxd.registry.bounds import BOUNDS, OptionsError, check_bound
 from mlxd.registry.distributed import Distribution, check_distributed
 from mlxd.registry.embedded import EMBEDDED_DIR
 from mlxd.registry.names import InvalidModelName, parse_name
@@ -363,14 +364,19 @@ def _check_choice(value: Any, choices: tuple[str, ...]) -> str:
 
 
 def check_option(name: str, value: Any) -> Any:
+    """`value` of option `name` as written (a registry entry, a PARAMETER, `/set parameter`):
+    its type, and a number within the range a request is held to (`bounds`), so a value every
+    request would be refused for is refused where it is written."""
     kind = KNOWN_OPTIONS[name]
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"expected an integer, got {_describe(value)}")
+        _in_range(name, value)
         return value
     if kind == "float":
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ValueError(f"expected a number, got {_describe(value)}")
+        _in_range(name, value)
         return float(value)
     if kind == "bool":
         if not isinstance(value, bool):
@@ -387,6 +393,14 @@ def check_option(name: str, value: Any) -> Any:
     if isinstance(value, list) and all(isinstance(v, str) for v in value):
         return tuple(value)
     raise ValueError(f"expected a string or a list of strings, got {_describe(value)}")
+
+
+def _in_range(name: str, value: int | float) -> None:
+    if name in BOUNDS:
+        try:
+            check_bound(name, value)
+        except OptionsError as exc:
+            raise ValueError(str(exc).removeprefix(f'option "{name}" ')) from None
 
 
 def _load_options(ctx: _Context, node: yaml.Node, entry: str) -> dict[str, Any]:

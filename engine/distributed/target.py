@@ -21,7 +21,7 @@ import numpy as np
 from mlxd.engine.distributed.group import Group
 from mlxd.engine.distributed.shadow import Journal, ShadowBatch, ShadowKV, restored, zeros
 from mlxd.engine.distributed.worker import LAST_ONLY
-from mlxd.engine.options import MAX_DRAFT_TOKENS
+from mlxd.registry.bounds import MAX_DRAFT_TOKENS
 from mlxd.registry.distributed import Distribution
 
 WIDE = 1 + MAX_DRAFT_TOKENS

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import httpx
 
-from mlxd.engine.options import MAX_DRAFT_TOKENS
+from mlxd.registry.bounds import MAX_DRAFT_TOKENS
 from tests.conftest import RunningServer
 
 

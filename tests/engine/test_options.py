@@ -10,16 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mlxd.engine.options import (
-    BOUNDS,
-    FLOAT_FLOOR,
-    INT64_MAX,
-    INT64_MIN,
-    MAX_DRAFT_TOKENS,
-    OptionsError,
-    SamplingOptions,
-    parse_options,
-)
+from mlxd.engine.options import OptionsError, SamplingOptions, parse_options
+from mlxd.registry.bounds import BOUNDS, FLOAT_FLOOR, INT64_MAX, INT64_MIN, MAX_DRAFT_TOKENS
 
 
 def test_every_option_has_a_parser() -> None:

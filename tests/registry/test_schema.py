@@ -289,6 +289,20 @@ BAD_CASES = [
         "options.top_k",
         "expected an integer, got 1.5",
     ),
+    (  # a value every request would be refused for is refused where it is written
+        "models:\n  coder:\n    target: x/y\n    options:\n      top_p: 7\n",
+        5,
+        "coder",
+        "options.top_p",
+        "must be greater than 0 and at most 1",
+    ),
+    (
+        "models:\n  coder:\n    target: x/y\n    options:\n      num_predict: -7\n",
+        5,
+        "coder",
+        "options.num_predict",
+        "must be -1, -2 or a count up to 2147483647",
+    ),
     (
         "models:\n  coder:\n    target: x/y\n    options:\n      use_mmap: 1\n",
         5,
