@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from watchfiles import Change, awatch
@@ -33,7 +34,13 @@ def _stale(old: ModelEntry, new: ModelEntry) -> bool:
     if old.load_key != new.load_key:
         return True
     adapted = bool(old.adapters or old.draft_adapters or new.adapters or new.draft_adapters)
-    return not adapted and new != old
+    return not adapted and _served(new) != _served(old)
+
+
+def _served(entry: ModelEntry) -> ModelEntry:
+    """The entry less what only describes it (a copy onto its own name writes a new time):
+    such an edit leaves a loaded pairing loaded."""
+    return replace(entry, description=None, license=(), modified_at=None)
 
 
 class Lifecycle:

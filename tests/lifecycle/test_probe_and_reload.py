@@ -148,3 +148,20 @@ def test_hot_reload_add_change_remove_and_invalid(
         assert wait_for(lambda: set(tags(base)) == {"second:latest"})
         r = httpx.post(f"{base}/api/generate", json={"model": "first", "prompt": "x"})
         assert r.status_code == 404
+
+
+def test_an_edit_of_what_only_describes_an_entry_leaves_it_loaded() -> None:
+    """A copy onto its own name writes a new time (Ollama's copy only writes a manifest): the
+    loaded pairing stays; an edit of what it serves (its system prompt) is still stale."""
+    from dataclasses import replace
+
+    from mlxd.daemon.lifecycle import changed_entries
+    from mlxd.registry.registry import Registry
+    from mlxd.registry.schema import ModelEntry
+
+    entry = ModelEntry("m", "org/repo", system="be brief")
+    described = replace(entry, modified_at="2026-12-05T10:00:00Z", description="a copy")
+    assert changed_entries(Registry([entry]), Registry([described]))[0] == []
+    assert changed_entries(Registry([entry]), Registry([replace(entry, system="x")]))[0] == [
+        entry.name
+    ]
