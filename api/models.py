@@ -216,6 +216,9 @@ async def copy(request: Request) -> Response:
         raise ApiError(
             400, f"cannot copy: the server reads its models from {paths} only (--registry)"
         )
+    existing = registry.get(destination)  # names match whatever their case: it keeps its own
+    if existing is not None:
+        destination = existing.name
     try:
         await run_in_threadpool(copy_model, entry, destination)
     except (RegistryError, OSError) as exc:

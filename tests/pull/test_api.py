@@ -199,6 +199,9 @@ def test_copy_then_delete_keeps_shared_files(mlxd: RunningServer, hub_env: HubEn
     out = c.generate(model="mine", prompt="hello", options=GREEDY)
     assert out.eval_count == GREEDY["num_predict"]
 
+    # a name matches whatever its case (Ollama's copy keeps the stored one): no second entry
+    assert c.copy(HUB_NAME, "MINE").status == "success"
+    assert "mine:latest" in tags(mlxd) and "MINE:latest" not in tags(mlxd)
     assert c.delete("mine").status == "success"
     assert "mine:latest" not in tags(mlxd) and HUB_NAME in tags(mlxd)
     assert resolve_local(TARGET_REPO) is not None  # still used by hf.co/org/tiny
