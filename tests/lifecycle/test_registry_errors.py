@@ -52,3 +52,26 @@ def test_a_half_saved_registry_keeps_the_last_good_one(tiny_pair: TinyPair, tmp_
         assert wait_for(lambda: stats(base)["registry_errors"] == [])
         assert [m["name"] for m in tags(base)["models"]] == ["second:latest"]
         assert "warning" not in tags(base)
+
+
+def test_a_template_mlxd_cannot_render_is_an_invalid_registry(
+    tiny_pair: TinyPair, tmp_path: Path
+) -> None:
+    """As `/api/create` refuses it, rather than every chat on the model being refused."""
+    registry = tmp_path / "models.yaml"
+    good = f"models:\n  first:\n    target: {tiny_pair.target}\n"
+    registry.write_text(good, encoding="utf-8")
+    with ServerThread(registry) as srv:
+        base = srv.base_url
+        bad = good + "    template: '{{ range .Messages }}{{ .Content }}{{ end }}'\n"
+        registry.write_text(bad, encoding="utf-8")
+        assert wait_for(lambda: "range .Messages" in "".join(stats(base)["registry_errors"]))
+        assert (
+            "models.yaml:2: entry 'first:latest': key 'template'"
+            in (stats(base)["registry_errors"][0])
+        )
+        r = httpx.post(f"{base}/api/chat", timeout=60, json={
+            "model": "first", "messages": [{"role": "user", "content": "hi"}], "stream": False,
+            "options": {"num_predict": 1},
+        })  # fmt: skip
+        assert r.status_code == 200, r.text  # the last good registry serves
