@@ -34,10 +34,9 @@ class RowStream:
     def __post_init__(self) -> None:
         self._detok = IncrementalDetokenizer(self.decode)
         self._stops = StopMatcher(self.request.options.stop)
-        # tokens not sent yet: where each one's text ends in the text decoded so far, and its
-        # log-probability (only where asked for)
-        self._logprobs: list[tuple[int, Logprob]] = []
-        self._starts: list[int] = []  # where each one's own text starts (`_within`)
+        # tokens not sent yet: where each one's text ends in the text decoded so far, where
+        # its own text starts (`_within`), and its log-probability (only where asked for)
+        self._logprobs: list[tuple[int, int, Logprob]] = []
         self._last_end = 0  # where the text of the last token given a value ends
         self._decoded = 0  # characters decoded so far
         self._ready = ""  # text the stop strings released, not sent yet
@@ -55,7 +54,7 @@ class RowStream:
             cut = len(self._ready)
         else:
             ready = self._sent_chars + len(self._ready)
-            ends = [end for end, _ in self._logprobs if end <= ready]
+            ends = [end for end, _, _ in self._logprobs if end <= ready]
             whole = len(ends) == len(self._logprobs)
             cut = (
                 len(self._ready)
@@ -67,17 +66,15 @@ class RowStream:
         chunk, self._ready = self._ready[:cut], self._ready[cut:]
         self._sent_chars += len(chunk)
         pending = self._within() if final and self._stops.stopped else self._logprobs
-        taken = [lp for end, lp in pending if final or end <= self._sent_chars]
+        taken = [lp for end, _, lp in pending if final or end <= self._sent_chars]
         self._logprobs = pending[len(taken) :]
-        self._starts = self._starts[len(self._starts) - len(self._logprobs) :]
         self._sent.append(chunk)
         self.emit(TextChunk(chunk, tuple(taken)))
 
-    def _within(self) -> list[tuple[int, Logprob]]:
+    def _within(self) -> list[tuple[int, int, Logprob]]:
         """The tokens not sent yet whose own text starts within the text sent: one wholly past
         a stop string's cut gave the reply nothing (as Ollama trims its values after the cut)."""
-        pairs = zip(self._logprobs, self._starts, strict=True)
-        return [e for e, start in pairs if start < self._sent_chars]
+        return [e for e in self._logprobs if e[1] < self._sent_chars]
 
     @property
     def finished(self) -> bool:
@@ -107,8 +104,8 @@ class RowStream:
             if i < len(logprobs):
                 value = readable(logprobs[i], self.decode, self.token_bytes)
                 # its own text ends its piece (which may open with bytes held from before)
-                self._starts.append(max(self._decoded - len(value.token), self._last_end))
-                self._logprobs.append((self._decoded, value))
+                start = max(self._decoded - len(value.token), self._last_end)
+                self._logprobs.append((self._decoded, start, value))
                 self._last_end = self._decoded
             self._send(self._stops.feed(piece), final=self._stops.stopped)
             if self._stops.stopped:

@@ -93,21 +93,34 @@ def logits_on(
     return outs
 
 
+# `mount`'s adapters on rows of one slot: block 0's q, k, v in one call; block 1's k holds other
+# slots than its q and v, so a call of its own
+ONE_ROW_CALLS = [(n, True) for n in (3, 1, 2, 1, 2, 1, 1, 2, 1)]
+
+
+def kernel_and_ops_models(
+    monkeypatch: pytest.MonkeyPatch, seed: int
+) -> tuple[tuple[nn.Module, Selection], tuple[nn.Module, Selection]]:
+    """Two copies of one model with `mount`'s adapters: the first on the MLX ops, the second
+    routed to the kernels (`lora_cuda.project`, which a test replaces)."""
+    plain_sel, fused_sel = Selection(), Selection()
+    plain, fused = tiny_model(seed), tiny_model(seed)
+    mount(plain, plain_sel)
+    monkeypatch.setattr(lora, "_decodes_fused", lambda base: True)
+    monkeypatch.setattr(lora_cuda, "warm", lambda dtype, count, bias, term: None)
+    mount(fused, fused_sel)
+    return (plain, plain_sel), (fused, fused_sel)
+
+
 @pytest.mark.usefixtures("on_the_cpu")
 def test_projections_of_one_input_share_one_call_per_forward(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """q, k, v (and gate, up) take their outputs from one call; a projection whose adapters
     differ (k without slot 3) gets its own; every row's logits are the MLX-ops path's."""
-    plain_sel, fused_sel = Selection(), Selection()
-    plain, fused = tiny_model(0), tiny_model(0)
-    mount(plain, plain_sel)
-    monkeypatch.setattr(lora, "_decodes_fused", lambda base: True)
-    monkeypatch.setattr(lora_cuda, "warm", lambda dtype, count, bias, term: None)
-    mount(fused, fused_sel)
+    (plain, plain_sel), (fused, fused_sel) = kernel_and_ops_models(monkeypatch, 0)
     calls = counted_calls(monkeypatch)
-    # block 0: q, k, v in one call; block 1: k holds other slots than q and v, so its own call
-    expected = [(n, True) for n in (3, 1, 2, 1, 2, 1, 1, 2, 1)]
+    expected = ONE_ROW_CALLS
     for slots, length in (([1], 1), ([2, 0, 1], 2)):
         tokens = mx.array([[(5 * r + t) % 50 for t in range(length)] for r in range(len(slots))])
         calls.clear()
@@ -128,12 +141,7 @@ def test_a_decoding_rows_steps_keep_their_routes_until_an_adapter_changes(
     """A lone row's later steps on the same slots call the kernels as its first did without
     deciding their routes again; remounting an adapter (new weights at the same slot, on one
     projection of a group) and changing a row's slot are followed at the next step."""
-    plain_sel, fused_sel = Selection(), Selection()
-    plain, fused = tiny_model(4), tiny_model(4)
-    mount(plain, plain_sel)
-    monkeypatch.setattr(lora, "_decodes_fused", lambda base: True)
-    monkeypatch.setattr(lora_cuda, "warm", lambda dtype, count, bias, term: None)
-    mount(fused, fused_sel)
+    (plain, plain_sel), (fused, fused_sel) = kernel_and_ops_models(monkeypatch, 4)
     calls = counted_calls(monkeypatch)
     token = mx.array([[7]])
     decided: list[int] = []
@@ -145,7 +153,7 @@ def test_a_decoding_rows_steps_keep_their_routes_until_an_adapter_changes(
     def step(slot: int) -> None:
         calls.clear()
         got, want = logits_on([slot], token, (fused, fused_sel), (plain, plain_sel))
-        assert calls == [(n, True) for n in (3, 1, 2, 1, 2, 1, 1, 2, 1)]
+        assert calls == ONE_ROW_CALLS
         assert mx.allclose(got, want, rtol=1e-4, atol=1e-4).item()
 
     step(1)

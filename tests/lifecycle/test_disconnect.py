@@ -101,6 +101,33 @@ def in_background(base: str, model: str) -> tuple[threading.Thread, list[httpx.R
     return thread, got
 
 
+@contextlib.contextmanager
+def serving(
+    registry: Path, tmp_path: Path, **settings: str
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`mlxd serve` in a process of its own (signals reach it as they reach a daemon), with
+    `settings` in its environment: the process and its base URL. Afterwards it is killed if
+    still running, and its log holds no fault."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OLLAMA_", "MLXD_HOST"))}
+    env.update(MLXD_HOST=f"127.0.0.1:{port}", MLXD_CACHE_DIR=str(tmp_path / "kvcache"))
+    env.update(settings)
+    cmd = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(registry)]
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "w", encoding="utf-8") as log_file:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=log_file)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert wait_for(lambda: up(base), timeout=90), "mlxd serve did not start"
+        yield proc, base
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log = log_path.read_text(encoding="utf-8")
+    assert "Exception in ASGI application" not in log and "Traceback" not in log, log
+
+
 def test_a_non_streamed_generation_ends_when_its_client_leaves(registry: Path) -> None:
     with ServerThread(registry, num_parallel=1) as srv:
         warm = {"model": "slow", "prompt": "", "keep_alive": -1}  # loaded before the clock runs
@@ -144,17 +171,8 @@ def test_sigterm_ends_running_streams_with_an_error_and_refuses_waiting_ones(
 ) -> None:
     """The stream in flight ends with an error line (not a cut connection), a request waiting
     for room gets a JSON 503, and the daemon exits 0 with nothing logged as a fault."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OLLAMA_", "MLXD_HOST"))}
-    env.update(MLXD_HOST=f"127.0.0.1:{port}", MLXD_MAX_LOADED_MODELS="1",
-               MLXD_NUM_PARALLEL="1", MLXD_CACHE_DIR=str(tmp_path / "kvcache"))  # fmt: skip
-    cmd = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(registry)]
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w", encoding="utf-8") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=log_file)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        assert wait_for(lambda: up(base), timeout=90), "mlxd serve did not start"
+    one_place = {"MLXD_MAX_LOADED_MODELS": "1", "MLXD_NUM_PARALLEL": "1"}
+    with serving(registry, tmp_path, **one_place) as (proc, base):
         with streaming(base, "slow") as lines:
             waiter, waited = in_background(base, "other")
             assert wait_for(lambda: stats(base)["queue"]["waiting"] == 1, 20)
@@ -165,12 +183,6 @@ def test_sigterm_ends_running_streams_with_an_error_and_refuses_waiting_ones(
         assert waited and waited[0].status_code == 503
         assert waited[0].json() == {"error": "mlxd is shutting down"}
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    log = log_path.read_text(encoding="utf-8")
-    assert "Exception in ASGI application" not in log and "Traceback" not in log, log
 
 
 def test_sigterm_answers_running_and_queued_embeddings_at_once(
@@ -179,22 +191,13 @@ def test_sigterm_answers_running_and_queued_embeddings_at_once(
     """An embedding in flight and one queued behind it on the model's runner get the JSON
     503 when the daemon is told to stop (they waited for the server's shutdown timeout, then
     got a plain-text 500)."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OLLAMA_", "MLXD_HOST"))}
-    env.update(MLXD_HOST=f"127.0.0.1:{port}", MLXD_CACHE_DIR=str(tmp_path / "kvcache"))
-    cmd = [sys.executable, "-m", "mlxd.daemon.cli", "serve", "--registry", str(registry)]
-    log_path = tmp_path / "serve.log"
-    with open(log_path, "w", encoding="utf-8") as log_file:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log_file, stderr=log_file)
-    base = f"http://127.0.0.1:{port}"
     got: dict[str, httpx.Response] = {}
+    with serving(registry, tmp_path) as (proc, base):
 
-    def embed(name: str, inputs: Any) -> None:
-        body = {"model": "embedder", "input": inputs}
-        got[name] = httpx.post(f"{base}/api/embed", json=body, timeout=120)
+        def embed(name: str, inputs: Any) -> None:
+            body = {"model": "embedder", "input": inputs}
+            got[name] = httpx.post(f"{base}/api/embed", json=body, timeout=120)
 
-    try:
-        assert wait_for(lambda: up(base), timeout=90), "mlxd serve did not start"
         embed("warm", "hi")
         many = ["why is the sky blue on a clear day " * 6] * 40000  # tens of seconds here
         threads = [threading.Thread(target=embed, args=("running", many))]
@@ -210,12 +213,6 @@ def test_sigterm_answers_running_and_queued_embeddings_at_once(
             assert got[name].status_code == 503, (name, got[name].text)
             assert got[name].json() == {"error": "mlxd is shutting down"}
         assert proc.wait(60) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    log = log_path.read_text(encoding="utf-8")
-    assert "Exception in ASGI application" not in log and "Traceback" not in log, log
 
 
 def test_a_request_waiting_for_an_entry_removed_meanwhile_loads_nothing(
