@@ -15,8 +15,8 @@ row count has not run) stays out of the ratio and still shows; those bursts also
 prompts that later bursts find in the prefix cache. Prints the steady bursts'
 aggregate tokens/s of each, their ratio (goal >= 0.9), the base loads counted by `/metrics`
 (goal: 1, i.e. zero reloads), and resident memory: the server's RSS and the bytes of its MLX
-arrays (the RAM cache tier left out) with only the base loaded and after the adapters are
-mounted, and the adapters' own bytes (`mlxd_adapter_bytes`).
+arrays (the RAM cache tier left out) with only the base loaded, after the adapters are
+mounted and after every burst, and the adapters' own bytes (`mlxd_adapter_bytes`).
 Speculation is off for both, so the ratio is what the per-row LoRA terms cost. It then prints
 the server's own split of a request (from each response's durations): decode time per token,
 prompt time, and the rest (queueing, admission, mounting). `--profile DIR` records the server
@@ -295,6 +295,7 @@ def main() -> None:
                 f"{clients:>7} {arm:>10} {decode:>13.2f} {prompt:>8.1f} {rest:>8.1f}"
                 f" | {mid:>13.1f} {mean:>7.1f} {top:>7.1f}"
             )
+        rss_end, arrays_end = rss_bytes(proc.pid), arrays_held(base)
         loads = metric(base, "model_loads_total")
         print(f"\nbase loads: {loads:.0f} (reloads: {loads - 1:.0f})")
         print(
@@ -308,6 +309,12 @@ def main() -> None:
             f"MLX arrays, the RAM cache tier left out: {arrays_base / 2**20:.1f} MiB with the base,"
             f" {arrays_adapters / 2**20:.1f} MiB with 4 adapters"
             f" (+{(arrays_adapters - arrays_base) / 2**20:.1f} MiB)"
+        )
+        print(
+            f"after every burst: resident {rss_end / 2**20:.1f} MiB"
+            f" (+{(rss_end - rss_base) / 2**20:.1f} MiB over the base loaded),"
+            f" MLX arrays {arrays_end / 2**20:.1f} MiB"
+            f" (+{(arrays_end - arrays_base) / 2**20:.1f} MiB)"
         )
         print(json.dumps({"adapter_bytes": adapter_bytes, "loads": loads}))
     finally:

@@ -30,6 +30,7 @@ from mlxd.engine.lora import (
     wrap,
     wrap_for_decoding,
 )
+from mlxd.engine.memory import return_freed_memory
 from mlxd.registry.adapterfiles import (
     ADAPTER_WEIGHTS,
     AdapterFileError,
@@ -254,6 +255,7 @@ class AdapterSet:
         for module, weights in loaded.layers.items():  # bytes as held: the base's dtype, padded
             mount.nbytes += wrap(self.model, module, self.selection).put(slot, weights)
         mx.clear_cache()  # the stacks it replaced: their memory goes back, not to MLX's cache
+        return_freed_memory()  # and the host heap's: the files as read, the kernels' builds
         self._mounts[loaded.revision] = mount
         self.loads += 1
         self._counted()
@@ -276,6 +278,7 @@ class AdapterSet:
                 wrap(self.model, module, self.selection).put(mount.slot, None)
             del self._mounts[revision]
             mx.clear_cache()
+            return_freed_memory()
             self._counted()
             log.info("dropped adapter %s (least recently used)", revision[:12])
 

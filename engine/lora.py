@@ -1,12 +1,17 @@
 """LoRA / DoRA applied unfused and chosen per row, so rows of different adapters share a forward.
 
 Every projection an adapter touches is wrapped once (`RowLoRA`): the base layer stays as it
-was, and beside it sit each mounted adapter's A (in, r) and s·B (r, out) stacked by *slot*,
-slot 0 being "no adapter" (zeros). Before a forward the caller names each row's slot
+was, and beside it sit the mounted adapters' A (in, r) and s·B (r, out), stacked in the order of
+their *slots* and nothing else (no zeros for "no adapter" or for a dropped adapter's slot: the
+stacks are the adapters' own bytes). Before a forward the caller names each row's slot
 (`Selection.set`); the layer computes
 
     y = base(x) + (x @ A[slot]) @ sB[slot]                         (LoRA, as mlx-lm's LoRALinear)
     y = (x W^T + (x @ A[slot]) @ sB[slot]) * ratio[slot] + bias     (DoRA)
+
+for rows whose adapter the layer holds, and base(x) for the others. A plan numbers a row's
+matrices by their place in the stacks from 1, 0 being "none" (what `lora_cuda`'s kernels read);
+the `gather_mm`s take those places from 0 and zero the rows of none (`Plan.none`).
 
 Each array operation costs about as much as the small matmuls of a low-rank term, so the layer
 spends as few as it can: the scale s is folded into B once, at mount; the per-row slot indices
@@ -63,9 +68,12 @@ class Plan:
     """What one forward's rows ask of the layers holding a given set of slots."""
 
     single: int | None  # the slot every row uses on these layers, if they all use one
-    picked: tuple[int, ...]  # each row's stack index, 0 where its adapter is not on the layer
+    picked: tuple[int, ...]  # each row's place in the stacks from 1, 0: its adapter is not held
     idx: mx.array  # (rows,) `picked` on the device (`kernel_array`)
     rows: mx.array  # arange(rows): the batch index of each row, for gather_mm
+    places: mx.array  # (rows,) each row's place from 0 (a row of none: 0), for gather_mm
+    none: mx.array | None  # (rows, 1, 1) True for rows of none, whose gathered term is zeroed;
+    # None where every row has an adapter here
     _per_token: dict[int, mx.array] = field(default_factory=dict, compare=False, repr=False)
 
     def token_slots(self, length: int) -> mx.array:
@@ -116,16 +124,24 @@ class Selection:
             return self._plans[key]
         if len(self._plans) >= MAX_PLANS:
             self._plans.clear()
-        picked = [s if s in held else 0 for s in slots]
-        if len(picked) == 1:
-            picked *= rows
+        place = {slot: i + 1 for i, slot in enumerate(sorted(held))}  # as `RowLoRA._restack`
+        own = [s if s in held else 0 for s in slots]
+        if len(own) == 1:
+            own *= rows
         else:
-            picked = (picked + [0] * rows)[:rows]
+            own = (own + [0] * rows)[:rows]
         plan = None
-        if any(picked):
-            single = picked[0] if len(set(picked)) == 1 else None
-            idx = kernel_array(picked, mx.uint32)
-            plan = Plan(single, tuple(picked), idx, kernel_array(range(rows), mx.uint32))
+        if any(own):
+            picked = [place.get(s, 0) for s in own]
+            single = own[0] if len(set(own)) == 1 else None
+            plan = Plan(
+                single,
+                tuple(picked),
+                kernel_array(picked, mx.uint32),
+                kernel_array(range(rows), mx.uint32),
+                kernel_array([max(p - 1, 0) for p in picked], mx.uint32),
+                mx.array([p == 0 for p in picked])[:, None, None] if 0 in picked else None,
+            )
         self._plans[key] = plan
         return plan
 
@@ -397,7 +413,8 @@ class RowLoRA(nn.Module):
         if not held:
             self._slots.stacks = self._slots.base = None
             return
-        size = max(held) + 1
+        order = sorted(held)  # the stacks' places, as `Selection.plan` numbers them
+        size = len(order)
         rank = max(w.rank for w in held.values())  # the largest held now: stacks shrink too
         first = next(iter(held.values()))
         d_in, d_out = first.a.shape[0], first.b.shape[1]
@@ -407,13 +424,14 @@ class RowLoRA(nn.Module):
         at = mx.zeros((size, rank, d_in), dtype=first.a.dtype)
         bt = mx.zeros((size, d_out, rank), dtype=first.b.dtype)
         ratio = mx.ones((size, d_out), dtype=at.dtype) if dora else None
-        for slot, w in held.items():
+        for i, slot in enumerate(order):
+            w = held[slot]
             a, b = w.a[:, : w.rank], w.b[: w.rank, :]  # a view of wider stacks: its own part
             r = a.shape[1]
-            at[slot, :r, :] = a.T.astype(at.dtype)
-            bt[slot, :, :r] = b.T.astype(bt.dtype)
+            at[i, :r, :] = a.T.astype(at.dtype)
+            bt[i, :, :r] = b.T.astype(bt.dtype)
             if ratio is not None and w.ratio is not None:
-                ratio[slot] = w.ratio.astype(at.dtype)
+                ratio[i] = w.ratio.astype(at.dtype)
         a, b = at.swapaxes(1, 2), bt.swapaxes(1, 2)
         if not fused:
             a, b = mx.contiguous(a), mx.contiguous(b)
@@ -425,10 +443,10 @@ class RowLoRA(nn.Module):
                 lora_cuda.warm(at.dtype, count, self.has_bias, term=True)
         mx.eval(stacks.a, stacks.b, *([ratio] if ratio is not None else []))
         self._slots.stacks = stacks
-        for slot, w in held.items():  # each adapter's weights become views of the stacks:
+        for i, slot in enumerate(order):  # each adapter's weights become views of the stacks:
             # held once, not once more beside them (zero-padded to the stacks' rank). A range
             # slice shares the stacks' memory; an integer index (a gather) would copy it.
-            held[slot] = replace(w, a=_view(stacks.a, slot), b=_view(stacks.b, slot))
+            held[slot] = replace(held[slot], a=_view(stacks.a, i), b=_view(stacks.b, i))
         mx.eval([(w.a, w.b) for w in held.values()])
         direct = stacks.direct and not dora and not fused
         self._slots.base = _base_product(self.base) if direct else None
@@ -526,15 +544,19 @@ class RowLoRA(nn.Module):
 
     @staticmethod
     def _gathered(x: mx.array, stacks: _Stacks, plan: Plan) -> mx.array:
-        """Each row's (x A) sB, x being (rows, length, in): gather_mm picks each row's
-        matrices by `plan.idx`, no copies."""
-        h = mx.gather_mm(x, stacks.a, plan.rows, plan.idx)
-        return mx.gather_mm(h, stacks.b, plan.rows, plan.idx)
+        """Each row's (x A) sB, x being (rows, length, in), zero for rows of none: gather_mm
+        picks each row's matrices by `plan.places`, no copies."""
+        h = mx.gather_mm(x, stacks.a, plan.rows, plan.places)
+        z = mx.gather_mm(h, stacks.b, plan.rows, plan.places)
+        return z if plan.none is None else mx.where(plan.none, 0.0, z)
 
     def _dora(self, x: mx.array, stacks: _Stacks, plan: Plan) -> mx.array:
         assert stacks.ratio is not None
         lora = self._gathered(x, stacks, plan).astype(x.dtype)
-        y = (self._plain(x) + lora) * stacks.ratio[plan.idx][:, None, :].astype(x.dtype)
+        ratio = stacks.ratio[plan.places][:, None, :]
+        if plan.none is not None:
+            ratio = mx.where(plan.none, 1.0, ratio)
+        y = (self._plain(x) + lora) * ratio.astype(x.dtype)
         if self.has_bias:
             y = y + self.base.bias
         return y

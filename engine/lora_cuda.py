@@ -64,7 +64,7 @@ WARPS = THREADS // 32
 # vector loads in flight at once (ranks the stacks' multiple of 8), not R dependent scalar
 # loads (with DOWN_PIECES: 8 rows 1.19x the base's step against 1.25x, a lone row unchanged)
 _TERM = """
-            const T* br = bt + ((size_t)s * N + n) * R;
+            const T* br = bt + ((size_t)(s - 1) * N + n) * R;
             const float* hr = h + (size_t)m * R;
             for (int j = 0; j < R; j += 8) {
                 const uint4 bv = *reinterpret_cast<const uint4*>(br + j);
@@ -102,7 +102,7 @@ def _down_source(count: int) -> str:
     float acc = 0.0f;
     if (s != 0) {{
         const T* xr = x + (size_t)m * K;
-        ar += ((size_t)s * R + jj) * K;
+        ar += ((size_t)(s - 1) * R + jj) * K;
         const int step = blockDim.x * 8;
         for (int k0 = threadIdx.x * 8; k0 < K; k0 += step * {DOWN_PIECES}) {{
             uint4 xv[{DOWN_PIECES}], av[{DOWN_PIECES}];
@@ -271,7 +271,7 @@ def _term_source(count: int, shared: bool) -> str:
     h = x A[slot] (R values; A's rows are read from L2 by each of the row's blocks) in one pass
     over K with every rank's loads in flight at once (rank by rank, a block waits out its
     loads' latency R times over, which a few blocks with K up to 18,944 cannot hide), then
-    adds h sB^T to its outputs. A row on no adapter (slot 0) copies y. `shared`: the y_i are
+    adds h sB^T to its outputs. A row of no adapter (idx 0) copies y. `shared`: the y_i are
     columns offsets[i].. of one output y (M, sum N_i) of a fused matmul (`engine.fusedproj`)."""
     source = "y + (size_t)m * y_shape[2] + offsets[{i}]" if shared else "y{i} + (size_t)m * N"
     pick = "".join(
@@ -309,7 +309,7 @@ def _term_source(count: int, shared: bool) -> str:
     __shared__ float h[MAX_R];
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const T* xr = x + (size_t)m * K;
-    const T* ar = at + (size_t)s * R * K;
+    const T* ar = at + (size_t)(s - 1) * R * K;
     float acc[MAX_R];
     #pragma unroll
     for (int j = 0; j < MAX_R; ++j) acc[j] = 0.0f;
@@ -346,7 +346,7 @@ def _term_source(count: int, shared: bool) -> str:
     __syncthreads();
     for (int n = n0 + threadIdx.x; n < n1; n += blockDim.x) {{
         float v = static_cast<float>(yr[n]);
-        const T* br = bt + ((size_t)s * N + n) * R;
+        const T* br = bt + ((size_t)(s - 1) * N + n) * R;
         for (int j = 0; j < R; ++j) v += h[j] * static_cast<float>(br[j]);
         outr[n] = static_cast<T>(v);
     }}
@@ -371,9 +371,9 @@ MAX_TERM_RANK = 64  # ranks the term kernel takes (its shared memory); higher: d
 class Part(NamedTuple):
     """One projection as the kernels read it: the base's and, adapted, every slot's term."""
 
-    at: mx.array | None  # (slots, r, K): each slot's A^T, r a multiple of 8
+    at: mx.array | None  # (adapters, r, K): each held adapter's A^T, r a multiple of 8
     weight: mx.array  # (N, K)
-    bt: mx.array | None  # (slots, N, r): each slot's (sB)^T
+    bt: mx.array | None  # (adapters, N, r): each held adapter's (sB)^T
     bias: mx.array | None  # (N,)
 
 
@@ -633,8 +633,8 @@ def pays(rows: int, nbytes: int) -> bool:
 
 
 def project(x: mx.array, idx: mx.array | None, parts: Sequence[Part]) -> list[mx.array]:
-    """x W_i^T (+ (x A_i[idx]) sB_i[idx]^T) (+ bias_i) for projections i of one input x
-    (batch rows, tokens, K), idx (rows x tokens,) uint32 (0: no term): one kernel launch, two
+    """x W_i^T (+ (x A_i[idx - 1]) sB_i[idx - 1]^T) (+ bias_i) for projections i of one input
+    x (batch rows, tokens, K), idx (rows x tokens,) uint32 (0: no term): one kernel launch, two
     with terms for a lone row (several rows: the matmuls, then down and up). The parts all have
     terms (and idx is given) or none do; a bias, or none do."""
     term, bias = parts[0].at is not None, parts[0].bias is not None

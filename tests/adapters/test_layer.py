@@ -178,9 +178,28 @@ def test_a_forward_plans_its_rows_once_for_every_layer() -> None:
     assert selection.plan(held, 3) is plan
 
 
+def test_the_stacks_hold_the_mounted_adapters_and_nothing_else(dtype: mx.Dtype) -> None:
+    """No zeros for "no adapter" or for a dropped adapter's slot: with slots 1 and 3 mounted
+    (2 dropped) the stacks are two adapters deep, and rows of none (base rows, padding, rows of
+    the dropped slot) in a batch with adapted rows get the base's output exactly."""
+    one, two, three = adapter(1, 8, 2.0), adapter(2, 8, 3.0), adapter(3, 8, 0.5)
+    layer, selection = layer_with(dtype, (1, one), (2, two), (3, three))
+    layer.put(2, None)
+    stacks = layer._slots.stacks
+    assert stacks is not None and stacks.a.shape[0] == stacks.b.shape[0] == 2
+    x = mx.random.normal((4, 3, D_IN), key=mx.random.key(5)).astype(dtype)
+    rows = run(layer, selection, [3, 0, 1, 2], x)
+    assert close(rows[0:1], reference(layer.base, three, x[0:1]))
+    assert mx.array_equal(rows[1:2], layer.base(x[1:2])).item()
+    assert close(rows[2:3], reference(layer.base, one, x[2:3]))
+    assert mx.array_equal(rows[3:4], layer.base(x[3:4])).item()
+    padded = run(layer, selection, [3, 1], x)  # rows past the named slots: padding, on the base
+    assert mx.array_equal(padded[2:], layer.base(x[2:])).item()
+
+
 def test_adapters_are_held_once_in_the_stacks() -> None:
-    """A layer's memory grows by its stacks alone (each adapter's slot and the zero slot 0):
-    the per-adapter weights it keeps are views of them, not copies."""
+    """A layer's memory grows by its stacks alone (each adapter's place in them): the
+    per-adapter weights it keeps are views of them, not copies."""
     layer, _ = layer_with(mx.float32)
     mx.eval(layer.base.parameters())
     one, two = adapter(1, 8, 2.0), adapter(2, 8, 2.0)

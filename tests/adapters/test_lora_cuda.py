@@ -24,18 +24,23 @@ PROJECTIONS = [
 ]  # fmt: skip
 
 
+def place(idx: mx.array) -> mx.array:
+    """Each row's place in the stacks (idx - 1; a row of none reads place 0, its term zeroed)."""
+    return mx.maximum(idx, 1) - 1
+
+
 def project_by_ops(
     x: mx.array, idx: mx.array | None, parts: list[lora_cuda.Part]
 ) -> list[mx.array]:
-    """The kernels' arithmetic: slot 0 (no adapter) has no term."""
+    """The kernels' arithmetic: idx 0 (no adapter) has no term, idx i reads the stacks' (i-1)th."""
     flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
     ys = []
     for at, weight, bt, bias in parts:
         y = flat @ weight.astype(mx.float32).T
         if idx is not None and at is not None and bt is not None:
             on = (idx != 0)[:, None]
-            h = on * (flat[:, None, :] * at[idx].astype(mx.float32)).sum(-1)
-            y = y + on * (h[:, None, :] * bt[idx]).sum(-1)
+            h = on * (flat[:, None, :] * at[place(idx)].astype(mx.float32)).sum(-1)
+            y = y + on * (h[:, None, :] * bt[place(idx)]).sum(-1)
         if bias is not None:
             y = y + bias.astype(mx.float32)
         ys.append(y.astype(x.dtype).reshape(*x.shape[:-1], weight.shape[0]))
@@ -281,7 +286,7 @@ def down_by_ops(count: int) -> object:
         x, *ats, idx = inputs
         flat = x.reshape(-1, x.shape[-1]).astype(mx.float32)
         on = (idx != 0)[:, None]
-        return [on * (flat[:, None, :] * at[idx].astype(mx.float32)).sum(-1) for at in ats]
+        return [on * (flat[:, None, :] * at[place(idx)].astype(mx.float32)).sum(-1) for at in ats]
 
     return call
 
@@ -295,7 +300,7 @@ def up_by_ops(count: int) -> object:
         outs = []
         for y, h, bt in zip(rest[0::3], rest[1::3], rest[2::3], strict=True):
             flat = y.reshape(-1, y.shape[-1]).astype(mx.float32)
-            term = on * (h[:, None, :] * bt[idx].astype(mx.float32)).sum(-1)
+            term = on * (h[:, None, :] * bt[place(idx)].astype(mx.float32)).sum(-1)
             outs.append((flat + term).astype(y.dtype).reshape(y.shape))
         return outs
 
@@ -319,8 +324,8 @@ def term_by_ops(count: int, shared: bool = False) -> object:
             ys, terms = list(rest[0::3]), list(zip(rest[1::3], rest[2::3], strict=True))
         outs = []
         for y, (at, bt) in zip(ys, terms, strict=True):
-            h = (flat[:, None, :] * at[idx].astype(mx.float32)).sum(-1)
-            term = on * (h[:, None, :] * bt[idx].astype(mx.float32)).sum(-1)
+            h = (flat[:, None, :] * at[place(idx)].astype(mx.float32)).sum(-1)
+            term = on * (h[:, None, :] * bt[place(idx)].astype(mx.float32)).sum(-1)
             out = y.reshape(-1, y.shape[-1]) + term
             outs.append(out.astype(y.dtype).reshape(*y.shape[:-1], bt.shape[1]))
         return outs
