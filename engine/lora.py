@@ -480,6 +480,8 @@ class RowLoRA(nn.Module):
         held = self._slots
         if held.base is not None and x.dtype == mx.float32:
             return self._direct(x, held)
+        if self.selection.slots is None and self.base_part is None:
+            return self.base(x)  # every row on the base, which takes no kernel: nothing to route
         if held.stacks is None and x.size == x.shape[-1]:
             return self.base(x)  # a lone row's step on the base: MLX's gemv, nothing to route
         group = self.group
