@@ -21,7 +21,7 @@ from mlxd.api.errors import ApiError
 from mlxd.api.state import CLOSING, ServerState, state_of
 from mlxd.api.types import CreateRequest
 from mlxd.engine.options import OptionsError, parse_options
-from mlxd.engine.prompt import PromptError, check_go_template, go_template
+from mlxd.engine.prompt import PromptError, check_template
 from mlxd.registry.blobs import BlobError, blob_intact, parse_digest, store_blob
 from mlxd.registry.create import CreateError, CreateSpec, create_model, local_path
 from mlxd.registry.modelfile import ModelfileError, parse_modelfile
@@ -105,11 +105,10 @@ def _spec(body: CreateRequest) -> CreateSpec:
         spec.messages = [
             {"role": m.role or "user", "content": m.content or ""} for m in body.messages
         ]
-    if go_template(spec.template):  # refused now, not by every request the model gets
-        try:
-            check_go_template(spec.template or "")
-        except PromptError as exc:
-            raise ApiError(400, str(exc)) from exc
+    try:  # refused now, not by every request the model gets
+        check_template(spec.template)
+    except PromptError as exc:
+        raise ApiError(400, str(exc)) from exc
     try:  # a value every request would refuse (a top_p of 7, a NaN) is refused now
         parse_options({k: v for k, v in spec.parameters.items() if k in KNOWN_OPTIONS})
     except OptionsError as exc:

@@ -24,7 +24,7 @@ from mlxd.engine.distributed.group import RankCache, configure_rank_cache
 from mlxd.engine.manager import ModelManager
 from mlxd.engine.prefix_cache import PrefixCache
 from mlxd.engine.probestore import ProbeStore
-from mlxd.engine.prompt import PromptError, check_go_template, go_template
+from mlxd.engine.prompt import PromptError, check_template
 from mlxd.registry.home import mlxd_home
 from mlxd.registry.leftovers import sweep_leftovers
 from mlxd.registry.live import LiveRegistry
@@ -70,15 +70,12 @@ def bind(host: str, port: int) -> socket.socket | str:
 
 
 def renderable(registry: Registry) -> Registry:
-    """`registry`, unless an entry's Go template is one mlxd cannot render: then the file is
-    invalid (its line is named), as `/api/create` refuses the template, rather than every
-    chat on the model being refused."""
+    """`registry`, unless an entry's template is one mlxd cannot render (a Go template past its
+    subset, Jinja that does not parse): then the file is invalid (its line is named), as
+    `/api/create` refuses the template, rather than every chat on the model being refused."""
     for entry in registry.entries():
-        template = go_template(entry.template)
-        if template is None:
-            continue
         try:
-            check_go_template(template)
+            check_template(entry.template)
         except PromptError as exc:
             at = f"{entry.source}:{entry.line}" if entry.line else str(entry.source)
             raise RegistryError(f"{at}: entry '{entry.name}': key 'template': {exc}") from None

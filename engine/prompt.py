@@ -10,6 +10,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jinja2 import TemplateSyntaxError, nodes
+from jinja2.ext import Extension
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
 
 class PromptError(ValueError):
     """The request cannot be rendered for this model (answered with 400)."""
@@ -145,6 +149,39 @@ def check_go_template(template: str) -> None:
             )
     for filled in ("", "x"):
         render_go_template(template, dict.fromkeys(GO_FIELDS, filled))
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}...{% endgeneration %}`, which transformers' chat templates may use
+    (it marks the assistant's tokens for training masks): parsed as its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> Any:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+_JINJA = ImmutableSandboxedEnvironment(
+    trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
+)  # as transformers renders chat templates
+
+
+def check_template(template: str | None) -> None:
+    """Refuse (PromptError) a template no request on the model could render: a Go template
+    past mlxd's subset (`check_go_template`), or Jinja that does not parse, with its line."""
+    if not template:
+        return
+    if is_go_template(template):
+        check_go_template(template)
+        return
+    try:
+        _JINJA.parse(template)
+    except TemplateSyntaxError as exc:
+        raise PromptError(
+            f"template: Jinja syntax error on line {exc.lineno}: {exc.message}"
+        ) from None
 
 
 def go_template(template: str | None) -> str | None:

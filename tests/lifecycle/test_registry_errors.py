@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from tests.conftest import ServerThread, wait_for
 from tests.fixtures.tiny_models import TinyPair
@@ -54,8 +55,16 @@ def test_a_half_saved_registry_keeps_the_last_good_one(tiny_pair: TinyPair, tmp_
         assert "warning" not in tags(base)
 
 
+@pytest.mark.parametrize(
+    ("template", "named"),
+    [
+        ("{{ range .Messages }}{{ .Content }}{{ end }}", "range .Messages"),
+        ("{% for m in messages %}{{ m.content }}", "Jinja syntax error on line 1"),
+    ],
+    ids=["go", "jinja"],
+)
 def test_a_template_mlxd_cannot_render_is_an_invalid_registry(
-    tiny_pair: TinyPair, tmp_path: Path
+    tiny_pair: TinyPair, tmp_path: Path, template: str, named: str
 ) -> None:
     """As `/api/create` refuses it, rather than every chat on the model being refused."""
     registry = tmp_path / "models.yaml"
@@ -63,9 +72,9 @@ def test_a_template_mlxd_cannot_render_is_an_invalid_registry(
     registry.write_text(good, encoding="utf-8")
     with ServerThread(registry) as srv:
         base = srv.base_url
-        bad = good + "    template: '{{ range .Messages }}{{ .Content }}{{ end }}'\n"
+        bad = good + f"    template: '{template}'\n"
         registry.write_text(bad, encoding="utf-8")
-        assert wait_for(lambda: "range .Messages" in "".join(stats(base)["registry_errors"]))
+        assert wait_for(lambda: named in "".join(stats(base)["registry_errors"]))
         assert (
             "models.yaml:2: entry 'first:latest': key 'template'"
             in (stats(base)["registry_errors"][0])

@@ -132,6 +132,29 @@ def test_a_go_template_past_the_subset_is_refused_at_create(served: str) -> None
     assert not registry.exists() or "modern:latest" not in load_registry_file(registry)
 
 
+def test_a_jinja_template_that_does_not_parse_is_refused_at_create(served: str) -> None:
+    """Its line named; a chat template using transformers' `{% generation %}` tag parses."""
+    bad = "{% for m in messages %}\n{{ m.content }}\n"
+    r = httpx.post(
+        served + "/api/create",
+        json={"model": "broken", "from": "tiny", "stream": False, "template": bad},
+        timeout=60,
+    )
+    assert r.status_code == 400 and "Jinja syntax error on line 2" in r.json()["error"]
+    registry = Path(os.environ["MLXD_HOME"]) / "models.yaml"
+    assert not registry.exists() or "broken:latest" not in load_registry_file(registry)
+    tagged = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
+        "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
+    )
+    r = httpx.post(
+        served + "/api/create",
+        json={"model": "tagged", "from": "tiny", "stream": False, "template": tagged},
+        timeout=60,
+    )
+    assert r.status_code == 200, r.text
+
+
 def test_debug_render_only_answers_the_prompt_without_running(served: str) -> None:
     client = ollama.Client(host=served, timeout=120)
     client.create(model="legacy", from_="tiny", template=CHATML)
