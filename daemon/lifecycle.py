@@ -111,24 +111,37 @@ class Lifecycle:
 
         A registry file may sit in $MLXD_HOME next to the daemon's own log; watching more than
         the files would turn every log line into a change event (and watchfiles' own log line
-        about it into another).
+        about it into another). A file given as a symbolic link is watched as the link and as
+        the file it points to; once the link points elsewhere, the new file is watched instead.
         """
-        files = {p.expanduser().resolve() for p in paths}
-        dirs = sorted({str(f.parent) for f in files if f.parent.is_dir()})
-        if not dirs:
-            return
         logging.getLogger("watchfiles").setLevel(logging.WARNING)
-        log.info("watching registry files: %s", ", ".join(map(str, sorted(files))))
-        changes = awatch(
-            *dirs,
-            watch_filter=registry_filter(files),
-            recursive=False,
-            stop_event=self._stop,
-            debounce=200,
-            step=50,
-        )
-        async for _ in changes:
-            self.reload()
+        while not self._stop.is_set():
+            files = watched_files(paths)
+            dirs = sorted({str(f.parent) for f in files if f.parent.is_dir()})
+            if not dirs:
+                return
+            log.info("watching registry files: %s", ", ".join(map(str, sorted(files))))
+            changes = awatch(
+                *dirs,
+                watch_filter=registry_filter(files),
+                recursive=False,
+                stop_event=self._stop,
+                debounce=200,
+                step=50,
+            )
+            async for _ in changes:
+                self.reload()
+                if watched_files(paths) != files:
+                    break  # a link was repointed: its new file's folder is watched next
+
+
+def watched_files(paths: Sequence[Path]) -> frozenset[Path]:
+    """Each registry path as given (absolute) and as it resolves (a link's file)."""
+    files = set()
+    for p in paths:
+        given = p.expanduser().absolute()
+        files |= {given, given.resolve()}
+    return frozenset(files)
 
 
 def registry_filter(files: Collection[Path]) -> Callable[[Change, str], bool]:

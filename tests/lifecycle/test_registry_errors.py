@@ -84,3 +84,32 @@ def test_a_template_mlxd_cannot_render_is_an_invalid_registry(
             "options": {"num_predict": 1},
         })  # fmt: skip
         assert r.status_code == 200, r.text  # the last good registry serves
+
+
+def test_a_registry_given_as_a_link_follows_the_link_when_it_is_repointed(
+    tiny_pair: TinyPair, tmp_path: Path
+) -> None:
+    """As configuration managers deploy a file (a link swapped to a new release's folder): the
+    new file is read, and its later edits are seen too."""
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "v2").mkdir()
+    first, second = tmp_path / "v1" / "models.yaml", tmp_path / "v2" / "models.yaml"
+    first.write_text(f"models:\n  first:\n    target: {tiny_pair.target}\n", encoding="utf-8")
+    second.write_text(f"models:\n  second:\n    target: {tiny_pair.target}\n", encoding="utf-8")
+    link = tmp_path / "current.yaml"
+    link.symlink_to(first)
+
+    def names(base: str) -> list[str]:
+        return [m["name"] for m in tags(base)["models"]]
+
+    with ServerThread(link) as srv:
+        base = srv.base_url
+        assert names(base) == ["first:latest"]
+        swap = tmp_path / "swap.yaml"
+        swap.symlink_to(second)
+        swap.replace(link)  # repointed at once, as `ln -sfn` does
+        assert wait_for(lambda: names(base) == ["second:latest"])
+        second.write_text(
+            f"models:\n  third:\n    target: {tiny_pair.target}\n", encoding="utf-8"
+        )  # an edit of the file the link points to now
+        assert wait_for(lambda: names(base) == ["third:latest"])
