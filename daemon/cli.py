@@ -522,6 +522,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     return interactive(client, args, options)
 
 
+def _flag(value: str) -> bool:
+    """A boolean flag's value as Go's flag package reads one (`--truncate=false`)."""
+    lowered = value.lower()
+    if lowered in ("1", "t", "true"):
+        return True
+    if lowered in ("0", "f", "false"):
+        return False
+    raise argparse.ArgumentTypeError(f"invalid boolean value {value!r}")
+
+
 def _embed(client: Client, args: argparse.Namespace, text: str) -> int:
     """`run` on an embedding model, as `ollama run` does it: the text's vector as JSON."""
     if not text:
@@ -531,6 +541,10 @@ def _embed(client: Client, args: argparse.Namespace, text: str) -> int:
     body: dict[str, Any] = {"model": args.model, "input": text}
     if args.keepalive:
         body["keep_alive"] = args.keepalive
+    if args.truncate is not None:
+        body["truncate"] = args.truncate
+    if args.dimensions is not None:
+        body["dimensions"] = args.dimensions
     try:
         reply = client.post("/api/embed", body)
     except ClientError as exc:
@@ -753,6 +767,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--hidethinking", action="store_true", help="don't show a thinking model's thinking"
     )
+    p.add_argument(
+        "--truncate",
+        default=None,
+        type=_flag,
+        metavar="true|false",
+        help="embedding models: cut an input longer than the context (the default);"
+        " --truncate=false refuses it instead",
+    )
+    p.add_argument(
+        "--dimensions",
+        type=int,
+        default=None,
+        help="embedding models: the vector's first N dimensions, renormalized",
+    )
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("list", aliases=["ls"], help="list models")
@@ -798,14 +826,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 # Flags that, as in Ollama's CLI, take a value only as `--flag=VALUE`: alone they mean "true"
 # and never swallow the next word (`mlxd run m --think "why?"`).
-OPTIONAL_VALUE_FLAGS = ("--think",)
+OPTIONAL_VALUE_FLAGS = ("--think", "--truncate")
 
 
-VALUE_FLAGS = ("--keepalive", "--format")  # always take the next word, `-1m` included
+VALUE_FLAGS = (
+    "--keepalive",
+    "--format",
+    "--dimensions",
+)  # always take the next word, `-1m` included
 
 
 def _bare_flags_true(args: Sequence[str]) -> list[str]:
-    """A bare `--think` as `--think=true`; `--keepalive -1m` as `--keepalive=-1m` (argparse
+    """A bare `--think` (`--truncate`) as `--think=true`; `--keepalive -1m` as `--keepalive=-1m` (argparse
     would read a value starting with a dash as a flag; Ollama's CLI takes the next word)."""
     out: list[str] = []
     i = 0

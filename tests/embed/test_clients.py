@@ -328,6 +328,22 @@ def test_mlxd_run_prints_an_embedding_models_vector(
     assert empty.returncode == 1 and b"embedding models require input text" in empty.stderr
 
 
+def test_mlxd_run_takes_ollamas_embedding_flags(
+    embed_server: RunningServer, client: ollama.Client
+) -> None:
+    """`--dimensions N` (the first N, renormalized) and `--truncate=false` (an input past the
+    context refused), as `ollama run` passes them to /api/embed."""
+    want = client.embed(model="minilm", input="the sky is blue", dimensions=8).embeddings[0]
+    short = mlxd_cli(["run", "minilm", "--dimensions", "8", "the sky is blue"], embed_server.port)
+    assert short.returncode == 0, short.stderr
+    assert json.loads(short.stdout) == pytest.approx(want, abs=1e-6) and len(want) == 8
+    long = "the sky is blue " * 400
+    cut = mlxd_cli(["run", "minilm", "--truncate", long], embed_server.port)
+    assert cut.returncode == 0, cut.stderr
+    refused = mlxd_cli(["run", "minilm", "--truncate=false", long], embed_server.port)
+    assert refused.returncode == 1 and b"context length" in refused.stderr
+
+
 @pytest.fixture(scope="module")
 def same_files(
     embedders: TinyEmbedders, tmp_path_factory: pytest.TempPathFactory
