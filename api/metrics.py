@@ -33,7 +33,7 @@ PREFIX = "mlxd"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5)
 UNMATCHED = "unmatched"  # a path no route serves (kept as one label: paths are unbounded)
-CLIENT_GONE = "499"  # the client left before any response started
+CLIENT_GONE = "499"  # the client left before its response ended (nginx's "client closed request")
 
 
 class GenerationMetrics:
@@ -236,15 +236,20 @@ class RequestCounter:
             await self.app(scope, receive, send)
             return
         status = CLIENT_GONE
+        ended = False  # the response's last body part went out
 
         async def sending(message: Message) -> None:
-            nonlocal status
+            nonlocal status, ended
             if message["type"] == "http.response.start":
                 status = str(message["status"])
+            elif message["type"] == "http.response.body" and not message.get("more_body"):
+                ended = True
             await send(message)
 
         try:
             await self.app(scope, receive, sending)
+            if not ended:
+                status = CLIENT_GONE  # a stream the client left midway: not answered in full
         except BaseException:
             if status == CLIENT_GONE:
                 status = "500"  # the server's error handler answers outside this middleware

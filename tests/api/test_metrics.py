@@ -137,6 +137,30 @@ def test_a_preflight_is_counted_under_its_route(served: ServerThread) -> None:
     assert value(after, requests, route="unmatched", status="204") >= 1
 
 
+def test_a_stream_the_client_leaves_midway_counts_as_499(served: ServerThread) -> None:
+    """As nginx logs "client closed request": a stream cut by its client is not a 200."""
+    base = served.info.base_url
+    requests = "mlxd_http_requests_total"
+    before = scrape(base)
+    body = {"model": "tiny", "prompt": "count", "options": {"num_predict": 200, "temperature": 0}}
+    with (
+        httpx.Client(base_url=base, timeout=120) as http,
+        http.stream("POST", "/api/generate", json=body) as r,
+    ):
+        assert r.status_code == 200
+        next(r.iter_lines())  # the first token arrived: the response started
+    assert wait_for(
+        lambda: (
+            value(scrape(base), requests, route="/api/generate", status="499")
+            == value(before, requests, route="/api/generate", status="499") + 1
+        )
+    )
+    after = scrape(base)
+    assert value(after, requests, route="/api/generate", status="200") == value(
+        before, requests, route="/api/generate", status="200"
+    )
+
+
 def test_runner_restarts_are_counted(served: ServerThread) -> None:
     """Zero for every loaded model until whatever restarts a runner reports it."""
     base = served.info.base_url
