@@ -112,8 +112,18 @@ def read_adapter(path: Path) -> AdapterInfo:
     return AdapterInfo(path, kind, float(scale), rank, modules)
 
 
+# What mlx-lm's models name their token (and position) embeddings: 2-D weights as a projection's
+# are, but layers mlxd's adapters are not applied to (mlx-lm's tuner can adapt embeddings)
+EMBEDDINGS = frozenset({
+    "embed", "embed_in", "embed_tokens", "embed_tokens_per_layer", "embedding", "embeddings",
+    "position_embedding_table", "tok_embeddings", "token_embeddings", "word_embeddings", "wpe",
+    "wte",
+})  # fmt: skip
+
+
 def _base_shapes(base: Path) -> dict[str, tuple[int, int]]:
-    """(out, in) of every projection weight in the base, unpacking quantized ones."""
+    """(out, in) of every projection weight in the base, unpacking quantized ones (embeddings
+    left out)."""
     config = json.loads((base / "config.json").read_text(encoding="utf-8"))
     quant = config.get("quantization") or config.get("quantization_config") or {}
     bits = int(quant.get("bits", 0)) if isinstance(quant, dict) else 0
@@ -125,6 +135,8 @@ def _base_shapes(base: Path) -> dict[str, tuple[int, int]]:
                 continue
             out, inner = info["shape"]
             module = name.removesuffix(".weight")
+            if module.rpartition(".")[2] in EMBEDDINGS:
+                continue
             if f"{module}.scales" in header and bits:
                 inner = inner * 32 // _quant_bits(quant, name, bits)
             shapes[module] = (out, inner)
@@ -141,9 +153,12 @@ def check_fits(info: AdapterInfo, base: Path) -> None:
     for module, leaves in info.modules.items():
         found = shapes.get(module)
         if found is None:
-            raise AdapterFileError(
-                f"adapter {info.path} does not fit this base model: it has no projection {module}"
+            what = (
+                f"{module} is an embedding (adapters apply to projections)"
+                if module.rpartition(".")[2] in EMBEDDINGS
+                else f"it has no projection {module}"
             )
+            raise AdapterFileError(f"adapter {info.path} does not fit this base model: {what}")
         out, inner = found
         a, b = leaves["lora_a"], leaves["lora_b"]
         if a[0] != inner or b[1] != out:

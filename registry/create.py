@@ -154,6 +154,23 @@ def _assemble(files: Mapping[str, str], env: Mapping[str, str]) -> tuple[Path, s
     return final, "sha256:" + key, True
 
 
+def _check_draft_adapters(kept: list[Any], draft: Path) -> None:
+    """The source's `draft_adapters` must fit the draft that replaces its own (else every
+    request on the model would fail): refused with the adapter named."""
+    for item in kept:
+        ref = item["path"] if isinstance(item, dict) else item
+        path = resolve_local(str(ref))
+        try:
+            if path is None:
+                raise AdapterFileError(f"adapter '{ref}' is not available locally")
+            check_fits(read_adapter(path), draft)
+        except AdapterFileError as exc:
+            raise CreateError(
+                f"the draft adapters of the model this one is created from do not fit the new "
+                f"draft: {exc}"
+            ) from None
+
+
 def _own_template(model_dir: Path) -> str | None:
     """The chat template a model's tokenizer carries."""
     try:
@@ -226,6 +243,7 @@ def create_model(
         if not is_complete_model(draft):
             raise CreateError(f"'{spec.draft}' holds no model (a config.json and its weights)")
         fields["draft"] = str(draft.resolve())
+        _check_draft_adapters(fields.get("draft_adapters") or [], draft)
     if spec.license:
         fields["license"] = [*fields.get("license", []), *spec.license]
     fields.pop("description", None)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import mlx.core as mx
 import ollama
 import pytest
 
@@ -259,7 +260,10 @@ def test_modelfile_create_raw_and_from_the_cli_and_show_modelfile_recreates_it(
 
 
 def test_bad_input_is_refused_and_nothing_is_registered(
-    served: tuple[RunningServer, ServerThread], adapters: Adapters, tmp_path: Path
+    served: tuple[RunningServer, ServerThread],
+    adapters: Adapters,
+    tiny_pair: TinyPair,
+    tmp_path: Path,
 ) -> None:
     server, _ = served
     base = server.base_url
@@ -287,6 +291,22 @@ def test_bad_input_is_refused_and_nothing_is_registered(
     }
     corrupt = tmp_path / "adapters.safetensors"
     corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    config = json.loads((Path(tiny_pair.target) / "config.json").read_text())
+    embedding = tmp_path / "embedding"  # mlx-lm's tuner can adapt the token embedding
+    embedding.mkdir()
+    mx.save_safetensors(
+        str(embedding / "adapters.safetensors"),
+        {
+            "model.embed_tokens.lora_a": mx.zeros((config["hidden_size"], 4)),
+            "model.embed_tokens.lora_b": mx.zeros((4, config["vocab_size"])),
+        },
+    )
+    (embedding / "adapter_config.json").write_bytes(
+        (adapters.sql / "adapter_config.json").read_bytes()
+    )
+    on_embedding = {
+        f: c.create_blob(embedding / f) for f in ("adapter_config.json", "adapters.safetensors")
+    }
     cut = tmp_path / "cut" / "adapters.safetensors"  # a copy cut short: its header is whole
     cut.parent.mkdir()
     cut.write_bytes((adapters.sql / "adapters.safetensors").read_bytes()[:-100])
@@ -294,6 +314,7 @@ def test_bad_input_is_refused_and_nothing_is_registered(
         ({"from": "nope"}, 404, "model 'nope' not found"),
         ({}, 400, "neither 'from' or 'files' was specified"),
         ({"from": "coder", "adapters": other}, 400, "does not fit this base model"),
+        ({"from": "coder", "adapters": on_embedding}, 400, "is an embedding"),
         ({"from": "coder", "adapters": {"adapters.safetensors": weights}}, 400, "missing"),
         ({"from": "coder", "adapters": {"adapter_config.json": wrong}}, 404, "not found"),
         (
@@ -337,6 +358,36 @@ def test_bad_input_is_refused_and_nothing_is_registered(
     assert not user.exists() or "bad" not in load_registry_file(user)
     adapters_dir = Path(os.environ["MLXD_HOME"]) / "adapters"
     assert not adapters_dir.exists() or not any(adapters_dir.iterdir())
+
+
+def test_a_new_draft_keeps_the_draft_adapters_only_where_they_fit_it(
+    tiny_pair: TinyPair, adapters: Adapters, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`DRAFT` replacing the draft of an entry with `draft_adapters`: they stay where they fit
+    the new draft, and are refused (nothing registered) where they do not, rather than every
+    request on the model failing."""
+    home = tmp_path / "home"
+    monkeypatch.setenv("MLXD_HOME", str(home))
+    base = tmp_path / "base.yaml"
+    base.write_text(
+        f"models:\n  drafted:\n    target: {tiny_pair.target}\n    draft: {tiny_pair.draft}\n"
+        f"    draft_adapters: [{adapters.draft}]\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setenv("MLXD_REGISTRY", f"{base}{os.pathsep}{home / 'models.yaml'}")
+    with ServerThread(None) as server:  # type: ignore[arg-type]
+
+        def create(name: str, draft: Path) -> httpx.Response:
+            body = {"model": name, "modelfile": f"FROM drafted\nDRAFT {draft}\n"}
+            return httpx.post(f"{server.base_url}/api/create", json=body, timeout=60)
+
+        refused = create("other-draft", Path(tiny_pair.target))  # shaped as the target
+        assert refused.status_code == 400, refused.text
+        assert "do not fit the new draft" in refused.json()["error"]
+        assert "other-draft:latest" not in tags(server)
+        kept = create("same-shape", Path(tiny_pair.draft))
+        assert kept.status_code == 200, kept.text
+        assert answer(server, "same-shape")
 
 
 def test_hostile_input_to_create_is_a_400_and_text_comes_back_as_sent(
