@@ -137,6 +137,7 @@ class Settings:
     memory_budget: int | None = None  # bytes for loaded pairings; None: 75% of total memory
     runner_stall_s: float = 120.0  # a runner stuck this long in one step is reloaded (0: never)
     max_body: int = DEFAULT_MAX_BODY  # bytes a request body may have (413 above)
+    adapter_bytes: int | None = None  # adapters kept resident per loaded model; None: 2 GiB
 
     @classmethod
     def from_env(
@@ -144,6 +145,7 @@ class Settings:
     ) -> Settings:
         host, port = parse_host(env(environ, "HOST"))
         budget = env(environ, "MEMORY_BUDGET")
+        adapters = env(environ, "ADAPTER_BYTES")
         return cls(
             host=host,
             port=port,
@@ -158,4 +160,5 @@ class Settings:
             memory_budget=parse_bytes(budget) if budget else None,
             runner_stall_s=_seconds(environ, "MLXD_RUNNER_STALL_S", 120.0),
             max_body=_max_body(environ),
+            adapter_bytes=parse_bytes(adapters) if adapters else None,
         )

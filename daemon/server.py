@@ -103,6 +103,7 @@ def build_state(settings: Settings, backend: Backend) -> ServerState:
         prefix=prefix,
         max_queue=settings.max_queue,
         num_parallel=settings.num_parallel,
+        adapter_bytes=settings.adapter_bytes,
         memory_budget=settings.memory_budget,
         stall_limit=settings.runner_stall_s,
         probe_store=ProbeStore.default(),

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxd.engine.adapters import AdapterError, check_entry_adapters
+from mlxd.engine.adapters import DEFAULT_ADAPTER_BYTES, AdapterError, check_entry_adapters
 from mlxd.engine.backend import Backend
 from mlxd.engine.counts import EVICTION, LOAD, LOAD_FAILURE, RUNNER_RESTART, LifecycleCounts
 from mlxd.engine.distributed.group import forget_loss, lost_reason
@@ -410,14 +410,17 @@ class ModelManager:
         stall_limit: float = DEFAULT_STALL_LIMIT,
         probe_store: ProbeStore | None = None,
         lookup: Callable[[str], ModelEntry | None] | None = None,
+        adapter_bytes: int | None = None,
     ) -> None:
         """`stall_limit`: seconds a runner may hold requests without finishing a step before
-        its requests fail and its pairing is reloaded (0: never)."""
+        its requests fail and its pairing is reloaded (0: never); `adapter_bytes`: adapters a
+        loaded model keeps resident (least recently used dropped past it; None: 2 GiB)."""
         self.backend = backend  # the machine-wide choices every pairing loads with
         self.prefix = prefix  # shared by every pairing; namespaces keep them apart
         self.default_keep_alive = default_keep_alive
         self.max_loaded = max(1, max_loaded)
         self.num_parallel = max(1, num_parallel)  # rows per pairing: the KV budget, the scheduler
+        self.adapter_bytes = DEFAULT_ADAPTER_BYTES if adapter_bytes is None else adapter_bytes
         self.queue = WaitCounter(max_queue)
         self.budget: Budget = resolve_budget(memory_budget)
         self._loaded: dict[tuple[object, ...], Resident] = {}  # by `_key_for` its entry
@@ -704,7 +707,9 @@ class ModelManager:
         if spec is not None:
             runner = EmbeddingRunner(entry, self.backend, spec)
         else:
-            runner = PairingRunner(entry, self.backend, costs, self.prefix, self.num_parallel)
+            runner = PairingRunner(
+                entry, self.backend, costs, self.prefix, self.num_parallel, self.adapter_bytes
+            )
         model = Resident(
             entry, runner, need, self.default_keep_alive, key=_key_for(entry),
             files=files_stamp(entry),

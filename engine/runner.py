@@ -24,6 +24,7 @@ from collections.abc import AsyncIterator, Callable
 
 import mlx.core as mx
 
+from mlxd.engine.adapters import DEFAULT_ADAPTER_BYTES
 from mlxd.engine.backend import Backend
 from mlxd.engine.events import Done, Event, Failed, GenerationRequest
 from mlxd.engine.memory import return_freed_memory
@@ -154,12 +155,14 @@ class PairingRunner:
         costs: Costs | None = None,
         prefix: PrefixCache | None = None,
         num_parallel: int = 4,
+        adapter_bytes: int = DEFAULT_ADAPTER_BYTES,
     ) -> None:
         self.entry = entry
         self.backend = backend
         self.costs = costs
         self.prefix = prefix
         self.num_parallel = num_parallel
+        self.adapter_bytes = adapter_bytes
         self.pairing: Pairing | None = None
         self.scheduler: Scheduler | None = None
         self.loaded = concurrent.futures.Future[Pairing]()
@@ -180,7 +183,7 @@ class PairingRunner:
     def _main(self) -> None:
         t0 = time.perf_counter()
         try:
-            self.pairing = load_pairing(self.entry, self.backend, self.costs)
+            self.pairing = load_pairing(self.entry, self.backend, self.costs, self.adapter_bytes)
         except BaseException as exc:
             self.loaded.set_exception(exc)
             return

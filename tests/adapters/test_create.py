@@ -128,6 +128,35 @@ def test_removing_or_moving_entries_keeps_the_base_the_others_use(
     assert loads(thread) == 1
 
 
+def test_the_adapter_budget_drops_the_least_recently_used(
+    tiny_pair: TinyPair, adapters: Adapters, tmp_path: Path
+) -> None:
+    """`MLXD_ADAPTER_BYTES` below one adapter's size: an adapter is dropped once no request
+    uses it, the next request mounts its own, and each still answers as its adapter."""
+    registry = tmp_path / "models.yaml"
+    registry.write_text(
+        f"models:\n  coder:\n    target: {tiny_pair.target}\n"
+        f"  coder-sql:\n    target: {tiny_pair.target}\n    adapters: [{adapters.sql}]\n"
+        f"  coder-tests:\n    target: {tiny_pair.target}\n    adapters: [{adapters.tests}]\n",
+        encoding="utf-8",
+    )
+
+    def mounted(base: str) -> float:
+        for line in httpx.get(f"{base}/metrics").text.splitlines():
+            if line.startswith('mlxd_adapters_mounted{model="coder'):
+                return float(line.rsplit(" ", 1)[1])
+        return 0.0
+
+    with ServerThread(registry) as roomy:
+        answers = {m: answer(roomy, m) for m in ("coder-sql", "coder-tests", "coder")}
+        assert mounted(roomy.base_url) == 2  # both stay resident under the 2 GiB default
+    with ServerThread(registry, adapter_bytes=1) as tight:
+        for model in ("coder-sql", "coder-tests", "coder-sql"):
+            assert answer(tight, model) == answers[model]
+            assert mounted(tight.base_url) == 0
+        assert answer(tight, "coder") == answers["coder"]
+
+
 def test_ps_names_an_entry_the_base_still_serves(
     served: tuple[RunningServer, ServerThread],
 ) -> None:

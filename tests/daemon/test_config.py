@@ -118,6 +118,8 @@ def test_settings_defaults() -> None:
     assert s.keep_alive == 300.0
     assert s.max_loaded == 3
     assert s.registry is None
+    assert s.adapter_bytes is None  # the engine's 2 GiB
+    assert Settings.from_env({"MLXD_ADAPTER_BYTES": "512MB"}).adapter_bytes == 512 * 10**6
 
 
 def test_settings_bind_all_interfaces() -> None:
