@@ -80,15 +80,14 @@ class RowStream:
     def finished(self) -> bool:
         return self.reason is not None
 
-    def prefilled(self) -> None:
-        """The prompt is in the cache: prompt evaluation ends, decoding starts."""
-        self.t_first = time.perf_counter()
-
     def push(self, tokens: Iterable[int], logprobs: Sequence[TokenLogprob] = ()) -> bool:
         """Stream new tokens (with their log-probabilities, when asked for: they travel with
         the next text sent); True once the row is finished (EOS, stop string, limit, cancel)."""
         if self.t_first is None:
-            self.prefilled()
+            # prompt evaluation ends with the first token on the host, as Ollama counts it
+            # (its prompt's last batch yields that token's logits): the forwards reading the
+            # prompt were only queued when the prompt was in, and run until this read
+            self.t_first = time.perf_counter()
         tokens = list(tokens)
         kept = 0
         for i, tok in enumerate(tokens):

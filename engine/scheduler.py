@@ -376,7 +376,6 @@ class Scheduler:
                 if p.todo:
                     break
                 self.prefilling.popleft()
-                p.row.stream.prefilled()
             except Exception as exc:
                 self._drop_prefilling(p, exc)
                 continue
@@ -431,7 +430,6 @@ class Scheduler:
             return rows * width
         for p in group:
             p.fed, p.todo = p.fed + p.todo, []
-            p.row.stream.prefilled()
             joining.append(p.row)
         return rows * width
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import queue
+import time
 
 import pytest
 
 import mlxd.engine.scheduler as scheduler_module
 from mlxd.engine.backend import Backend, configure_backend
 from mlxd.engine.events import Done, Event, GenerationRequest, TextChunk
+from mlxd.engine.generation import Generation
 from mlxd.engine.options import parse_options
 from mlxd.engine.pairing import load_pairing
 from mlxd.engine.prefill import feed_rows
@@ -150,3 +152,31 @@ def test_prompts_arriving_while_a_burst_is_read_start_in_its_first_round(
     assert together == [run([p], [])[1][0] for p in prompts]
     alone, _ = run(prompts[:1], [])
     assert alone[0] == 1
+
+
+def test_prompt_evaluation_lasts_until_the_first_token_is_read(
+    tiny_pair: TinyPair, backend: Backend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt's forwards are queued, not waited for, when it is in the cache; the device
+    runs them until the first token is read. Here the first step stands for that wait (it
+    takes 0.3 s): it is the prompt's evaluation, not decoding's, as Ollama reports it."""
+    original = Generation._plain_step
+    slept: list[bool] = []
+
+    def slow_first(self: Generation, ahead: object) -> list[int]:
+        if not slept:
+            slept.append(True)
+            time.sleep(0.3)
+        return original(self, ahead)
+
+    monkeypatch.setattr(Generation, "_plain_step", slow_first)
+    pairing = load_pairing(ModelEntry("t", str(tiny_pair.target)), backend, costs=COSTS)
+    events: list[Event] = []
+    jobs: queue.Queue[Job | None] = queue.Queue()
+    request = GenerationRequest([5, 6, 7], parse_options({"temperature": 0, "num_predict": 4}))
+    jobs.put(Job(request, emit=events.append, done=lambda: None))
+    jobs.put(None)
+    Scheduler(pairing, jobs, num_parallel=4).run()
+    done = next(e for e in events if isinstance(e, Done))
+    assert done.metrics.prompt_eval_duration >= 0.3e9
+    assert done.metrics.eval_duration < 0.3e9
