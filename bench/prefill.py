@@ -16,7 +16,8 @@ One run:
 It prints, per size, medians in ms and the ratios the goals are stated in: mlxd cold over mlx-lm
 cold (goal <= 1.1), the first request over later cold ones (goal <= 1.2) and RAM-warm over cold,
 and the server's own `prompt_eval_duration` of the cold, first and warm requests (what is left of
-TTFT is HTTP, tokenizing, queueing and the first decode step).
+TTFT is HTTP, tokenizing and queueing: the server counts the prompt until its first token is
+read, the first decode step included, as Ollama does).
 Without `--model` or `--shape`, a random-weight Llama of the code-pair target's shape with a
 16k context is built (the code pair's own context is too short for 7k-token prompts).
 """
