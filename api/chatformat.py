@@ -9,10 +9,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-import jinja2
 from jinja2 import meta
 
-from mlxd.engine.prompt import is_go_template
+from mlxd.engine.prompt import JINJA, is_go_template
 
 HERMES = "hermes"  # Qwen2.5 / Qwen3 / Hermes: <tool_call>{json}</tool_call>
 QWEN_XML = "qwen_xml"  # Qwen3-Coder / Qwen3.5: <tool_call><function=f><parameter=p>...
@@ -63,8 +62,8 @@ def _variables(template: str) -> frozenset[str] | None:
     """The names a template reads from its caller, or None when jinja cannot parse it.
     Remembered per template: parsing one costs ~20 ms, and every request asks."""
     try:
-        return frozenset(meta.find_undeclared_variables(jinja2.Environment().parse(template)))
-    except Exception:  # HF templates may use extensions (e.g. {% generation %})
+        return frozenset(meta.find_undeclared_variables(JINJA.parse(template)))
+    except Exception:  # not Jinja this environment reads
         return None
 
 

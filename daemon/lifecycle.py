@@ -115,6 +115,7 @@ class Lifecycle:
         the file it points to; once the link points elsewhere, the new file is watched instead.
         """
         logging.getLogger("watchfiles").setLevel(logging.WARNING)
+        repointed = False
         while not self._stop.is_set():
             files = watched_files(paths)
             dirs = sorted({str(f.parent) for f in files if f.parent.is_dir()})
@@ -129,10 +130,14 @@ class Lifecycle:
                 debounce=200,
                 step=50,
             )
-            async for _ in changes:
-                self.reload()
-                if watched_files(paths) != files:
-                    break  # a link was repointed: its new file's folder is watched next
+            if repointed:
+                self.reload()  # what the new file became while no watcher had its folder
+            async with contextlib.aclosing(changes):
+                async for _ in changes:
+                    self.reload()
+                    repointed = watched_files(paths) != files
+                    if repointed:
+                        break  # a link was repointed: its new file's folder is watched next
 
 
 def watched_files(paths: Sequence[Path]) -> frozenset[Path]:

@@ -269,18 +269,21 @@ class AdapterSet:
 
     def _trim(self) -> None:
         """Drop unused adapters, least recently used first, until the rest fit the budget."""
+        dropped = False
         for revision, mount in list(self._mounts.items()):
             if self.nbytes <= self.max_bytes:
-                return
+                break
             if mount.users:
                 continue
             for module in mount.modules:
                 wrap(self.model, module, self.selection).put(mount.slot, None)
             del self._mounts[revision]
-            mx.clear_cache()
-            return_freed_memory()
+            dropped = True
             self._counted()
             log.info("dropped adapter %s (least recently used)", revision[:12])
+        if dropped:
+            mx.clear_cache()
+            return_freed_memory()
 
 
 def check_entry_adapters(

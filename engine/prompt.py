@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 import weakref
@@ -163,25 +164,35 @@ class _GenerationTag(Extension):
         return nodes.Scope(body, lineno=lineno)
 
 
-_JINJA = ImmutableSandboxedEnvironment(
+JINJA = ImmutableSandboxedEnvironment(
     trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, "jinja2.ext.loopcontrols"]
 )  # as transformers renders chat templates
 
 
 def check_template(template: str | None) -> None:
     """Refuse (PromptError) a template no request on the model could render: a Go template
-    past mlxd's subset (`check_go_template`), or Jinja that does not parse, with its line."""
+    past mlxd's subset (`check_go_template`), or Jinja that does not compile, with its line."""
     if not template:
         return
     if is_go_template(template):
         check_go_template(template)
         return
+    error = _jinja_error(template)
+    if error is not None:
+        raise PromptError(error)
+
+
+@functools.lru_cache(maxsize=64)
+def _jinja_error(template: str) -> str | None:
+    """Why `template` does not compile (None: it does). Remembered per template: a registry
+    reload checks every entry's, some 20 ms each."""
     try:
-        _JINJA.parse(template)
-    except TemplateSyntaxError as exc:
-        raise PromptError(
-            f"template: Jinja syntax error on line {exc.lineno}: {exc.message}"
-        ) from None
+        JINJA.from_string(template)  # compiling also finds unknown filters and tests
+    except TemplateSyntaxError as exc:  # (TemplateAssertionError among them)
+        return f"template: Jinja syntax error on line {exc.lineno}: {exc.message}"
+    except SyntaxError as exc:  # what compiles to bad Python (a `break` outside a loop)
+        return f"template: Jinja syntax error: {exc.msg}"
+    return None
 
 
 def go_template(template: str | None) -> str | None:

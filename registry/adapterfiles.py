@@ -115,9 +115,9 @@ def read_adapter(path: Path) -> AdapterInfo:
 # What mlx-lm's models name their token (and position) embeddings: 2-D weights as a projection's
 # are, but layers mlxd's adapters are not applied to (mlx-lm's tuner can adapt embeddings)
 EMBEDDINGS = frozenset({
-    "embed", "embed_in", "embed_tokens", "embed_tokens_per_layer", "embedding", "embeddings",
-    "position_embedding_table", "tok_embeddings", "token_embeddings", "word_embeddings", "wpe",
-    "wte",
+    "embed", "embed_in", "embed_positions", "embed_tokens", "embed_tokens_per_layer",
+    "embedding", "embeddings", "position_embedding_table", "position_embeddings",
+    "tok_embeddings", "token_embeddings", "word_embeddings", "wpe", "wte",
 })  # fmt: skip
 
 

@@ -325,9 +325,9 @@ def test_bad_input_is_refused_and_nothing_is_registered(
     embedding.mkdir()
     mx.save_safetensors(
         str(embedding / "adapters.safetensors"),
-        {
-            "model.embed_tokens.lora_a": mx.zeros((config["hidden_size"], 4)),
-            "model.embed_tokens.lora_b": mx.zeros((4, config["vocab_size"])),
+        {  # as its LoRAEmbedding saves them: A (vocabulary, r), B (r, hidden)
+            "model.embed_tokens.lora_a": mx.zeros((config["vocab_size"], 4)),
+            "model.embed_tokens.lora_b": mx.zeros((4, config["hidden_size"])),
         },
     )
     (embedding / "adapter_config.json").write_bytes(

@@ -143,6 +143,13 @@ def test_a_jinja_template_that_does_not_parse_is_refused_at_create(served: str) 
     assert r.status_code == 400 and "Jinja syntax error on line 2" in r.json()["error"]
     registry = Path(os.environ["MLXD_HOME"]) / "models.yaml"
     assert not registry.exists() or "broken:latest" not in load_registry_file(registry)
+    for unknown in ("{{ messages | nosuchfilter }}", "{% set x = 1 %}{% break %}"):
+        r = httpx.post(
+            served + "/api/create",
+            json={"model": "broken", "from": "tiny", "stream": False, "template": unknown},
+            timeout=60,
+        )  # found only when the template compiles, not when it parses
+        assert r.status_code == 400 and "Jinja syntax error" in r.json()["error"], r.text
     tagged = (
         "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}"
         "{{ m.content }}{% endgeneration %}{% else %}{{ m.content }}{% endif %}{% endfor %}"
