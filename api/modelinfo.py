@@ -67,7 +67,9 @@ def find_local(entry: ModelEntry) -> LocalModel | None:
             draft_dir=draft,
             details=ModelDetails(),
             size=0,
-            digest="",
+            # still a sha256 (`ollama ls` cuts every digest to 12 characters, and panics
+            # on a shorter one): the entry's name and files, which nothing could read
+            digest=hashlib.sha256(f"unreadable:{entry.name}:{target}".encode()).hexdigest(),
             modified_at=_mtime([target] + ([draft] if draft else [])),
             problem=str(exc) or type(exc).__name__,
         )

@@ -279,11 +279,11 @@ async def generate(request: Request) -> Response:
             _check_ids(context, pairing)
         fmt = model_format(entry.template, pairing.tokenizer)
         think = resolve_think(body.think, fmt, entry.name)
+        if suffix and not inserts(pairing.fim, entry.template):  # `raw` too, as Ollama checks
+            raise ApiError(400, f"{entry.name} does not support insert")
         if raw:
             text = prompt
         else:
-            if suffix and not inserts(pairing.fim, entry.template):
-                raise ApiError(400, f"{entry.name} does not support insert")
             system = body.system or entry.system
             text = render_generate(
                 pairing.tokenizer, prompt, system, body.template, suffix, pairing.fim,

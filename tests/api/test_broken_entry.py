@@ -59,6 +59,8 @@ def test_tags_lists_every_model_and_marks_the_broken_ones(base_url: str) -> None
     assert models["tiny"]["details"]["family"]
     for name in BROKEN:
         assert models[name]["unavailable"], name
+    digests = [m["digest"] for m in models.values()]  # `ollama ls` cuts each to 12 characters
+    assert all(len(d) == 64 for d in digests) and len(set(digests)) == len(digests)
 
 
 def test_openai_models_still_answers(base_url: str) -> None:

@@ -103,9 +103,12 @@ def test_a_model_template_naming_the_suffix_takes_one(served: httpx.Client) -> N
         "/api/generate", json={"model": "infill", "prompt": "AAA", "_debug_render_only": True}
     )
     assert r.json()["_debug_info"]["rendered_template"] == "<P>AAA<S><M>"
-    refused = served.post("/api/generate", json={"model": "plain", "prompt": "a", "suffix": "b"})
-    assert refused.status_code == 400
-    assert "does not support insert" in refused.json()["error"]
+    for raw in (False, True):  # raw too (an editor's completion request), as Ollama checks
+        refused = served.post(
+            "/api/generate", json={"model": "plain", "prompt": "a", "suffix": "b", "raw": raw}
+        )
+        assert refused.status_code == 400
+        assert "does not support insert" in refused.json()["error"]
 
 
 def test_the_model_template_comes_before_its_fim_tokens(served: httpx.Client) -> None:
