@@ -97,12 +97,16 @@ async def _load_only(state: ServerState, entry: ModelEntry, keep: float | None) 
 # -- Ollama ---------------------------------------------------------------------------------------
 
 
+# Ollama's embedding routes word a missing model as Go's %q quotes it, and advise a pull
+EMBED_NOT_FOUND = 'model "{}" not found, try pulling it first'
+
+
 async def embed(request: Request) -> Response:
     started = time.perf_counter()
     state = state_of(request)
     body = await read_request(request, EmbedRequest, state.max_body)
     name = body.model or ""
-    entry = lookup(state, name)
+    entry = lookup(state, name, missing=EMBED_NOT_FOUND)
     texts = _texts(body.input)
     opts = request_options(entry, body.options)  # OptionsError: 400
     keep = parse_keep_alive(body.keep_alive)
@@ -134,7 +138,7 @@ async def embeddings(request: Request) -> Response:
     state = state_of(request)
     body = await read_request(request, EmbeddingsRequest, state.max_body)
     name = body.model or ""
-    entry = lookup(state, name)
+    entry = lookup(state, name, missing=EMBED_NOT_FOUND)
     opts = request_options(entry, body.options)
     keep = parse_keep_alive(body.keep_alive)
     if not body.prompt:

@@ -30,7 +30,7 @@ from mlxd.api.logprobs import asked, ollama_json, with_logprobs
 from mlxd.api.modelinfo import find_local, show_json, tag_json
 from mlxd.api.pump import collect, pump
 from mlxd.api.reply import Parser, Part, Plain, Reply, reply_parser, with_held
-from mlxd.api.state import ServerState, lookup, state_of
+from mlxd.api.state import NOT_FOUND, ServerState, lookup, state_of
 from mlxd.api.structured import request_grammar
 from mlxd.api.thinking import THINKING
 from mlxd.api.toolgrammar import after_thinking
@@ -248,7 +248,8 @@ async def generate(request: Request) -> Response:
     name = body.model or ""
     if not name:
         raise ApiError(404, "model '' not found")
-    entry = lookup(state, name)
+    # a name that cannot be one is not found, as Ollama's generate answers it
+    entry = lookup(state, name, invalid=ApiError(404, NOT_FOUND.format(name)))
     prompt, suffix, context = body.prompt or "", body.suffix or "", body.context
     raw = bool(body.raw)
     if raw and (body.template or body.system or context):
@@ -372,7 +373,8 @@ async def chat(request: Request) -> Response:
     state = state_of(request)
     body = await read_request(request, ChatRequest, state.max_body)
     name = body.model or ""
-    entry = lookup(state, name)
+    # a name that cannot be one is no model, as Ollama's chat answers it
+    entry = lookup(state, name, invalid=ApiError(400, "model is required"))
     messages = native_messages(body.messages or [], entry.name)
     grammar = await request_grammar(body.format, body.options)
     opts = with_logprobs(

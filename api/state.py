@@ -48,16 +48,27 @@ def state_of(request: Request) -> ServerState:
     return state
 
 
-def lookup(state: ServerState, name: str, normalized: bool = False) -> ModelEntry:
+NOT_FOUND = "model '{}' not found"
+
+
+def lookup(
+    state: ServerState,
+    name: str,
+    normalized: bool = False,
+    *,
+    missing: str = NOT_FOUND,
+    invalid: ApiError | None = None,
+) -> ModelEntry:
     """The registry entry for `name` (400 when there is none); the 404 names the model as
-    sent (show: normalized)."""
+    sent (show: normalized) in its route's words (`missing`), and `invalid` is what a name
+    that cannot be one answers there (as Ollama's routes differ: 400 "invalid model name")."""
     if not name:
         raise ApiError(400, "model is required")
     try:
         entry = state.registry().get(name)
         shown = parse_name(name).display if normalized else name
     except InvalidModelName as exc:
-        raise ApiError(400, "invalid model name") from exc
+        raise (invalid or ApiError(400, "invalid model name")) from exc
     if entry is None:
-        raise ApiError(404, f"model '{shown}' not found")
+        raise ApiError(404, missing.format(shown))
     return entry

@@ -174,10 +174,29 @@ def test_chat_wrong_field_types_are_400(
     assert named in message
 
 
-@pytest.mark.parametrize("path", ["/api/generate", "/api/chat", "/api/show"])
-def test_invalid_model_name_is_400(http: httpx.Client, path: str) -> None:
+@pytest.mark.parametrize(
+    ("path", "status", "message"),
+    [
+        ("/api/generate", 404, "model 'bad name!' not found"),
+        ("/api/chat", 400, "model is required"),
+        ("/api/show", 400, "invalid model name"),
+    ],
+)
+def test_an_invalid_model_name_is_answered_as_each_route_of_ollama_answers_it(
+    http: httpx.Client, path: str, status: int, message: str
+) -> None:
     body = {"model": "bad name!", "prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}
-    assert error_of(http.post(path, json=body), 400) == "invalid model name"
+    assert error_of(http.post(path, json=body), status) == message
+
+
+@pytest.mark.parametrize("path", ["/api/embed", "/api/embeddings"])
+def test_embedding_routes_word_an_unknown_model_as_ollama_does(
+    http: httpx.Client, path: str
+) -> None:
+    body = {"model": "nope", "input": "hi", "prompt": "hi"}
+    assert (
+        error_of(http.post(path, json=body), 404) == 'model "nope" not found, try pulling it first'
+    )
 
 
 @pytest.mark.parametrize("body", [{"prompt": "hi"}, {"model": "", "prompt": "hi"}])
