@@ -21,14 +21,15 @@ class OptionsError(ValueError):
 
 @dataclass(frozen=True)
 class Bound:
-    """The accepted range of one numeric option; `clamp_below` replaces values under `low`
-    (Ollama's meaning of such values) instead of refusing them."""
+    """The accepted range of one numeric option; `clamp_below` (`clamp_above`) replaces values
+    under `low` (over `high`) with Ollama's meaning of such values instead of refusing them."""
 
     kind: type  # int or float
     low: float
     high: float
     low_open: bool = False  # low itself is excluded
     clamp_below: float | None = None
+    clamp_above: float | None = None
     says: str = ""  # the range in words, for the error message
     # positive values under this are raised to it: the sampler computes in float32, where a
     # temperature of 1e-40 (or a top-p, a penalty of 1e-300) is 0 or overflows the logits it
@@ -39,6 +40,8 @@ class Bound:
         number = _as_number(key, value, self.kind)
         if self.clamp_below is not None and number < self.low:
             return self.kind(self.clamp_below)
+        if self.clamp_above is not None and number > self.high:
+            return self.kind(self.clamp_above)
         too_low = number <= self.low if self.low_open else number < self.low
         if too_low or number > self.high:
             raise OptionsError(f'option "{key}" must be {self.says}')
@@ -50,8 +53,10 @@ BOUNDS: dict[str, Bound] = {
         float, 0.0, 100.0, clamp_below=0.0, says="between 0 and 100", floor=FLOAT_FLOOR
     ),
     "top_k": Bound(int, 0, INT32_MAX, clamp_below=0, says="a 32-bit integer"),
+    # Ollama's samplers take any top-p: 0 or less keeps the most likely token, 1 or more all
+    # (a UI's slider at 0 is a request, not an error)
     "top_p": Bound(
-        float, 0.0, 1.0, low_open=True, says="greater than 0 and at most 1", floor=FLOAT_FLOOR
+        float, FLOAT_FLOOR, 1.0, clamp_below=FLOAT_FLOOR, clamp_above=1.0, says="a number"
     ),
     "min_p": Bound(float, 0.0, 1.0, says="between 0 and 1"),
     "seed": Bound(int, INT64_MIN, INT64_MAX, says="a 64-bit signed integer"),

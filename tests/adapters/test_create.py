@@ -447,7 +447,7 @@ def test_hostile_input_to_create_is_a_400_and_text_comes_back_as_sent(
         {"modelfile": "FROM coder\nDRAFT /" + "a" * 5000},
         {"modelfile": "FROM coder\nADAPTER x", "path": "~nosuchuser/Modelfile"},
         {"from": "~nosuchuser/x"},
-        {"parameters": {"top_p": 7}},
+        {"parameters": {"min_p": 7}},
         {"parameters": {"seed": 2**70}},
         {"modelfile": "FROM coder\nPARAMETER temperature nan"},
     ]

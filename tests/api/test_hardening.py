@@ -171,9 +171,6 @@ OPTION_BOUNDS: list[tuple[str, Any]] = [
     ("min_p", -0.1),
     ("repeat_penalty", 0),
     ("repeat_penalty", -1),
-    ("top_p", 0),
-    ("top_p", -0.5),
-    ("top_p", 1.5),
     ("temperature", 1000),
     ("num_predict", 2**40),
     ("num_predict", -3),
@@ -197,7 +194,7 @@ def test_options_out_of_range_are_400(http: httpx.Client, option: str, value: An
 
 
 @pytest.mark.parametrize(
-    ("key", "value"), [("top_p", 1.5), ("top_p", -1), ("temperature", 1e9), ("max_tokens", -5)]
+    ("key", "value"), [("temperature", 1e9), ("temperature", 101), ("max_tokens", -5)]
 )
 def test_openai_fields_out_of_range_are_400(http: httpx.Client, key: str, value: Any) -> None:
     path = "/v1/chat/completions"

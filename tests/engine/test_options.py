@@ -30,9 +30,6 @@ def test_every_option_has_a_parser() -> None:
         ("temperature", math.nan),
         ("temperature", math.inf),
         ("temperature", 101),
-        ("top_p", 0),
-        ("top_p", 1.01),
-        ("top_p", -1),
         ("top_p", math.nan),
         ("min_p", 5),
         ("min_p", -0.5),
@@ -81,6 +78,9 @@ def test_out_of_range_is_an_options_error_naming_the_option(key: str, value: Any
         ("num_predict", 3.7, 3),  # Ollama truncates a float given for an integer
         ("num_predict", -2, -2),
         ("top_p", 1, 1.0),
+        ("top_p", 1.5, 1.0),  # Ollama's samplers: all tokens
+        ("top_p", 0, FLOAT_FLOOR),  # the most likely token alone
+        ("top_p", -1, FLOAT_FLOOR),
         ("draft_num_predict", MAX_DRAFT_TOKENS, MAX_DRAFT_TOKENS),
         ("stop", "x", ("x",)),
     ],

@@ -290,11 +290,11 @@ BAD_CASES = [
         "expected an integer, got 1.5",
     ),
     (  # a value every request would be refused for is refused where it is written
-        "models:\n  coder:\n    target: x/y\n    options:\n      top_p: 7\n",
+        "models:\n  coder:\n    target: x/y\n    options:\n      min_p: 7\n",
         5,
         "coder",
-        "options.top_p",
-        "must be greater than 0 and at most 1",
+        "options.min_p",
+        "must be between 0 and 1",
     ),
     (
         "models:\n  coder:\n    target: x/y\n    options:\n      num_predict: -7\n",
