@@ -142,6 +142,8 @@ def check_go_template(template: str) -> None:
     """Refuse a Go template mlxd cannot render (PromptError), naming its first action past the
     subset (`range .Messages`, `.Tools`, functions) or its unbalanced blocks."""
     for kind, body in _go_parts(template):
+        if kind == "text" and "{{" in body:  # every closed action is a part of its own
+            raise PromptError("template: unclosed action (a '{{' without its '}}')")
         if kind == "action" and not _SUBSET.fullmatch(body):
             raise PromptError(
                 "template: mlxd renders Ollama templates of {{ .System }}, {{ .Prompt }}, "

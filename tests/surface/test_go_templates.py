@@ -64,6 +64,7 @@ def test_generate_ends_where_the_response_goes() -> None:
         "{{ if .Tools }}tools{{ end }}{{ .Prompt }}",
         "{{ .Prompt | trim }}",
         "{{ if .Prompt }}{{ .Prompt }}",
+        "{{ .System }} {{ .Prompt",  # unclosed, as Go's parser refuses it
     ],
 )
 def test_templates_past_the_subset_are_refused(template: str) -> None:
