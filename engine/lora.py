@@ -288,6 +288,27 @@ class _Route:
     part: lora_cuda.Part
     idx: mx.array
     together: list[tuple[RowLoRA, lora_cuda.Part]] | None  # with its group's, if in one
+    # a lone row's call, bound (`lora_cuda.bound`), and the group members whose outputs it
+    # also gives; None where the call depends on more than its parts (several rows' matmuls)
+    call: Callable[[mx.array], list[mx.array]] | None = None
+    siblings: tuple[int, ...] = ()
+
+
+def _route_of(
+    slots: tuple[int, ...],
+    x: mx.array,
+    part: lora_cuda.Part,
+    idx: mx.array,
+    together: list[tuple[RowLoRA, lora_cuda.Part]] | None,
+) -> _Route:
+    """The route kept for x's like: a lone row's (fewer rows than take a matmul, so `project`
+    whatever the group) bound once."""
+    route = _Route(slots, x.shape, x.dtype, part, idx, together)
+    if x.shape[0] * x.shape[1] >= lora_cuda.MATMUL_ROWS:
+        return route
+    parts = [p for _, p in together] if together is not None else [part]
+    siblings = tuple(id(m) for m, _ in together[1:]) if together is not None else ()
+    return replace(route, call=lora_cuda.bound(idx, parts), siblings=siblings)
 
 
 def _base_weight(base: nn.Module) -> mx.array:
@@ -494,6 +515,14 @@ class RowLoRA(nn.Module):
             and known.shape == x.shape
             and known.dtype == x.dtype
         ):
+            if known.call is not None:
+                ys = known.call(x)
+                if known.siblings:
+                    assert group is not None
+                    if group.x is not x:
+                        group.x, group.y = x, {}
+                    group.y.update(zip(known.siblings, ys[1:], strict=True))
+                return ys[0]
             if known.together is None:
                 return lora_cuda.project(x, known.idx, [known.part])[0]
             assert group is not None
@@ -504,7 +533,7 @@ class RowLoRA(nn.Module):
             part, idx = route
             together = None if group is None else group.members_with(self, x, part, idx)
             if idx is not None and self.selection.slots is not None:  # adapted: kept
-                held.route = _Route(self.selection.slots, x.shape, x.dtype, part, idx, together)
+                held.route = _route_of(self.selection.slots, x, part, idx, together)
             if together is None:
                 return lora_cuda.project(x, idx, [part])[0]
             assert group is not None

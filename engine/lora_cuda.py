@@ -40,7 +40,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -49,8 +49,8 @@ import mlx.core as mx
 from mlxd.engine import mma_cuda
 
 __all__ = [
-    "MAX_ROWS", "Part", "add_terms", "batches_take_kernels", "fits", "pays", "project", "queued",
-    "serves", "takes_terms", "warm",
+    "MAX_ROWS", "Part", "add_terms", "batches_take_kernels", "bound", "fits", "pays", "project",
+    "queued", "serves", "takes_terms", "warm",
 ]  # fmt: skip
 
 MAX_ROWS = 8  # rows of x (batch rows x tokens) the kernels take; more take the MLX ops
@@ -630,6 +630,16 @@ def pays(rows: int, nbytes: int) -> bool:
     if rows <= 1 or not getattr(_thread, "queued", False):
         return False
     return mma_on() or nbytes <= FUSE_BYTES
+
+
+def bound(idx: mx.array | None, parts: Sequence[Part]) -> Callable[[mx.array], list[mx.array]]:
+    """`project` with its slots and parts fixed: x -> the outputs, nothing rebuilt per call
+    (a decoding row's steps call it with the same ones every step)."""
+    term, bias = parts[0].at is not None, parts[0].bias is not None
+    flat = [a for p in parts for a in (p.weight, p.at, p.bt, p.bias) if a is not None]
+    call = _compiled[bias, term]
+    rest = (*([idx] if term else []), *flat)
+    return lambda x: call(x, *rest)
 
 
 def project(x: mx.array, idx: mx.array | None, parts: Sequence[Part]) -> list[mx.array]:

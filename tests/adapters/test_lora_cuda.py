@@ -5,7 +5,7 @@ output each takes, with the kernels' arithmetic done by MLX ops."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -179,14 +179,21 @@ def test_a_decoding_rows_steps_keep_their_routes_until_an_adapter_changes(
 
 
 def counted_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, bool]]:
-    """`lora_cuda.project` by MLX ops, each call noted as (projections, with terms)."""
+    """`lora_cuda.project` by MLX ops, each call noted as (projections, with terms); a call
+    bound once for a decoding row's steps (`lora_cuda.bound`) is noted at each step."""
     calls: list[tuple[int, bool]] = []
 
     def counted(x: mx.array, idx: mx.array | None, parts: list[lora_cuda.Part]) -> list[mx.array]:
         calls.append((len(parts), idx is not None))
         return project_by_ops(x, idx, parts)
 
+    def bound(
+        idx: mx.array | None, parts: list[lora_cuda.Part]
+    ) -> Callable[[mx.array], list[mx.array]]:
+        return lambda x: counted(x, idx, parts)
+
     monkeypatch.setattr(lora_cuda, "project", counted)
+    monkeypatch.setattr(lora_cuda, "bound", bound)
     return calls
 
 
