@@ -114,6 +114,36 @@ def block_keys(tokens: Sequence[int], ns: Namespace, block: int) -> list[str]:
 # -- one block: every layer's slice of K/V -----------------------------------------------------
 
 
+class Held:
+    """The memory a run's views keep alive: a copy of the run's range, or a finished row's
+    cache buffers whole (their padding and the tokens past the range included), shared by
+    every run viewing them (a row's prompt and its whole sequence). The RAM tier counts it
+    once, while any block viewing it is in RAM, not the views' own bytes."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+        self.blocks = 0  # blocks in RAM viewing it
+        self.runs: list[Run] = []  # the runs viewing it
+        self.total = 0  # their blocks
+
+
+HELD_MARK = "_mlxd_held"  # on a finished row's first cache layer: (its buffers, their Held)
+
+
+def _held_by(caches: Sequence[Any], buffers: list[mx.array]) -> Held:
+    """The Held of a finished row's cache `buffers`, one for every run offered from them."""
+    mark = getattr(caches[0], HELD_MARK, None)
+    if (
+        mark is not None
+        and len(mark[0]) == len(buffers)
+        and all(a is b for a, b in zip(mark[0], buffers, strict=True))
+    ):
+        return mark[1]
+    held = Held(sum(a.nbytes for a in buffers))
+    setattr(caches[0], HELD_MARK, (buffers, held))
+    return held
+
+
 class Run:
     """The K/V of consecutive blocks, offered together: its blocks are views of it. Each
     array is laid out as the caches' own, (..., tokens, dim), so a restore of the run's
@@ -124,11 +154,17 @@ class Run:
     in RAM; once half of them are gone the survivors take their own copies
     (`RamTier._left_run`), so a few hot blocks never hold a large run alive."""
 
-    def __init__(self, arrays: list[list[mx.array]], blocks: int, block: int) -> None:
+    def __init__(
+        self, arrays: list[list[mx.array]], blocks: int, block: int, held: Held | None = None
+    ) -> None:
         self.arrays = arrays
         self.blocks = blocks
         self.block = block  # tokens per block
         self.keys: set[str] = set()
+        # what its views keep alive: by default its own arrays (a copy of the range)
+        self.held = held or Held(sum(a.nbytes for layer in arrays for a in layer))
+        self.held.runs.append(self)
+        self.held.total += blocks
 
     def span(self, layer: int, i: int, first: int, last: int) -> mx.array:
         """Blocks first..last of array i of a layer."""
@@ -196,17 +232,20 @@ def slice_run(
         raise ValueError("a run covers whole blocks")
     kinds: list[str] = []
     arrays: list[list[mx.array]] = []
+    buffers: list[mx.array] = []
+    viewed = finished and count > 1
     for c in caches:
         found = _layer_parts(c)
         if found is None:
             return None
         kinds.append(found[0])
         ranges = [p[..., start:end, :] for p in found[1]]
-        arrays.append(ranges if finished and count > 1 else [_copy(r) for r in ranges])
+        arrays.append(ranges if viewed else [_copy(r) for r in ranges])
+        buffers += found[1]
     if count == 1:
         mx.eval(arrays)
         return [Block(kinds, arrays)]
-    run = Run(arrays, count, block)
+    run = Run(arrays, count, block, _held_by(caches, buffers) if viewed else None)
     views = [[[run.span(n, i, b, b) for i in range(len(layer))] for n, layer in enumerate(arrays)]
              for b in range(count)]  # fmt: skip
     mx.eval(arrays, views)  # once: an evaluation per block syncs per block (GPU: ~1 ms each)
@@ -389,7 +428,8 @@ class Found(list[tuple[str, Block]]):
 
 
 class RamTier:
-    """LRU by bytes."""
+    """LRU by bytes: the bytes its blocks keep alive (a run's `Held` once, however many of
+    its blocks are in), so the budget bounds the memory, not the views' sizes."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
@@ -410,13 +450,13 @@ class RamTier:
         if block.nbytes > self.budget:
             return [(key, block)]
         self.entries[key] = block
-        self.nbytes += block.nbytes
+        self._enter(block)
         if block.run is not None:
             block.run.keys.add(key)
         evicted = []
-        while self.nbytes > self.budget:
+        while self.nbytes > self.budget and self.entries:
             old_key, old = self.entries.popitem(last=False)
-            self.nbytes -= old.nbytes
+            self._leave(old)
             self._left_run(old_key, old)
             evicted.append((old_key, old))
         return evicted
@@ -424,21 +464,44 @@ class RamTier:
     def drop(self, key: str) -> None:
         block = self.entries.pop(key, None)
         if block is not None:
-            self.nbytes -= block.nbytes
+            self._leave(block)
             self._left_run(key, block)
 
+    def _enter(self, block: Block) -> None:
+        held = block.run.held if block.run is not None else None
+        if held is None:
+            self.nbytes += block.nbytes
+        else:
+            held.blocks += 1
+            self.nbytes += held.nbytes if held.blocks == 1 else 0
+
+    def _leave(self, block: Block) -> None:
+        held = block.run.held if block.run is not None else None
+        if held is None:
+            self.nbytes -= block.nbytes
+        else:
+            held.blocks -= 1
+            self.nbytes -= held.nbytes if held.blocks == 0 else 0
+
     def _left_run(self, key: str, block: Block) -> None:
-        """A block of a run left RAM: once at most half the run is left, the survivors take
-        copies of their own and the run's memory goes with its last view."""
+        """A block of a run left RAM: once at most half the blocks viewing its memory are
+        left (its run's and those of runs sharing its buffers), the survivors take copies of
+        their own and that memory goes with its last view."""
         run = block.run
         if run is None:
             return
         run.keys.discard(key)
-        if run.keys and 2 * len(run.keys) <= run.blocks:
-            for k in run.keys:
+        held = run.held
+        if not held.blocks or 2 * held.blocks > held.total:
+            return
+        for survivor in held.runs:
+            for k in survivor.keys:
                 if k in self.entries:
+                    self._leave(self.entries[k])
                     self.entries[k] = self.entries[k].detached()
-            run.keys.clear()
+                    self._enter(self.entries[k])
+            survivor.keys.clear()
+        held.runs.clear()
 
 
 READERS = min(8, os.cpu_count() or 1)  # parallel block reads: files and checksums run GIL-free

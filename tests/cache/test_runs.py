@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 from pathlib import Path
 from typing import Any
@@ -141,3 +142,35 @@ def test_blocks_are_written_through_only_where_the_ssd_beats_recomputing(
         assert len(ssd.cache) == 8
     finally:
         cache.close()
+
+
+def test_the_ram_tier_counts_what_finished_rows_blocks_keep_alive() -> None:
+    """A finished row's blocks view its cache buffers whole (their padding, the tokens past
+    the offered range): the tier counts those buffers, once for every run viewing them, so
+    its budget bounds the memory it holds, blocks partly evicted included. Counting the
+    views' bytes alone, the memory held reached 1.3x the budget when full and 2.5x once
+    half of each run was dropped."""
+    gc.collect()
+    mx.synchronize()
+    base = mx.get_active_memory()
+    probe = filled(20 * BLOCK + 16, seed=9)  # a buffer past the range: a step of padding
+    budget = 6 * sum(p.nbytes for c in probe for p in (c.keys, c.values))
+    del probe
+    ram = RamTier(budget)
+    for r in range(12):  # each row offers its prompt's blocks, then its whole sequence's
+        caches = filled(20 * BLOCK + 16, seed=10 + r)
+        prompt = slice_run(caches, 0, 15 * BLOCK, BLOCK, finished=True)
+        rest = slice_run(caches, 15 * BLOCK, 20 * BLOCK, BLOCK, finished=True)
+        assert prompt is not None and rest is not None
+        for i, b in enumerate(prompt + rest):
+            ram.put(f"r{r}:{i}", b)
+        del caches, prompt, rest
+    for share in (3, 2):  # a third of every row's blocks, then half of the rest
+        for key in [k for k in ram.entries if int(k.split(":")[1]) % share == 0]:
+            ram.drop(key)
+        gc.collect()
+        mx.synchronize()
+        held = mx.get_active_memory() - base
+        assert ram.nbytes <= budget
+        assert held <= 1.05 * budget, (held / budget, ram.nbytes / budget)
+        assert held >= 0.9 * ram.nbytes, (held / budget, ram.nbytes / budget)
