@@ -225,15 +225,20 @@ def slice_run(
 ) -> list[Block] | None:
     """The blocks of `block` tokens covering [start, end), as views of one `Run` of each
     layer's range: a copy of it, or, for the caches of a `finished` row (never written
-    again), the range itself. One block alone is a copy of its own. None for caches it
-    cannot slice."""
+    again), the range itself where it fills at least half of their buffers. One block alone
+    is a copy of its own. None for caches it cannot slice."""
     count = max(1, (end - start) // block)
     if count > 1 and count * block != end - start:
         raise ValueError("a run covers whole blocks")
     kinds: list[str] = []
     arrays: list[list[mx.array]] = []
     buffers: list[mx.array] = []
-    viewed = finished and count > 1
+    first = _layer_parts(caches[0]) if caches else None
+    # a view keeps the whole buffer: where the range is under half of it (a short row in a
+    # GPU's 1,024-token bucket), a copy holds less
+    viewed = (
+        finished and count > 1 and first is not None and 2 * (end - start) >= first[1][0].shape[-2]
+    )
     for c in caches:
         found = _layer_parts(c)
         if found is None:

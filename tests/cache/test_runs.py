@@ -174,3 +174,14 @@ def test_the_ram_tier_counts_what_finished_rows_blocks_keep_alive() -> None:
         assert ram.nbytes <= budget
         assert held <= 1.05 * budget, (held / budget, ram.nbytes / budget)
         assert held >= 0.9 * ram.nbytes, (held / budget, ram.nbytes / budget)
+
+
+def test_a_finished_rows_short_range_in_a_long_buffer_is_copied() -> None:
+    """A view keeps the whole buffer alive: two blocks of a 400-token buffer (512 allocated)
+    are copied rather than viewed; four of them (half the buffer) are viewed."""
+    caches = filled(400, seed=21)
+    for blocks, shared in ((2, False), (4, True)):
+        run = slice_run(caches, 0, blocks * BLOCK, BLOCK, finished=True)
+        assert run is not None
+        view = np.asarray(run[0].arrays[0][0])
+        assert np.shares_memory(view, np.asarray(caches[0].keys)) == shared
