@@ -77,7 +77,8 @@ class Plan:
     _per_token: dict[int, mx.array] = field(default_factory=dict, compare=False, repr=False)
 
     def token_slots(self, length: int) -> mx.array:
-        """Each token's place in the stacks (from 1; 0: none) in a forward of `length` tokens per row."""
+        """Each token's place in the stacks (from 1; 0: none) in a forward of `length`
+        tokens per row."""
         if length == 1:
             return self.idx
         if length not in self._per_token:
@@ -261,7 +262,7 @@ class _Stacks:
     held: frozenset[int]  # the slots holding an adapter
     direct: bool  # rows all on one adapter multiply by its matrices (CPU), not gathered (GPU)
     fused: lora_cuda.Part | None = None  # decoding takes `lora_cuda`'s kernels: the stacks
-    # held as A^T (adapters, r, in) and B^T (adapters, out, r), a and b being their transposed views
+    # held as A^T (adapters, r, in) and B^T (adapters, out, r), a and b their transposed views
 
 
 @dataclass
@@ -441,7 +442,8 @@ class RowLoRA(nn.Module):
         d_in, d_out = first.a.shape[0], first.b.shape[1]
         dora = any(w.ratio is not None for w in held.values())
         fused = not dora and _decodes_fused(self.base)
-        # fused: held as A^T (adapters, r, in) and B^T (adapters, out, r), whose rows the kernels read
+        # fused: held as A^T (adapters, r, in) and B^T (adapters, out, r), whose rows the
+        # kernels read
         at = mx.zeros((size, rank, d_in), dtype=first.a.dtype)
         bt = mx.zeros((size, d_out, rank), dtype=first.b.dtype)
         ratio = mx.ones((size, d_out), dtype=at.dtype) if dora else None
