@@ -829,16 +829,14 @@ def build_parser() -> argparse.ArgumentParser:
 OPTIONAL_VALUE_FLAGS = ("--think", "--truncate")
 
 
-VALUE_FLAGS = (
-    "--keepalive",
-    "--format",
-    "--dimensions",
-)  # always take the next word, `-1m` included
+# always take the next word, `-1m` included
+VALUE_FLAGS = ("--keepalive", "--format", "--dimensions")
 
 
 def _bare_flags_true(args: Sequence[str]) -> list[str]:
-    """A bare `--think` (`--truncate`) as `--think=true`; `--keepalive -1m` as `--keepalive=-1m` (argparse
-    would read a value starting with a dash as a flag; Ollama's CLI takes the next word)."""
+    """A bare `--think` (`--truncate`) as `--think=true`; `--keepalive -1m` as
+    `--keepalive=-1m` (argparse would read a value starting with a dash as a flag; Ollama's
+    CLI takes the next word)."""
     out: list[str] = []
     i = 0
     while i < len(args):

@@ -647,9 +647,7 @@ def project(x: mx.array, idx: mx.array | None, parts: Sequence[Part]) -> list[mx
     x (batch rows, tokens, K), idx (rows x tokens,) uint32 (0: no term): one kernel launch, two
     with terms for a lone row (several rows: the matmuls, then down and up). The parts all have
     terms (and idx is given) or none do; a bias, or none do."""
-    term, bias = parts[0].at is not None, parts[0].bias is not None
-    flat = [a for p in parts for a in (p.weight, p.at, p.bt, p.bias) if a is not None]
-    return _compiled[bias, term](x, *([idx] if term else []), *flat)
+    return bound(idx, parts)(x)
 
 
 def warm(dtype: mx.Dtype, count: int, bias: bool, term: bool) -> None:
