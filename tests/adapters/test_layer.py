@@ -85,10 +85,14 @@ def test_on_a_gpu_a_bf16_base_holds_its_adapters_in_bf16(monkeypatch: pytest.Mon
     assert held == 2 * 8 * (D_IN + D_OUT)
 
 
-def test_on_a_gpu_a_lone_row_takes_the_gathered_matmuls(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a GPU every row's term is two `gather_mm`s (one-row kernels there; `addmm` and a
-    plain matmul by an (in, r) matrix miss them), with the same result; ranks are padded to
-    a multiple of 8 with zeros, which changes nothing."""
+def test_on_a_gpu_a_lone_row_gathers_single_tokens_and_multiplies_prompts_directly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a GPU a lone row's single-token term is two `gather_mm`s (one-row kernels there;
+    `addmm` and a plain matmul by an (in, r) matrix miss them); its prompt's, several tokens,
+    is the adapter's own matrices (`gather_mm`'s GEMM walks K in one thread block for x A).
+    Both give mlx-lm's result; ranks are padded to a multiple of 8 with zeros, which changes
+    nothing."""
     one, two = adapter(1, 4, 10.0), adapter(2, 2, 2.5)
     x = mx.random.normal((1, 3, D_IN), key=mx.random.key(7))
     gathered = mx.gather_mm
@@ -103,10 +107,15 @@ def test_on_a_gpu_a_lone_row_takes_the_gathered_matmuls(monkeypatch: pytest.Monk
     layer, selection = layer_with(mx.float32, (1, one), (2, two))
     stacks = layer._slots.stacks
     assert stacks is not None and stacks.a.shape[-1] == stacks.b.shape[-2] == 8
-    got = run(layer, selection, [1], x)
+    token = run(layer, selection, [1], x[:, :1])
+    assert len(calls) == 2
+    prompt = run(layer, selection, [1], x)
+    uniform = run(layer, selection, [1, 1], mx.concatenate([x, x]))
     monkeypatch.undo()
     assert len(calls) == 2
-    assert close(got, reference(layer.base, one, x))
+    assert close(token, reference(layer.base, one, x[:, :1]))
+    assert close(prompt, reference(layer.base, one, x))
+    assert close(uniform[1:], prompt)
 
 
 def test_rows_of_several_adapters_and_none_each_get_their_own(dtype: mx.Dtype) -> None:
