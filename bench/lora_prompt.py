@@ -12,7 +12,8 @@ prompt length, one whole forward of a lone row into a fresh cache (evaluated, me
 - `base`: the model with no adapter selected;
 - `direct`: the adapter's term as its own matrices (`x @ A`, then `addmm`), what a forward of
   rows all on one adapter takes from `lora.DIRECT_TOKENS` tokens a row;
-- `gathered`: the same term through two `gather_mm`s, what rows of several adapters take.
+- `gathered`: what rows of several adapters take: on a GPU, x A for every mounted adapter in
+  one matmul, the row's own columns, then a `gather_mm` by sB (two `gather_mm`s on a CPU).
 
 Prints milliseconds and each adapted route's ratio to the base: a prompt's terms should cost
 a few percent of its forward, whichever route they take.

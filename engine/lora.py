@@ -372,6 +372,17 @@ def _base_product(base: nn.Module) -> Callable[[mx.array], mx.array]:
     return lambda x: mx.addmm(bias, x, wt)
 
 
+def _own_columns(x: mx.array, a: mx.array, places: mx.array) -> mx.array:
+    """x A[places[i]] for each row i of x (rows, length, in), a being (adapters, in, r):
+    one matmul by every adapter's A side by side, then each row's r columns."""
+    adapters, d_in, rank = a.shape
+    every = x @ a.transpose(1, 0, 2).reshape(d_in, adapters * rank)
+    rows, length = x.shape[0], x.shape[1]
+    every = every.reshape(rows, length, adapters, rank)
+    own = mx.take_along_axis(every, places.reshape(rows, 1, 1, 1).astype(mx.int32), axis=2)
+    return own.reshape(rows, length, rank)
+
+
 def dora_ratio(base: nn.Module, a: mx.array, b: mx.array, scale: float, m: mx.array) -> mx.array:
     """DoRA's per-output factor m / ||W + s B^T A^T||, as `DoRALinear` computes it each call."""
     w = _base_weight(base)
@@ -588,8 +599,13 @@ class RowLoRA(nn.Module):
     @staticmethod
     def _gathered(x: mx.array, stacks: _Stacks, plan: Plan) -> mx.array:
         """Each row's (x A) sB, x being (rows, length, in), zero for rows of none: gather_mm
-        picks each row's matrices by `plan.places`, no copies."""
-        h = mx.gather_mm(x, stacks.a, plan.rows, plan.places)
+        picks each row's matrices by `plan.places`, no copies. On a GPU, rows of several
+        tokens take x A for every held adapter in one matmul and keep their own columns:
+        `gather_mm` reduces such an x A, r columns wide, in one thread block (`DIRECT_TOKENS`)."""
+        if x.shape[1] > 1 and _on_gpu():
+            h = _own_columns(x, stacks.a, plan.places)
+        else:
+            h = mx.gather_mm(x, stacks.a, plan.rows, plan.places)
         z = mx.gather_mm(h, stacks.b, plan.rows, plan.places)
         return z if plan.none is None else mx.where(plan.none, 0.0, z)
 

@@ -118,6 +118,37 @@ def test_on_a_gpu_a_lone_row_gathers_single_tokens_and_multiplies_prompts_direct
     assert close(uniform[1:], prompt)
 
 
+def test_on_a_gpu_rows_of_several_tokens_take_x_a_as_one_matmul(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Rows of several adapters (and none), several tokens each (a batch's verify round, a
+    join): x A for every held adapter in one matmul, each row keeping its own columns, and one
+    `gather_mm` for the sB side; every row gets its own adapter's output, a row of none the
+    base's to the bit."""
+    adapters = {1: adapter(1, 4, 10.0), 2: adapter(2, 2, 2.5), 3: adapter(3, 8, 1.0)}
+    x = mx.random.normal((4, 5, D_IN), key=mx.random.key(8))
+    gathered = mx.gather_mm
+    calls = []
+
+    def counted(*args: object, **kwargs: object) -> mx.array:
+        calls.append(1)
+        return gathered(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mx, "gather_mm", counted)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.DeviceType.gpu))
+    layer, selection = layer_with(mx.float32, *adapters.items())
+    got = run(layer, selection, [2, 0, 3, 1], x)
+    monkeypatch.undo()
+    assert len(calls) == 1
+    for row, slot in enumerate([2, 0, 3, 1]):
+        want = layer.base(x[row : row + 1])
+        if slot:
+            want = reference(layer.base, adapters[slot], x[row : row + 1])
+            assert close(got[row : row + 1], want)
+        else:
+            assert mx.array_equal(got[row : row + 1], want)
+
+
 def test_rows_of_several_adapters_and_none_each_get_their_own(dtype: mx.Dtype) -> None:
     one, two = adapter(1, 4, 10.0), adapter(2, 2, 2.5)
     layer, selection = layer_with(dtype, (1, one), (2, two))
