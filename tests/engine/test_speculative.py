@@ -208,6 +208,47 @@ def test_a_fresh_step_reads_its_token_before_it_queues_the_next_forward(
     assert first + rest == plain
 
 
+def test_the_token_after_a_round_is_queued_and_the_next_forward_built_before_it_is_read(
+    loaded: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a verify round a lone row's plain token is not read before the forward after it
+    is queued behind it (the device computes the token while the host builds that forward),
+    and the tokens are plain decoding's."""
+    plains = {}
+    for i, prompt in enumerate(prompts(loaded.tokenizer, 20)):
+        plains[i] = generate(loaded.target, prompt, GREEDY, None, limit=40)[0]
+    order: list[str] = []
+    evaluate, forward_one = generation.mx.eval, Generation._forward_one
+    speculative_round = Generation._speculative_round
+
+    def evaluated(*args: object) -> None:
+        order.append("read")
+        evaluate(*args)
+
+    def forward(self: Generation, tok: mx.array, position: int) -> mx.array:
+        order.append("next forward")
+        return forward_one(self, tok, position)
+
+    def round_(self: Generation, k: int) -> list[int]:
+        order.append("round")
+        new = speculative_round(self, k)
+        order.append("round done")
+        return new
+
+    monkeypatch.setattr(generation.mx, "eval", evaluated)
+    monkeypatch.setattr(Generation, "_forward_one", forward)
+    monkeypatch.setattr(Generation, "_speculative_round", round_)
+    queued_first = 0
+    for i, prompt in enumerate(prompts(loaded.tokenizer, 20)):
+        order.clear()
+        spec, _ = generate(loaded.target, prompt, GREEDY, LookupDraftSource(), limit=40)
+        assert spec == plains[i]
+        after = [order[j + 1] for j, e in enumerate(order[:-1]) if e == "round done"]
+        assert "read" not in after
+        queued_first += after.count("next forward")
+    assert queued_first > 0
+
+
 def test_greedy_parity_with_penalties(loaded: Loaded) -> None:
     opts = parse_options(
         {"temperature": 0, "repeat_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.2}
