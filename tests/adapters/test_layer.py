@@ -12,7 +12,7 @@ import pytest
 from mlx_lm.tuner.lora import LoRALinear
 
 from mlxd.engine.attention import cuda_available
-from mlxd.engine.lora import LayerWeights, RowLoRA, Selection
+from mlxd.engine.lora import LayerWeights, RowLoRA, Selection, _own_columns
 
 D_IN, D_OUT = 32, 24
 
@@ -147,6 +147,18 @@ def test_on_a_gpu_rows_of_several_tokens_take_x_a_as_one_matmul(
             assert close(got[row : row + 1], want)
         else:
             assert mx.array_equal(got[row : row + 1], want)
+
+
+def test_each_row_keeps_its_own_columns_of_every_adapters_x_a() -> None:
+    """Whatever the stacks' layout: contiguous (adapters, in, r), or the transposed view of
+    (adapters, r, in) that the CUDA kernels' stacks are held as."""
+    at = mx.random.normal((3, 8, D_IN), key=mx.random.key(9))
+    x = mx.random.normal((4, 5, D_IN), key=mx.random.key(10))
+    places = mx.array([2, 0, 1, 2], dtype=mx.uint32)
+    want = mx.stack([x[i] @ at[p].T for i, p in enumerate([2, 0, 1, 2])])
+    for a in (at.swapaxes(1, 2), mx.contiguous(at.swapaxes(1, 2))):
+        got = _own_columns(x, a, places)
+        assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
 
 
 def test_rows_of_several_adapters_and_none_each_get_their_own(dtype: mx.Dtype) -> None:
