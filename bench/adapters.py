@@ -58,6 +58,8 @@ TEXTS = [
     "for i in range(10):\n    print(i * i, end=' ')\nprint()\n" * 3,
 ]
 PROMPTS = [f"def function_{i}(values, threshold={i}):\n" for i in range(16)]
+MODEL = ROOT.parent / "shared" / "models" / "code-pair" / "target"
+WORKDIR = Path(tempfile.gettempdir()) / "mlxd-bench-adapters"  # the trained adapters, kept
 
 
 def train(base: Path, out: Path, layers: int) -> list[Path]:
@@ -202,10 +204,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", type=Path, default=Path("/work/shared/models/code-pair/target"))
-    ap.add_argument(
-        "--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mlxd-bench-adapters"
-    )
+    ap.add_argument("--model", type=Path, default=MODEL)
+    ap.add_argument("--workdir", type=Path, default=WORKDIR)
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--requests", type=int, default=4, help="requests per client per burst")

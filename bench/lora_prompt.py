@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -42,7 +41,7 @@ import mlx.core as mx
 from mlx_lm import load
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench.adapters import train
+from bench.adapters import MODEL, WORKDIR, train
 from mlxd.engine import lora
 from mlxd.engine.adapters import AdapterSet
 from mlxd.registry.schema import AdapterRef
@@ -66,10 +65,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--model", type=Path, default=Path("/work/shared/models/code-pair/target"))
-    ap.add_argument(
-        "--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mlxd-bench-adapters"
-    )
+    ap.add_argument("--model", type=Path, default=MODEL)
+    ap.add_argument("--workdir", type=Path, default=WORKDIR)
     ap.add_argument("--lengths", default="16,64,512,2048")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--layers", type=int, default=16, help="adapted blocks, from the last")

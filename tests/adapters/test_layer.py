@@ -65,6 +65,21 @@ def run(layer: RowLoRA, selection: Selection, slots: list[int], x: mx.array) -> 
         selection.clear()
 
 
+def gathers_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Until `monkeypatch.undo()`: the default device reads as a GPU, and every `gather_mm`
+    call appends to the list returned."""
+    gathered = mx.gather_mm
+    calls: list[int] = []
+
+    def counted(*args: object, **kwargs: object) -> mx.array:
+        calls.append(1)
+        return gathered(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mx, "gather_mm", counted)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.DeviceType.gpu))
+    return calls
+
+
 def test_one_adapter_for_every_row_is_mlx_lms_lora(dtype: mx.Dtype) -> None:
     one, two = adapter(1, 4, 10.0), adapter(2, 2, 2.5)
     layer, selection = layer_with(dtype, (1, one), (2, two))
@@ -95,15 +110,7 @@ def test_on_a_gpu_a_lone_row_gathers_single_tokens_and_multiplies_prompts_direct
     nothing."""
     one, two = adapter(1, 4, 10.0), adapter(2, 2, 2.5)
     x = mx.random.normal((1, 3, D_IN), key=mx.random.key(7))
-    gathered = mx.gather_mm
-    calls = []
-
-    def counted(*args: object, **kwargs: object) -> mx.array:
-        calls.append(1)
-        return gathered(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(mx, "gather_mm", counted)
-    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.DeviceType.gpu))
+    calls = gathers_on_a_gpu(monkeypatch)
     layer, selection = layer_with(mx.float32, (1, one), (2, two))
     stacks = layer._slots.stacks
     assert stacks is not None and stacks.a.shape[-1] == stacks.b.shape[-2] == 8
@@ -127,15 +134,7 @@ def test_on_a_gpu_rows_of_several_tokens_take_x_a_as_one_matmul(
     base's to the bit."""
     adapters = {1: adapter(1, 4, 10.0), 2: adapter(2, 2, 2.5), 3: adapter(3, 8, 1.0)}
     x = mx.random.normal((4, 5, D_IN), key=mx.random.key(8))
-    gathered = mx.gather_mm
-    calls = []
-
-    def counted(*args: object, **kwargs: object) -> mx.array:
-        calls.append(1)
-        return gathered(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(mx, "gather_mm", counted)
-    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.DeviceType.gpu))
+    calls = gathers_on_a_gpu(monkeypatch)
     layer, selection = layer_with(mx.float32, *adapters.items())
     got = run(layer, selection, [2, 0, 3, 1], x)
     monkeypatch.undo()

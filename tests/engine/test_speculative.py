@@ -177,14 +177,9 @@ def test_rounds_only_where_lookup_has_a_draft(loaded: Loaded, opts: SamplingOpti
     assert asked > 0
 
 
-def test_a_fresh_step_reads_its_token_before_it_queues_the_next_forward(
-    loaded: Loaded, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A request's first token (nothing in flight) is on the host before the next forward is
-    built: on a GPU, queued first, that forward ran before the token could be read. Later
-    steps stay pipelined, and the tokens are plain decoding's."""
-    prompt = prompts(loaded.tokenizer, 1)[0]
-    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=12)
+def reads_and_forwards(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The list that, from now, records each host read (`mx.eval`) of a solo step as "read"
+    and each next forward it builds as "next forward", in order."""
     order: list[str] = []
     evaluate, forward_one = generation.mx.eval, Generation._forward_one
 
@@ -198,6 +193,18 @@ def test_a_fresh_step_reads_its_token_before_it_queues_the_next_forward(
 
     monkeypatch.setattr(generation.mx, "eval", evaluated)
     monkeypatch.setattr(Generation, "_forward_one", forward)
+    return order
+
+
+def test_a_fresh_step_reads_its_token_before_it_queues_the_next_forward(
+    loaded: Loaded, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A request's first token (nothing in flight) is on the host before the next forward is
+    built: on a GPU, queued first, that forward ran before the token could be read. Later
+    steps stay pipelined, and the tokens are plain decoding's."""
+    prompt = prompts(loaded.tokenizer, 1)[0]
+    plain, _ = generate(loaded.target, prompt, GREEDY, None, limit=12)
+    order = reads_and_forwards(monkeypatch)
     gen = Generation(loaded.target, prompt, GREEDY, set(), 12, Rng(0))
     gen.prefill()
     order.clear()
@@ -217,17 +224,8 @@ def test_the_token_after_a_round_is_queued_and_the_next_forward_built_before_it_
     plains = {}
     for i, prompt in enumerate(prompts(loaded.tokenizer, 20)):
         plains[i] = generate(loaded.target, prompt, GREEDY, None, limit=40)[0]
-    order: list[str] = []
-    evaluate, forward_one = generation.mx.eval, Generation._forward_one
+    order = reads_and_forwards(monkeypatch)
     speculative_round = Generation._speculative_round
-
-    def evaluated(*args: object) -> None:
-        order.append("read")
-        evaluate(*args)
-
-    def forward(self: Generation, tok: mx.array, position: int) -> mx.array:
-        order.append("next forward")
-        return forward_one(self, tok, position)
 
     def round_(self: Generation, k: int) -> list[int]:
         order.append("round")
@@ -235,8 +233,6 @@ def test_the_token_after_a_round_is_queued_and_the_next_forward_built_before_it_
         order.append("round done")
         return new
 
-    monkeypatch.setattr(generation.mx, "eval", evaluated)
-    monkeypatch.setattr(Generation, "_forward_one", forward)
     monkeypatch.setattr(Generation, "_speculative_round", round_)
     queued_first = 0
     for i, prompt in enumerate(prompts(loaded.tokenizer, 20)):
