@@ -16,8 +16,10 @@ the `gather_mm`s take those places from 0 and zero the rows of none (`Plan.none`
 Each array operation costs about as much as the small matmuls of a low-rank term, so the layer
 spends as few as it can: the scale s is folded into B once, at mount; the per-row slot indices
 are built once per forward for all layers (`Selection.plan`), not per layer; rows of several
-adapters take two `gather_mm`s, which pick each row's matrices without copying them; and a layer
-none of the rows' adapters touches is the base layer. On a CPU, where every operation and every
+adapters take two `gather_mm`s, which pick each row's matrices without copying them (on a GPU,
+rows of several tokens take x A for every held adapter in one matmul and keep their own
+columns, then one `gather_mm`); and a layer none of the rows' adapters touches is the base
+layer. On a CPU, where every operation and every
 Python step of a small model's decode shows, a float32 forward takes `RowLoRA._direct`: no
 routing, the base multiplied by a transposed view of its weight taken once (`nn.Linear` adds a
 transpose to each call), and rows that all use one adapter on a layer (a lone row, a uniform
@@ -26,9 +28,9 @@ operations where the base takes one. On MLX's CUDA build a float base decodes th
 `lora_cuda`'s kernels (the base matmuls and every row's terms of the projections sharing an
 input, grouped by `_Group`, in one call: two kernels for a lone row, the matmuls and one for
 several) and its stacks are held as A^T and B^T, whose rows those kernels read; other GPU rows
-take the `gather_mm`s, except forwards of several tokens a row all on one adapter (a prompt),
-which multiply by its matrices (`DIRECT_TOKENS`). Ranks are padded with zeros to a multiple of 8 (exact): MLX's CUDA
-kernels fault on bf16 matrices of rank 4. DoRA's ratio m / ||W + s B^T A^T|| is a constant of
+take the paths above, forwards of several tokens a row all on one adapter (a prompt) its own
+matrices (`DIRECT_TOKENS`). Ranks are padded with zeros to a multiple of 8 (exact): MLX's
+CUDA kernels fault on bf16 matrices of rank 4. DoRA's ratio m / ||W + s B^T A^T|| is a constant of
 the adapter and the base, computed once at mount (mlx-lm recomputes it, dequantizing W, on
 every call).
 
@@ -66,8 +68,10 @@ RANK_ALIGN = 8  # stacks' rank is a multiple of this (zero-padded; `lora_cuda` r
 # tokens a row (a prompt, a verify round past the kernels): MLX's CUDA `gather_mm` takes a
 # one-row kernel for single tokens, but for several it runs a tiled GEMM whose x A[slot], r
 # columns wide, is one thread block walking all of K. An H100, the 7B-shaped bf16 target with
-# 16 adapted blocks (`bench/lora_prompt.py`): a 512-token prompt's forward took 17.5 ms this
-# way and 577 ms gathered (the base: 13.1); 2,048 tokens 46.2 and 664 (37.9)
+# 16 adapted blocks (`bench/lora_prompt.py`, whose `gathered` arm then took two `gather_mm`s):
+# a 512-token prompt's forward took 17.5 ms this way and 577 ms gathered (the base: 13.1);
+# 2,048 tokens 46.2 and 664 (37.9). Through `_own_columns`, rows of several adapters' route
+# now, 37.3 and 103 ms
 DIRECT_TOKENS = 2
 
 
@@ -268,7 +272,8 @@ class _Stacks:
     b: mx.array  # (adapters, r, out), each one's scale folded in
     ratio: mx.array | None  # (adapters, out)
     held: frozenset[int]  # the slots holding an adapter
-    direct: bool  # rows all on one adapter multiply by its matrices (CPU), not gathered (GPU)
+    direct: bool  # rows all on one adapter multiply by its matrices (CPU; a GPU's from
+    # `DIRECT_TOKENS` tokens a row), not gathered
     fused: lora_cuda.Part | None = None  # decoding takes `lora_cuda`'s kernels: the stacks
     # held as A^T (adapters, r, in) and B^T (adapters, out, r), a and b their transposed views
 
@@ -372,14 +377,21 @@ def _base_product(base: nn.Module) -> Callable[[mx.array], mx.array]:
     return lambda x: mx.addmm(bias, x, wt)
 
 
-def _own_columns(x: mx.array, a: mx.array, places: mx.array) -> mx.array:
+def _own_columns(
+    x: mx.array, a: mx.array, places: mx.array, at: mx.array | None = None
+) -> mx.array:
     """x A[places[i]] for each row i of x (rows, length, in), a being (adapters, in, r):
-    one matmul by every adapter's A side by side, then each row's r columns."""
+    one matmul by every held adapter's A side by side (its width grows with the adapters
+    held, a few percent of a projection's), then each row's r columns. `at`: the same
+    stacks as (adapters, r, in), whose side-by-side view costs no copy."""
     adapters, d_in, rank = a.shape
-    every = x @ a.transpose(1, 0, 2).reshape(d_in, adapters * rank)
+    if at is not None:
+        every = x @ at.reshape(adapters * rank, d_in).T
+    else:
+        every = x @ a.transpose(1, 0, 2).reshape(d_in, adapters * rank)
     rows, length = x.shape[0], x.shape[1]
     every = every.reshape(rows, length, adapters, rank)
-    own = mx.take_along_axis(every, places.reshape(rows, 1, 1, 1).astype(mx.int32), axis=2)
+    own = mx.take_along_axis(every, places.reshape(rows, 1, 1, 1), axis=2)
     return own.reshape(rows, length, rank)
 
 
@@ -603,7 +615,8 @@ class RowLoRA(nn.Module):
         tokens take x A for every held adapter in one matmul and keep their own columns:
         `gather_mm` reduces such an x A, r columns wide, in one thread block (`DIRECT_TOKENS`)."""
         if x.shape[1] > 1 and _on_gpu():
-            h = _own_columns(x, stacks.a, plan.places)
+            at = stacks.fused.at if stacks.fused is not None else None
+            h = _own_columns(x, stacks.a, plan.places, at)
         else:
             h = mx.gather_mm(x, stacks.a, plan.rows, plan.places)
         z = mx.gather_mm(h, stacks.b, plan.rows, plan.places)

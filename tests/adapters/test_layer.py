@@ -149,14 +149,18 @@ def test_on_a_gpu_rows_of_several_tokens_take_x_a_as_one_matmul(
 
 
 def test_each_row_keeps_its_own_columns_of_every_adapters_x_a() -> None:
-    """Whatever the stacks' layout: contiguous (adapters, in, r), or the transposed view of
-    (adapters, r, in) that the CUDA kernels' stacks are held as."""
+    """Whatever the stacks' layout: contiguous (adapters, in, r), the transposed view of
+    (adapters, r, in) that the CUDA kernels' stacks are held as, or with that array given."""
     at = mx.random.normal((3, 8, D_IN), key=mx.random.key(9))
     x = mx.random.normal((4, 5, D_IN), key=mx.random.key(10))
     places = mx.array([2, 0, 1, 2], dtype=mx.uint32)
     want = mx.stack([x[i] @ at[p].T for i, p in enumerate([2, 0, 1, 2])])
-    for a in (at.swapaxes(1, 2), mx.contiguous(at.swapaxes(1, 2))):
-        got = _own_columns(x, a, places)
+    a = at.swapaxes(1, 2)
+    for got in (
+        _own_columns(x, a, places),
+        _own_columns(x, mx.contiguous(a), places),
+        _own_columns(x, a, places, at),
+    ):
         assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
 
 
