@@ -19,20 +19,19 @@ are built once per forward for all layers (`Selection.plan`), not per layer; row
 adapters take two `gather_mm`s, which pick each row's matrices without copying them (on a GPU,
 rows of several tokens take x A for every held adapter in one matmul and keep their own
 columns, then one `gather_mm`); and a layer none of the rows' adapters touches is the base
-layer. On a CPU, where every operation and every
-Python step of a small model's decode shows, a float32 forward takes `RowLoRA._direct`: no
-routing, the base multiplied by a transposed view of its weight taken once (`nn.Linear` adds a
-transpose to each call), and rows that all use one adapter on a layer (a lone row, a uniform
-batch) multiplied by its matrices directly, the sum in the second matmul (`addmm`): three
-operations where the base takes one. On MLX's CUDA build a float base decodes through
-`lora_cuda`'s kernels (the base matmuls and every row's terms of the projections sharing an
-input, grouped by `_Group`, in one call: two kernels for a lone row, the matmuls and one for
-several) and its stacks are held as A^T and B^T, whose rows those kernels read; other GPU rows
-take the paths above, forwards of several tokens a row all on one adapter (a prompt) its own
-matrices (`DIRECT_TOKENS`). Ranks are padded with zeros to a multiple of 8 (exact): MLX's
-CUDA kernels fault on bf16 matrices of rank 4. DoRA's ratio m / ||W + s B^T A^T|| is a constant of
-the adapter and the base, computed once at mount (mlx-lm recomputes it, dequantizing W, on
-every call).
+layer. On a CPU, where every operation and every Python step of a small model's decode shows,
+a float32 forward takes `RowLoRA._direct`: no routing, the base multiplied by a transposed view
+of its weight taken once (`nn.Linear` adds a transpose to each call), and rows that all use one
+adapter on a layer (a lone row, a uniform batch) multiplied by its matrices directly, the sum
+in the second matmul (`addmm`): three operations where the base takes one. On MLX's CUDA build
+a float base decodes through `lora_cuda`'s kernels (the base matmuls and every row's terms of
+the projections sharing an input, grouped by `_Group`, in one call: two kernels for a lone
+row, the matmuls and one for several) and its stacks are held as A^T and B^T, whose rows those
+kernels read; other GPU rows take the paths above, forwards of several tokens a row all on one
+adapter (a prompt) its own matrices (`DIRECT_TOKENS`). Ranks are padded with zeros to a
+multiple of 8 (exact): MLX's CUDA kernels fault on bf16 matrices of rank 4. DoRA's ratio
+m / ||W + s B^T A^T|| is a constant of the adapter and the base, computed once at mount
+(mlx-lm recomputes it, dequantizing W, on every call).
 
 Stacks are rebuilt when an adapter is mounted or dropped (between forwards, on the pairing's
 thread); slots stay where they are, so rows keep theirs.
@@ -381,9 +380,9 @@ def _own_columns(
     x: mx.array, a: mx.array, places: mx.array, at: mx.array | None = None
 ) -> mx.array:
     """x A[places[i]] for each row i of x (rows, length, in), a being (adapters, in, r):
-    one matmul by every held adapter's A side by side (its width grows with the adapters
-    held, a few percent of a projection's), then each row's r columns. `at`: the same
-    stacks as (adapters, r, in), whose side-by-side view costs no copy."""
+    one matmul by every held adapter's A side by side (as wide as the adapters held times
+    their rank, used by the rows or not), then each row's r columns. `at`: the same stacks as
+    (adapters, r, in), whose side-by-side view costs no copy."""
     adapters, d_in, rank = a.shape
     if at is not None:
         every = x @ at.reshape(adapters * rank, d_in).T
