@@ -17,8 +17,8 @@ Each array operation costs about as much as the small matmuls of a low-rank term
 spends as few as it can: the scale s is folded into B once, at mount; the per-row slot indices
 are built once per forward for all layers (`Selection.plan`), not per layer; rows of several
 adapters take two `gather_mm`s, which pick each row's matrices without copying them (on a GPU,
-rows of several tokens take x A for every held adapter in one matmul and keep their own
-columns, then one `gather_mm`); and a layer none of the rows' adapters touches is the base
+rows of several tokens take x A for the held adapters side by side in one matmul, those the
+rows use where they are few, and keep their own columns, then one `gather_mm`); and a layer none of the rows' adapters touches is the base
 layer. On a CPU, where every operation and every Python step of a small model's decode shows,
 a float32 forward takes `RowLoRA._direct`: no routing, the base multiplied by a transposed view
 of its weight taken once (`nn.Linear` adds a transpose to each call), and rows that all use one
@@ -86,6 +86,17 @@ class Plan:
     none: mx.array | None  # (rows, 1, 1) True for rows of none, whose gathered term is zeroed;
     # None where every row has an adapter here
     _per_token: dict[int, mx.array] = field(default_factory=dict, compare=False, repr=False)
+    _used: list[tuple[mx.array, mx.array]] = field(default_factory=list, compare=False, repr=False)
+
+    def used(self) -> tuple[mx.array, mx.array]:
+        """The places (from 0) of the adapters the rows use, each once, and each row's index
+        into them (a row of none: 0, its term zeroed as in `places`)."""
+        if not self._used:
+            used = sorted({p - 1 for p in self.picked if p})
+            index = {place: i for i, place in enumerate(used)}
+            rows = [index.get(p - 1, 0) for p in self.picked]
+            self._used.append((kernel_array(used, mx.uint32), kernel_array(rows, mx.uint32)))
+        return self._used[0]
 
     def token_slots(self, length: int) -> mx.array:
         """Each token's place in the stacks (from 1; 0: none) in a forward of `length`
@@ -376,22 +387,29 @@ def _base_product(base: nn.Module) -> Callable[[mx.array], mx.array]:
     return lambda x: mx.addmm(bias, x, wt)
 
 
-def _own_columns(
-    x: mx.array, a: mx.array, places: mx.array, at: mx.array | None = None
-) -> mx.array:
-    """x A[places[i]] for each row i of x (rows, length, in), a being (adapters, in, r):
-    one matmul by every held adapter's A side by side (as wide as the adapters held times
-    their rank, used by the rows or not), then each row's r columns. `at`: the same stacks as
-    (adapters, r, in), whose side-by-side view costs no copy."""
+def _own_columns(x: mx.array, stacks: _Stacks, plan: Plan) -> mx.array:
+    """x A[places[i]] for each row i of x (rows, length, in): one matmul by the A of every
+    adapter the stacks hold side by side, then each row's r columns; where the rows use at
+    most half of those adapters, by theirs alone (copied out of the stacks: many adapters of
+    which a few are used would widen the product past the projection's own width)."""
+    at = stacks.fused.at if stacks.fused is not None else None  # (adapters, r, in)
+    a, places = stacks.a, plan.places  # a: (adapters, in, r)
     adapters, d_in, rank = a.shape
-    if at is not None:
+    used, own = plan.used()
+    if 2 * used.shape[0] <= adapters:
+        if at is not None:
+            at = mx.take(at, used, axis=0)
+        else:
+            a = mx.take(a, used, axis=0)
+        adapters, places = used.shape[0], own
+    if at is not None:  # side by side, a view
         every = x @ at.reshape(adapters * rank, d_in).T
     else:
         every = x @ a.transpose(1, 0, 2).reshape(d_in, adapters * rank)
     rows, length = x.shape[0], x.shape[1]
     every = every.reshape(rows, length, adapters, rank)
-    own = mx.take_along_axis(every, places.reshape(rows, 1, 1, 1), axis=2)
-    return own.reshape(rows, length, rank)
+    picked = mx.take_along_axis(every, places.reshape(rows, 1, 1, 1), axis=2)
+    return picked.reshape(rows, length, rank)
 
 
 def dora_ratio(base: nn.Module, a: mx.array, b: mx.array, scale: float, m: mx.array) -> mx.array:
@@ -614,8 +632,7 @@ class RowLoRA(nn.Module):
         tokens take x A for every held adapter in one matmul and keep their own columns:
         `gather_mm` reduces such an x A, r columns wide, in one thread block (`DIRECT_TOKENS`)."""
         if x.shape[1] > 1 and _on_gpu():
-            at = stacks.fused.at if stacks.fused is not None else None
-            h = _own_columns(x, stacks.a, plan.places, at)
+            h = _own_columns(x, stacks, plan)
         else:
             h = mx.gather_mm(x, stacks.a, plan.rows, plan.places)
         z = mx.gather_mm(h, stacks.b, plan.rows, plan.places)

@@ -5,6 +5,7 @@ dtype."""
 from __future__ import annotations
 
 import gc
+from dataclasses import replace
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -12,7 +13,8 @@ import pytest
 from mlx_lm.tuner.lora import LoRALinear
 
 from mlxd.engine.attention import cuda_available
-from mlxd.engine.lora import LayerWeights, RowLoRA, Selection, _own_columns
+from mlxd.engine.lora import LayerWeights, RowLoRA, Selection, _own_columns, _Stacks
+from mlxd.engine.lora_cuda import Part
 
 D_IN, D_OUT = 32, 24
 
@@ -148,20 +150,38 @@ def test_on_a_gpu_rows_of_several_tokens_take_x_a_as_one_matmul(
             assert mx.array_equal(got[row : row + 1], want)
 
 
-def test_each_row_keeps_its_own_columns_of_every_adapters_x_a() -> None:
-    """Whatever the stacks' layout: contiguous (adapters, in, r), the transposed view of
-    (adapters, r, in) that the CUDA kernels' stacks are held as, or with that array given."""
-    at = mx.random.normal((3, 8, D_IN), key=mx.random.key(9))
+@pytest.mark.parametrize("slots", [[3, 0, 1, 3], [2, 0, 5, 1]], ids=["few-of-many", "most"])
+def test_each_row_keeps_its_own_columns_of_x_a(
+    slots: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever the stacks' layout (contiguous (adapters, in, r); the transposed view of the
+    CUDA kernels' (adapters, r, in), with or without that array), and whether the rows use a
+    few of the held adapters (their A taken out of the stacks) or most of them."""
+    held = frozenset(range(1, 6))  # slots 1-5, at places 1-5
+    at = mx.random.normal((5, 8, D_IN), key=mx.random.key(9))
     x = mx.random.normal((4, 5, D_IN), key=mx.random.key(10))
-    places = mx.array([2, 0, 1, 2], dtype=mx.uint32)
-    want = mx.stack([x[i] @ at[p].T for i, p in enumerate([2, 0, 1, 2])])
-    a = at.swapaxes(1, 2)
-    for got in (
-        _own_columns(x, a, places),
-        _own_columns(x, mx.contiguous(a), places),
-        _own_columns(x, a, places, at),
-    ):
-        assert mx.allclose(got, want, rtol=1e-5, atol=1e-5).item()
+    selection = Selection()
+    selection.set(slots)
+    plan = selection.plan(held, len(slots))
+    assert plan is not None
+    b = mx.zeros((5, 8, D_OUT))
+    view = _Stacks(at.swapaxes(1, 2), b, None, held, direct=False)
+    kernels = replace(view, fused=Part(at, mx.zeros((D_OUT, D_IN)), b.swapaxes(1, 2), None))
+    contiguous = replace(view, a=mx.contiguous(view.a))
+    take, taken = mx.take, []
+
+    def counted(*args: object, **kwargs: object) -> mx.array:
+        taken.append(1)
+        return take(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(mx, "take", counted)
+    for stacks in (view, kernels, contiguous):
+        got = _own_columns(x, stacks, plan)
+        for row, slot in enumerate(slots):
+            if slot:
+                want = x[row] @ at[slot - 1].T
+                assert mx.allclose(got[row], want, rtol=1e-5, atol=1e-5).item()
+    assert len(taken) == (3 if len({s for s in slots if s}) * 2 <= len(held) else 0)
 
 
 def test_rows_of_several_adapters_and_none_each_get_their_own(dtype: mx.Dtype) -> None:
