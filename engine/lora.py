@@ -18,8 +18,8 @@ spends as few as it can: the scale s is folded into B once, at mount; the per-ro
 are built once per forward for all layers (`Selection.plan`), not per layer; rows of several
 adapters take two `gather_mm`s, which pick each row's matrices without copying them (on a GPU,
 rows of several tokens take x A for the held adapters side by side in one matmul, those the
-rows use where they are few, and keep their own columns, then one `gather_mm`); and a layer none of the rows' adapters touches is the base
-layer. On a CPU, where every operation and every Python step of a small model's decode shows,
+rows use where they are few, and keep their own columns, then one `gather_mm`); and a layer
+none of the rows' adapters touches is the base layer. On a CPU, where every operation and every Python step of a small model's decode shows,
 a float32 forward takes `RowLoRA._direct`: no routing, the base multiplied by a transposed view
 of its weight taken once (`nn.Linear` adds a transpose to each call), and rows that all use one
 adapter on a layer (a lone row, a uniform batch) multiplied by its matrices directly, the sum
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Any
 
 import mlx.core as mx
@@ -63,10 +64,11 @@ __all__ = [
 ]
 
 RANK_ALIGN = 8  # stacks' rank is a multiple of this (zero-padded; `lora_cuda` reads 8 at a time)
-# On a GPU, forwards of rows all on one adapter multiply by its matrices directly from this many
-# tokens a row (a prompt, a verify round past the kernels): MLX's CUDA `gather_mm` takes a
-# one-row kernel for single tokens, but for several it runs a tiled GEMM whose x A[slot], r
-# columns wide, is one thread block walking all of K. An H100, the 7B-shaped bf16 target with
+# On a GPU, forwards of this many tokens a row or more (a prompt, a verify round past the
+# kernels) take no `gather_mm` for x A: rows all on one adapter multiply by its matrices, rows
+# of several by theirs side by side (`_own_columns`). MLX's CUDA `gather_mm` takes a one-row
+# kernel for single tokens, but for several it runs a tiled GEMM whose x A[slot], r columns
+# wide, is one thread block walking all of K. An H100, the 7B-shaped bf16 target with
 # 16 adapted blocks (`bench/lora_prompt.py`, whose `gathered` arm then took two `gather_mm`s):
 # a 512-token prompt's forward took 17.5 ms this way and 577 ms gathered (the base: 13.1);
 # 2,048 tokens 46.2 and 664 (37.9). Through `_own_columns`, rows of several adapters' route
@@ -86,17 +88,15 @@ class Plan:
     none: mx.array | None  # (rows, 1, 1) True for rows of none, whose gathered term is zeroed;
     # None where every row has an adapter here
     _per_token: dict[int, mx.array] = field(default_factory=dict, compare=False, repr=False)
-    _used: list[tuple[mx.array, mx.array]] = field(default_factory=list, compare=False, repr=False)
 
+    @cached_property
     def used(self) -> tuple[mx.array, mx.array]:
         """The places (from 0) of the adapters the rows use, each once, and each row's index
         into them (a row of none: 0, its term zeroed as in `places`)."""
-        if not self._used:
-            used = sorted({p - 1 for p in self.picked if p})
-            index = {place: i for i, place in enumerate(used)}
-            rows = [index.get(p - 1, 0) for p in self.picked]
-            self._used.append((kernel_array(used, mx.uint32), kernel_array(rows, mx.uint32)))
-        return self._used[0]
+        used = sorted({p - 1 for p in self.picked if p})
+        index = {place: i for i, place in enumerate(used)}
+        rows = [index.get(p - 1, 0) for p in self.picked]
+        return kernel_array(used, mx.uint32), kernel_array(rows, mx.uint32)
 
     def token_slots(self, length: int) -> mx.array:
         """Each token's place in the stacks (from 1; 0: none) in a forward of `length`
@@ -392,20 +392,12 @@ def _own_columns(x: mx.array, stacks: _Stacks, plan: Plan) -> mx.array:
     adapter the stacks hold side by side, then each row's r columns; where the rows use at
     most half of those adapters, by theirs alone (copied out of the stacks: many adapters of
     which a few are used would widen the product past the projection's own width)."""
-    at = stacks.fused.at if stacks.fused is not None else None  # (adapters, r, in)
-    a, places = stacks.a, plan.places  # a: (adapters, in, r)
-    adapters, d_in, rank = a.shape
-    used, own = plan.used()
-    if 2 * used.shape[0] <= adapters:
-        if at is not None:
-            at = mx.take(at, used, axis=0)
-        else:
-            a = mx.take(a, used, axis=0)
-        adapters, places = used.shape[0], own
-    if at is not None:  # side by side, a view
-        every = x @ at.reshape(adapters * rank, d_in).T
-    else:
-        every = x @ a.transpose(1, 0, 2).reshape(d_in, adapters * rank)
+    at, places = stacks.a.swapaxes(1, 2), plan.places  # (adapters, r, in): the kernels' own
+    used, own = plan.used  # layout where they take the stacks, so side by side is a view
+    if 2 * used.shape[0] <= at.shape[0]:
+        at, places = mx.take(at, used, axis=0), own
+    adapters, rank, d_in = at.shape
+    every = x @ at.reshape(adapters * rank, d_in).T
     rows, length = x.shape[0], x.shape[1]
     every = every.reshape(rows, length, adapters, rank)
     picked = mx.take_along_axis(every, places.reshape(rows, 1, 1, 1), axis=2)
@@ -628,10 +620,9 @@ class RowLoRA(nn.Module):
     @staticmethod
     def _gathered(x: mx.array, stacks: _Stacks, plan: Plan) -> mx.array:
         """Each row's (x A) sB, x being (rows, length, in), zero for rows of none: gather_mm
-        picks each row's matrices by `plan.places`, no copies. On a GPU, rows of several
-        tokens take x A for every held adapter in one matmul and keep their own columns:
-        `gather_mm` reduces such an x A, r columns wide, in one thread block (`DIRECT_TOKENS`)."""
-        if x.shape[1] > 1 and _on_gpu():
+        picks each row's matrices by `plan.places`, no copies; on a GPU, rows of several
+        tokens take their x A side by side instead (`_own_columns`, `DIRECT_TOKENS`)."""
+        if x.shape[1] >= DIRECT_TOKENS and _on_gpu():
             h = _own_columns(x, stacks, plan)
         else:
             h = mx.gather_mm(x, stacks.a, plan.rows, plan.places)
