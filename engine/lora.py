@@ -211,26 +211,13 @@ class _Group:
             self.together[key] = together
         return together
 
-    def run(
-        self, x: mx.array, idx: mx.array | None, together: list[tuple[RowLoRA, lora_cuda.Part]]
-    ) -> mx.array:
-        """The first of `together`'s outputs; the others wait in `y`."""
-        if self.x is not x:
-            self.x, self.y = x, {}
-        parts = [p for _, p in together]
-        ys = _fused_terms(x, idx, together) if idx is not None else None
-        if ys is None:
-            ys = lora_cuda.project(x, idx, parts)
-        self.y.update(zip((id(m) for m, _ in together[1:]), ys[1:], strict=True))
-        return ys[0]
-
 
 def _fused_terms(
     x: mx.array, idx: mx.array, together: list[tuple[RowLoRA, lora_cuda.Part]]
-) -> list[mx.array] | None:
-    """Several adapted rows of projections whose base is one fused matmul (`engine.fusedproj`):
-    that matmul, then every term in one launch; None where they are not such (or a lone row,
-    whose `project` call launches fewer kernels)."""
+) -> Callable[[mx.array], list[mx.array]] | None:
+    """For several adapted rows of projections whose base is one fused matmul
+    (`engine.fusedproj`): a call of that matmul, then every term in one launch; None where they
+    are not such (or a lone row, whose `project` call launches fewer kernels)."""
     if x.shape[0] * x.shape[1] < lora_cuda.MATMUL_ROWS:
         return None
     bases = [m.base for m, _ in together]
@@ -240,10 +227,15 @@ def _fused_terms(
     parts = [p for _, p in together]
     if any(b.shared is not shared for b in bases) or not lora_cuda.takes_terms(parts):
         return None
-    y = shared.whole(x)
-    shared.take([b.member for b in bases])  # the others' columns wait for their call
-    offsets = [shared.bounds[b.member][0] for b in bases]
-    return lora_cuda.add_terms(x, idx, y, parts, offsets)
+    members = [b.member for b in bases]
+    terms = lora_cuda.terms_call(idx, parts, [shared.bounds[i][0] for i in members])
+
+    def call(x: mx.array) -> list[mx.array]:
+        y = shared.whole(x)
+        shared.take(members)  # the others' columns wait for their call
+        return terms(x, y)
+
+    return call
 
 
 # Projections sharing an input in mlx-lm's models, by name: grouped within their parent module.
@@ -302,37 +294,33 @@ class _Slots:
 
 @dataclass(frozen=True)
 class _Route:
-    """An adapted projection's kernel call for inputs of one shape on one set of rows' slots:
-    a decoding row's every step routes alike, so it looks this up (about half the Python of
-    deciding it again, where the Python of a lone row's step is what its speed is bound by)."""
+    """An adapted projection's kernel call for inputs of one shape on one set of rows' slots,
+    bound once: a decoding row's (or a batch's) every step routes alike, so it replays this
+    rather than deciding the route and building the call's arguments again (host Python that a
+    step's speed is bound by)."""
 
-    slots: tuple[int, ...]  # `Selection.slots`
+    slots: tuple[int, ...] | None  # `Selection.slots`
     shape: tuple[int, ...]
     dtype: mx.Dtype
-    part: lora_cuda.Part
-    idx: mx.array
-    together: list[tuple[RowLoRA, lora_cuda.Part]] | None  # with its group's, if in one
-    # a lone row's call, bound (`lora_cuda.bound`), and the group members whose outputs it
-    # also gives; None where the call depends on more than its parts (several rows' matmuls)
-    call: Callable[[mx.array], list[mx.array]] | None = None
-    siblings: tuple[int, ...] = ()
+    call: Callable[[mx.array], list[mx.array]]  # x -> the outputs of its group's members
+    siblings: tuple[int, ...] = ()  # the other members whose outputs `call` also gives
 
 
 def _route_of(
-    slots: tuple[int, ...],
+    slots: tuple[int, ...] | None,
     x: mx.array,
     part: lora_cuda.Part,
-    idx: mx.array,
+    idx: mx.array | None,
     together: list[tuple[RowLoRA, lora_cuda.Part]] | None,
 ) -> _Route:
-    """The route kept for x's like: a lone row's (fewer rows than take a matmul, so `project`
-    whatever the group) bound once."""
-    route = _Route(slots, x.shape, x.dtype, part, idx, together)
-    if x.shape[0] * x.shape[1] >= lora_cuda.MATMUL_ROWS:
-        return route
-    parts = [p for _, p in together] if together is not None else [part]
-    siblings = tuple(id(m) for m, _ in together[1:]) if together is not None else ()
-    return replace(route, call=lora_cuda.bound(idx, parts), siblings=siblings)
+    """The call for x's like: adapted rows of a fused gate and up their matmul and terms
+    (`_fused_terms`), any other `lora_cuda.project` on the parts, bound."""
+    if together is None:
+        return _Route(slots, x.shape, x.dtype, lora_cuda.bound(idx, [part]))
+    call = _fused_terms(x, idx, together) if idx is not None else None
+    if call is None:
+        call = lora_cuda.bound(idx, [p for _, p in together])
+    return _Route(slots, x.shape, x.dtype, call, tuple(id(m) for m, _ in together[1:]))
 
 
 def _base_weight(base: nn.Module) -> mx.array:
@@ -557,29 +545,16 @@ class RowLoRA(nn.Module):
             and known.shape == x.shape
             and known.dtype == x.dtype
         ):
-            if known.call is not None:
-                ys = known.call(x)
-                if known.siblings:
-                    assert group is not None
-                    if group.x is not x:
-                        group.x, group.y = x, {}
-                    group.y.update(zip(known.siblings, ys[1:], strict=True))
-                return ys[0]
-            if known.together is None:
-                return lora_cuda.project(x, known.idx, [known.part])[0]
-            assert group is not None
-            return group.run(x, known.idx, known.together)
+            return self._run(known, x)
         plan = self._plan(x)
         route = self._route(x, plan)
         if route is not None:
             part, idx = route
             together = None if group is None else group.members_with(self, x, part, idx)
+            bound = _route_of(self.selection.slots, x, part, idx, together)
             if idx is not None and self.selection.slots is not None:  # adapted: kept
-                held.route = _route_of(self.selection.slots, x, part, idx, together)
-            if together is None:
-                return lora_cuda.project(x, idx, [part])[0]
-            assert group is not None
-            return group.run(x, idx, together)
+                held.route = bound
+            return self._run(bound, x)
         if plan is None:
             return self.base(x)  # no row's adapter touches this projection
         stacks = self._slots.stacks
@@ -594,6 +569,17 @@ class RowLoRA(nn.Module):
             return self.base(x) + ((x @ w.a) @ w.b).astype(x.dtype)
         z = self._gathered(x, stacks, plan)
         return self.base(x) + (z if same else z.astype(x.dtype))
+
+    def _run(self, route: _Route, x: mx.array) -> mx.array:
+        """This projection's output by `route`; its siblings' wait in the group's `y`."""
+        ys = route.call(x)
+        if route.siblings:
+            group = self.group
+            assert group is not None
+            if group.x is not x:
+                group.x, group.y = x, {}
+            group.y.update(zip(route.siblings, ys[1:], strict=True))
+        return ys[0]
 
     def _direct(self, x: mx.array, held: _Slots) -> mx.array:
         """A CPU's forward, in the fewest array operations and Python steps: rows all on one
