@@ -14,19 +14,16 @@ different adapters), by route:
 - `project`: `lora_cuda`'s down and project kernels, one call per group of one input;
 - `project, idx pooled`: the same with the rows' slot index where MLX's CUDA allocator puts
   arrays of 8 bytes or less (`engine.smallarrays`);
-- `matmul+up`: `mma_cuda`'s matmuls for x W^T and, in the same launch, x A for every held
-  adapter, then an `up` launch per group;
-- `matmul+down+up`: the matmuls alone, then a `down` and an `up` launch per group;
+- `matmul+down+up`: MLX's matmuls for x W^T, then a `down` and an `up` launch per group;
 - `matmul+term`: MLX's matmuls, then one `term` launch per group.
 
 `--shapes CxU,...` adds a `project CxU` route per shape: the project kernel with C columns a
 warp and U 16-byte pieces a column in flight, in place of `lora_cuda.SHAPES` (which a lone
 row's reading of W at about half the memory's speed is tuned by; C x rows <= 32).
 
-Prints milliseconds per step, the host's share of it and each route's ratio to `base`.
-`lora_cuda` sends a lone row through `project` and several through `matmul+up` (`MATMUL_ROWS`;
-`matmul+down+up` where many adapters are held): those should be the cheapest at their row
-counts.
+Prints milliseconds per step, the host's share of it and each route's ratio to `base`. `lora_cuda` sends a lone row
+through `project` and several through `matmul+down+up` (`MATMUL_ROWS`): those should be the
+cheapest at their row counts.
 """
 
 # ruff: noqa: E402  (the backend is configured before MLX is imported)
@@ -165,8 +162,7 @@ def main() -> None:
         "base": base, "gather": gather, "bare": kernels(term=False),
         "project": kernels(matmul_rows=99),
         "project, idx pooled": pooled(kernels(matmul_rows=99)),
-        "matmul+up": kernels(matmul_rows=1, fused=False),
-        "matmul+down+up": kernels(matmul_rows=1, fused=False, packed=False),
+        "matmul+down+up": kernels(matmul_rows=1, fused=False),
         "matmul+term": kernels(matmul_rows=1, fused=True),
     }  # fmt: skip
     widths: dict[str, int] = {}  # a shape's columns a warp: its kernel takes C x rows <= 32

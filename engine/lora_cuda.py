@@ -77,20 +77,6 @@ _TERM = """
                    + h1.z * static_cast<float>(bp[6]) + h1.w * static_cast<float>(bp[7]);
             }"""
 
-# the same where h is every held adapter's x A side by side in T (`mma_cuda`'s stacked outputs,
-# HW = adapters x R columns a row): the row's adapter's R of them
-_PACKED_TERM = """
-            const T* br = bt + ((size_t)(s - 1) * N + n) * R;
-            const T* hr = h + (size_t)m * HW + (size_t)(s - 1) * R;
-            for (int j = 0; j < R; j += 8) {
-                const uint4 bv = *reinterpret_cast<const uint4*>(br + j);
-                const uint4 hv = *reinterpret_cast<const uint4*>(hr + j);
-                const T* bp = reinterpret_cast<const T*>(&bv);
-                const T* hp = reinterpret_cast<const T*>(&hv);
-                #pragma unroll
-                for (int i = 0; i < 8; ++i) v += static_cast<float>(hp[i]) * static_cast<float>(bp[i]);
-            }"""
-
 
 def _down_source(count: int) -> str:
     """h_i = x A_i[slot] for `count` projections of the same input (q, k, v; gate, up): one
@@ -246,18 +232,15 @@ def _project_source(count: int, bias: bool, term: bool) -> str:
 """
 
 
-def _up_source(count: int, packed: bool = False) -> str:
+def _up_source(count: int) -> str:
     """out_i = y_i + h_i sB_i[slot]^T for `count` projections' outputs y_i (M, N_i): a thread
-    per output element, each adding its row's term (R products) to what MLX's matmul wrote.
-    `packed`: h_i holds every held adapter's x A (`_PACKED_TERM`), not the row's own."""
-    width = [f"HW = h{i}_shape[2];" if packed else "" for i in range(count)]
+    per output element, each adding its row's term (R products) to what MLX's matmul wrote."""
     pick = "".join(
         f"""
     if (y == nullptr) {{
         const size_t span = (size_t)M * y{i}_shape[2];
         if (t < span) {{
             N = y{i}_shape[2]; R = bt{i}_shape[2]; y = y{i}; h = h{i}; bt = bt{i}; out = out{i};
-            {width[i]}
         }} else {{
             t -= span;
         }}
@@ -267,16 +250,16 @@ def _up_source(count: int, packed: bool = False) -> str:
     return f"""
     const int M = idx_shape[0];
     size_t t = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    int N = 0, R = 0;{" int HW = 0;" if packed else ""}
+    int N = 0, R = 0;
     const T* y = nullptr;
-    const {"T" if packed else "float"}* h = nullptr;
+    const float* h = nullptr;
     const T* bt = nullptr;
     T* out = nullptr;{pick}
     if (y == nullptr) return;
     const int m = t / N, n = t % N;
     float v = static_cast<float>(y[t]);
     const uint32_t s = idx[m];
-    if (s != 0) {{{_PACKED_TERM if packed else _TERM}
+    if (s != 0) {{{_TERM}
     }}
     out[t] = static_cast<T>(v);
 """
@@ -379,10 +362,9 @@ SHAPES = {1: (2, 2), MAX_ROWS: (4, 1)}
 FUSE_BYTES = 64 << 20  # base rows of a batch take the kernels for at most this much weight
 _downs: dict[int, Any] = {}
 _projects: dict[tuple[int, bool, bool], Any] = {}
-_ups: dict[tuple[int, bool], Any] = {}
+_ups: dict[int, Any] = {}
 _terms: dict[tuple[int, bool], Any] = {}
 TERM_TILE = 2048  # outputs per block of the term kernel
-PACKED_SHARE = 0.25  # held adapters' A rows, against W's, up to which the matmuls compute x A
 MAX_TERM_RANK = 64  # ranks the term kernel takes (its shared memory); higher: down and up
 
 
@@ -422,16 +404,15 @@ def _project_kernel(count: int, bias: bool, term: bool) -> Any:
     return _projects[key]
 
 
-def _up_kernel(count: int, packed: bool = False) -> Any:
-    key = (count, packed)
-    if key not in _ups:
-        _ups[key] = mx.fast.cuda_kernel(
-            name=f"mlxd_lora_up{count}{'_packed' if packed else ''}",
+def _up_kernel(count: int) -> Any:
+    if count not in _ups:
+        _ups[count] = mx.fast.cuda_kernel(
+            name=f"mlxd_lora_up{count}",
             input_names=["idx", *(n for i in range(count) for n in (f"y{i}", f"h{i}", f"bt{i}"))],
             output_names=[f"out{i}" for i in range(count)],
-            source=_up_source(count, packed),
+            source=_up_source(count),
         )
-    return _ups[key]
+    return _ups[count]
 
 
 def _term_kernel(count: int, shared: bool = False) -> Any:
@@ -480,17 +461,15 @@ def _project(
     term: bool,
     matmul_rows: int = MATMUL_ROWS,
     fused: bool = False,
-    packed: bool = True,
     shape: tuple[int, int] | None = None,
 ) -> list[mx.array]:
     """`project` on flat arguments: (idx,) if term, then per part weight, (at, bt), (bias).
-    From `matmul_rows` rows x tokens, adapted rows take `_matmul_then_terms` (`fused`,
-    `packed`); the project kernel takes `shape` (C, U) in place of SHAPES' (`bench/
-    lora_kernels.py --shapes`)."""
+    From `matmul_rows` rows x tokens, adapted rows take `_matmul_then_terms` (`fused`); the
+    project kernel takes `shape` (C, U) in place of SHAPES' (`bench/lora_kernels.py --shapes`)."""
     width = 1 + 2 * term + bias
     parts = [flat[i : i + width] for i in range(int(term), len(flat), width)]
     if term and x.shape[0] * x.shape[1] >= matmul_rows:
-        return _matmul_then_terms(x, flat[0], parts, bias, fused, packed)
+        return _matmul_then_terms(x, flat[0], parts, bias, fused)
     if not term and x.shape[0] * x.shape[1] > 1 and _takes_mma(x, parts):
         return mma_cuda.flat_matmul(x, *flat, bias=bias)
     inputs = [x]
@@ -516,57 +495,31 @@ def _project(
 
 
 def _matmul_then_terms(
-    x: mx.array,
-    idx: mx.array,
-    parts: list[tuple[mx.array, ...]],
-    bias: bool,
-    fused: bool,
-    packed: bool = True,
+    x: mx.array, idx: mx.array, parts: list[tuple[mx.array, ...]], bias: bool, fused: bool
 ) -> list[mx.array]:
     """x W_i^T by `mma_cuda`'s kernel (else MLX's matmul), which read W near the memory's
     speed where `project` with 8 rows reads it at about half (an H200, 7B-shaped MLP: 88 and
-    147 us against cuBLAS's 41 and 46), then every term: an `up` launch adding each row's
-    (x A) sB, x A being every held adapter's computed in the matmuls' launch (`packed`, where
-    `_packs`), else by a `down` launch reducing each row's x A once; or one `term` launch
-    (`fused`, ranks up to MAX_TERM_RANK), whose every block reduces its row's x A again (an
-    H200, 8 adapted rows of 16 7B-shaped blocks: 1.25x the base's step with down and up,
-    1.88x with term)."""
-    count, mma = len(parts), _takes_mma(x, parts)
-    packed = packed and mma and not fused and _packs(x, parts)
-    if mma:
-        flat = [a for p in parts for a in (p[0], *p[3:])]
-        stacks = [p[1] for p in parts] if packed else []
-        outs = mma_cuda.flat_matmul(x, *flat, *stacks, bias=bias, stacked=len(stacks))
-        ys, hs = outs[:count], outs[count:]
+    147 us against cuBLAS's 41 and 46), then every term: a `down` launch reducing each row's
+    x A once, and an `up` launch adding it; or one `term` launch (`fused`, ranks up to
+    MAX_TERM_RANK), whose every block reduces its row's x A again (an H200, 8 adapted rows of
+    16 7B-shaped blocks: 1.25x the base's step with down and up, 1.88x with term)."""
+    if _takes_mma(x, parts):
+        ys = mma_cuda.flat_matmul(x, *(a for p in parts for a in (p[0], *p[3:])), bias=bias)
     else:
         ys = [mx.addmm(p[3], x, p[0].T) if bias else x @ p[0].T for p in parts]
     rank = max(p[1].shape[1] for p in parts)
     if fused and rank <= MAX_TERM_RANK:
         inputs = [x, idx, *(a for y, p in zip(ys, parts, strict=True) for a in (y, p[1], p[2]))]
         return _terms_launch(inputs, [(p[1], p[2]) for p in parts], x, idx, ys[0].shape[:-1])
-    if not packed:
-        hs = _down(x, idx, [p[1] for p in parts])
+    hs = _down(x, idx, [p[1] for p in parts])
     total = sum(y.size for y in ys)
-    outs = _up_kernel(count, packed)(
+    outs = _up_kernel(len(parts))(
         inputs=[idx, *(a for y, h, p in zip(ys, hs, parts, strict=True) for a in (y, h, p[2]))],
         template=[("T", x.dtype)], grid=(total, 1, 1),
         threadgroup=(THREADS, 1, 1), output_shapes=[y.shape for y in ys],
         output_dtypes=[x.dtype] * len(ys),
     )  # fmt: skip
     return list(outs)
-
-
-def _packs(x: mx.array, parts: list[tuple[mx.array, ...]]) -> bool:
-    """Whether the matmuls' launch also computes x A for every held adapter (the stacks' rows
-    as more rows of W), saving the `down` launch: where `mma_cuda` takes them and the stacks'
-    rows are at most PACKED_SHARE of W's (many adapters held, of which the rows use a few,
-    would read more of A than the down kernel's one adapter a row)."""
-    stacks = [p[1] for p in parts]
-    if not _takes_mma(x, [(a,) for a in stacks]):
-        return False
-    return sum(a.shape[0] * a.shape[1] for a in stacks) <= PACKED_SHARE * sum(
-        p[0].shape[0] for p in parts
-    )
 
 
 def _terms_launch(
@@ -704,23 +657,22 @@ def warm(dtype: mx.Dtype, count: int, bias: bool, term: bool) -> None:
     key = (dtype, count, bias, term)
     if key in _warmed:
         return
-    k, slots, rank = 64, 2, 8
+    k, n, slots, rank = 64, 8, 2, 8
+    part = Part(
+        mx.zeros((slots, rank, k), dtype=dtype) if term else None,
+        mx.zeros((n, k), dtype=dtype),
+        mx.zeros((slots, n, rank), dtype=dtype) if term else None,
+        mx.zeros((n,), dtype=dtype) if bias else None,
+    )
     outs = []
     batches = (2, 9, 17, 25) if mma_on() and not term else (2,)
-    for n in (8, 64) if term else (8,):  # 64: batches' x A in the matmuls' launch (`_packs`)
-        part = Part(
-            mx.zeros((slots, rank, k), dtype=dtype) if term else None,
-            mx.zeros((n, k), dtype=dtype),
-            mx.zeros((slots, n, rank), dtype=dtype) if term else None,
-            mx.zeros((n,), dtype=dtype) if bias else None,
-        )
-        for rows in (1, *batches) if term else batches:  # base rows take them in batches only
-            x = mx.zeros((rows, 1, k), dtype=dtype)
-            idx = mx.ones((rows,), dtype=mx.uint32)
-            outs += project(x, idx if term else None, [part] * count)
-            if term and rows > 1:  # the form a fused gate and up take
-                y = mx.zeros((rows, 1, n * count), dtype=dtype)
-                outs += terms_call(idx, [part] * count, [n * i for i in range(count)])(x, y)
+    for rows in (1, *batches) if term else batches:  # base rows take them in batches only
+        x = mx.zeros((rows, 1, k), dtype=dtype)
+        idx = mx.ones((rows,), dtype=mx.uint32)
+        outs += project(x, idx if term else None, [part] * count)
+        if term and rows > 1:  # the form a fused gate and up take
+            y = mx.zeros((rows, 1, n * count), dtype=dtype)
+            outs += terms_call(idx, [part] * count, [n * i for i in range(count)])(x, y)
     mx.eval(outs)
     _warmed.add(key)
 

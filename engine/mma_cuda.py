@@ -33,7 +33,7 @@ __all__ = ["MAX_ROWS", "fits", "flat_matmul", "matmul"]
 MAX_ROWS = 32  # rows of x (batch rows x tokens) one launch takes, in tiles of the mma's n (8)
 WARPS = 8  # warps of a block, splitting K
 _PTX = {mx.bfloat16: "bf16", mx.float16: "f16"}
-_kernels: dict[tuple[int, bool, Any, int], Any] = {}
+_kernels: dict[tuple[int, bool, Any], Any] = {}
 
 
 def fits(x: mx.array, weight: mx.array) -> bool:
@@ -48,34 +48,20 @@ def fits(x: mx.array, weight: mx.array) -> bool:
     )
 
 
-def _rows(i: int, count: int) -> str:
-    """Weight i's rows in the kernel: a stack's (adapters, r, K) past the `count` weights."""
-    return f"w{i}_shape[0]" if i < count else f"w{i}_shape[0] * w{i}_shape[1]"
-
-
-def _bias_of(i: int, count: int, bias: bool) -> str:
-    """Weight i's bias pointer, where it has one (stacks have none)."""
-    return f" bias = bias{i};" if bias and i < count else ""
-
-
-def _source(count: int, bias: bool, ptx: str, stacked: int = 0) -> str:
+def _source(count: int, bias: bool, ptx: str) -> str:
     pick = "".join(
         f"""
     if (g < 0) {{
-        const int blocks = ({_rows(i, count)} + 16 * WT - 1) / (16 * WT);
+        const int blocks = (w{i}_shape[0] + 16 * WT - 1) / (16 * WT);
         if (b < blocks) {{
-            g = {i}; N = {_rows(i, count)}; w = w{i}; y = y{i};{_bias_of(i, count, bias)}
+            g = {i}; N = w{i}_shape[0]; w = w{i}; y = y{i};{f" bias = bias{i};" if bias else ""}
         }} else {{
             b -= blocks;
         }}
     }}"""
-        for i in range(count + stacked)
+        for i in range(count)
     )
-    add_bias = ""
-    if bias:
-        add_bias = "s += static_cast<float>(bias[n]);"
-        if stacked:
-            add_bias = f"if (bias != nullptr) {add_bias}"
+    add_bias = "s += static_cast<float>(bias[n]);" if bias else ""
     mma = (
         f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
@@ -174,17 +160,15 @@ def _source(count: int, bias: bool, ptx: str, stacked: int = 0) -> str:
 """
 
 
-def _kernel(count: int, bias: bool, dtype: mx.Dtype, stacked: int = 0) -> Any:
-    key = (count, bias, dtype, stacked)
+def _kernel(count: int, bias: bool, dtype: mx.Dtype) -> Any:
+    key = (count, bias, dtype)
     if key not in _kernels:
         names = [[f"w{i}", *((f"bias{i}",) if bias else ())] for i in range(count)]
-        names += [[f"w{i}"] for i in range(count, count + stacked)]
-        stacks = f"_stacks{stacked}" if stacked else ""
         _kernels[key] = mx.fast.cuda_kernel(
-            name=f"mlxd_mma{count}{'_bias' if bias else ''}{stacks}_{_PTX[dtype]}",
+            name=f"mlxd_mma{count}{'_bias' if bias else ''}_{_PTX[dtype]}",
             input_names=["x", *(n for part in names for n in part)],
-            output_names=[f"y{i}" for i in range(count + stacked)],
-            source=_source(count, bias, _PTX[dtype], stacked),
+            output_names=[f"y{i}" for i in range(count)],
+            source=_source(count, bias, _PTX[dtype]),
         )
     return _kernels[key]
 
@@ -218,28 +202,20 @@ def blocks_for(x: mx.array, weights: Sequence[mx.array], wt: int | None = None) 
     """Blocks of a launch: 16 x `wt` rows of W each (`shape_for`'s W tiles)."""
     if wt is None:
         wt = shape_for(x.shape[0] * x.shape[1])[2]
-    return sum(-(-_n(w) // (16 * wt)) for w in weights)
+    return sum(-(-w.shape[0] // (16 * wt)) for w in weights)
 
 
-def _n(w: mx.array) -> int:
-    """Output columns of weight w: its rows, a stack's (adapters, r, K) all of them."""
-    return w.size // w.shape[-1]
-
-
-def flat_matmul(x: mx.array, *flat: mx.array, bias: bool, stacked: int = 0) -> list[mx.array]:
-    """`matmul` on flat arguments, each weight followed by its bias where `bias`, then
-    `stacked` stacks (adapters, r, K) without bias, whose products x A^T (rows, tokens,
-    adapters x r) come out after the weights': uncompiled, for callers that trace it into
-    their own `mx.compile`."""
+def flat_matmul(x: mx.array, *flat: mx.array, bias: bool) -> list[mx.array]:
+    """`matmul` on flat arguments, each weight followed by its bias where `bias`: uncompiled,
+    for callers that trace it into their own `mx.compile`."""
     width = 1 + bias
-    cut = len(flat) - stacked
-    weights = [*flat[:cut:width], *flat[cut:]]
+    weights = flat[::width]
     blocks = blocks_for(x, weights)
-    ys = _kernel(len(weights) - stacked, bias, x.dtype, stacked)(
+    ys = _kernel(len(weights), bias, x.dtype)(
         inputs=[x, *flat],
         template=template(x, WARPS),
         grid=(blocks * WARPS * 32, 1, 1), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(*x.shape[:-1], _n(w)) for w in weights],
+        output_shapes=[(*x.shape[:-1], w.shape[0]) for w in weights],
         output_dtypes=[x.dtype] * len(weights),
     )  # fmt: skip
     return list(ys)

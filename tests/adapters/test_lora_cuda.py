@@ -12,7 +12,7 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 
-from mlxd.engine import lora, lora_cuda, mma_cuda
+from mlxd.engine import lora, lora_cuda
 from mlxd.engine.attention import cuda_available
 from mlxd.engine.fusedproj import fuse_gate_up
 from mlxd.engine.lora import LayerWeights, Selection, wrap
@@ -300,19 +300,14 @@ def down_by_ops(count: int) -> object:
     return call
 
 
-def up_by_ops(count: int, packed: bool = False) -> object:
-    """`_up_kernel`'s arithmetic as a kernel call: out_i = y_i + h_i sB_i[idx]^T (`packed`: h_i
-    holds every held adapter's x A side by side, of which each row takes its own)."""
+def up_by_ops(count: int) -> object:
+    """`_up_kernel`'s arithmetic as a kernel call: out_i = y_i + h_i sB_i[idx]^T."""
 
     def call(inputs: list[mx.array], **_: object) -> list[mx.array]:
         idx, rest = inputs[0], inputs[1:]
         on = (idx != 0)[:, None]
         outs = []
         for y, h, bt in zip(rest[0::3], rest[1::3], rest[2::3], strict=True):
-            if packed:
-                rank = bt.shape[2]
-                every = h.reshape(idx.size, -1, rank).astype(mx.float32)
-                h = mx.take_along_axis(every, place(idx)[:, None, None], axis=1).squeeze(1)
             flat = y.reshape(-1, y.shape[-1]).astype(mx.float32)
             term = on * (h[:, None, :] * bt[place(idx)].astype(mx.float32)).sum(-1)
             outs.append((flat + term).astype(y.dtype).reshape(y.shape))
@@ -383,75 +378,6 @@ def test_several_adapted_rows_take_the_matmul_then_their_terms(
         for y, want in zip(got, project_by_ops(x, idx, parts), strict=True):
             assert y.shape == want.shape
             assert mx.allclose(y, want, rtol=1e-4, atol=1e-3).item(), (slots, length)
-
-
-def mma_by_ops(launched: list[int]) -> Callable[..., object]:
-    """`mma_cuda._kernel`'s arithmetic as a kernel call (float32 sums): x W_i^T (+ bias_i),
-    then x A^T of each stack (adapters, r, K); each launch's stack count noted in `launched`."""
-
-    def kernel(count: int, bias: bool, dtype: mx.Dtype, stacked: int = 0) -> object:
-        def call(inputs: list[mx.array], **_: object) -> list[mx.array]:
-            launched.append(stacked)
-            x, flat = inputs[0].astype(mx.float32), inputs[1:]
-            cut = len(flat) - stacked
-            weights, stacks = flat[: cut : 1 + bias], flat[cut:]
-            biases = flat[1:cut:2] if bias else [None] * count
-            outs = [
-                x @ w.astype(mx.float32).T + (0.0 if b is None else b.astype(mx.float32))
-                for w, b in zip(weights, biases, strict=True)
-            ]
-            outs += [x @ a.reshape(-1, a.shape[-1]).astype(mx.float32).T for a in stacks]
-            return [y.astype(inputs[0].dtype) for y in outs]
-
-        return call
-
-    return kernel
-
-
-@pytest.mark.usefixtures("on_the_cpu")
-@pytest.mark.parametrize("biased", [False, True])
-def test_the_matmuls_launch_computes_the_held_adapters_x_a_where_their_rows_are_few(
-    monkeypatch: pytest.MonkeyPatch, biased: bool
-) -> None:
-    """Several adapted rows on `mma_cuda`'s kernel: where the held adapters' A rows are at most
-    `PACKED_SHARE` of W's, that launch computes x A for all of them (the stacks as more rows
-    of W) and no `down` is launched, `up` taking each row's own columns; past it, `down` and
-    `up` as before. Either way the outputs are the MLX ops'."""
-    launched: list[int] = []
-    downs: list[int] = []
-
-    def down(count: int) -> object:
-        downs.append(count)
-        return down_by_ops(count)
-
-    monkeypatch.setattr(mma_cuda, "_kernel", mma_by_ops(launched))
-    monkeypatch.setattr(lora_cuda, "_down_kernel", down)
-    monkeypatch.setattr(lora_cuda, "_up_kernel", up_by_ops)
-    k, held = 32, 3
-    for n, packs in ((256, True), (64, False)):  # 3 x 8 A rows against a quarter of n
-        mx.random.seed(n)
-        parts = [
-            lora_cuda.Part(
-                rand(held, r, k), rand(width, k), rand(held, width, r),
-                rand(width) if biased else None,
-            )
-            for width, r in ((n, 8), (n // 2, 8))
-        ]  # fmt: skip
-        if not packs:
-            parts = parts[:1]
-        for slots, length in (([2, 0, 3, 1], 1), ([1, 3], 2)):
-            launched.clear()
-            downs.clear()
-            x = rand(len(slots), length, k)
-            idx = mx.repeat(mx.array(slots, dtype=mx.uint32), length)
-            flat = [a for p in parts for a in (p.weight, p.at, p.bt, p.bias) if a is not None]
-            got = lora_cuda._project(x, idx, *flat, bias=biased, term=True)
-            assert launched == [len(parts) if packs else 0]
-            assert downs == ([] if packs else [len(parts)])
-            for y, want in zip(got, project_by_ops(x, idx, parts), strict=True):
-                y, want = y.astype(mx.float32), want.astype(mx.float32)
-                tol = 2e-2 * mx.abs(want).max().item()
-                assert mx.allclose(y, want, rtol=0.0, atol=tol).item(), (n, slots)
 
 
 @pytest.mark.usefixtures("on_the_cpu")
