@@ -185,10 +185,17 @@ def released_at_once(
     return results, wall
 
 
-def burst(base: str, model: str, prompts: list[str], clients: int, tokens: int) -> dict[str, float]:
-    """One streaming completion per client, all released at once."""
+def burst(
+    base: str, model: str | list[str], prompts: list[str], clients: int, tokens: int
+) -> dict[str, float]:
+    """One streaming completion per client, all released at once (several models: client i
+    asks the i-th, in turn)."""
+    models = [model] if isinstance(model, str) else model
     results, wall = released_at_once(
-        clients, lambda pool, i: stream_once(pool, base, model, prompts[i % len(prompts)], tokens)
+        clients,
+        lambda pool, i: stream_once(
+            pool, base, models[i % len(models)], prompts[i % len(prompts)], tokens
+        ),
     )
     return {
         "aggregate": sum(r[2] for r in results) / wall,

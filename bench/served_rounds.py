@@ -1,7 +1,7 @@
 """Where a served round's time goes: the daemon in this process, timed inside its runner.
 
     python bench/served_rounds.py [--model DIR | --shape 8b] [--draft DIR] [--method auto]
-                                  [--adapter DIR] [--clients 1,8] [--tokens 128]
+                                  [--adapter DIR ...] [--clients 1,8] [--tokens 128]
 
 `bench/concurrency.py` says how fast streams are served; this says why. The daemon serves the
 model here (`mlxd serve`, real uvicorn on loopback) with timers on its runner thread, while a
@@ -275,10 +275,10 @@ wait_up(base + "/v1/models", Up())
 prompts = {prompts!r}
 for n in {clients!r}:
     for _ in range(2):
-        burst(base, "bench", prompts, n, 32)  # warm: shapes, the prefix cache
+        burst(base, {models!r}, prompts, n, 32)  # warm: shapes, the prefix cache
     os.kill({pid}, signal.SIGUSR1)
     time.sleep(0.2)
-    print(f"{{n}} clients: " + json.dumps(burst(base, "bench", prompts, n, {tokens})), flush=True)
+    print(f"{{n}} clients: " + json.dumps(burst(base, {models!r}, prompts, n, {tokens})), flush=True)
     os.kill({pid}, signal.SIGUSR2)
     time.sleep(0.5)
 os.kill({pid}, signal.SIGINT)
@@ -296,7 +296,11 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "mlxd-bench")
     ap.add_argument("--draft", type=Path, default=None)
     ap.add_argument("--method", default="off", help="the entry's draft_method")
-    ap.add_argument("--adapter", type=Path, default=None, help="serve the entry on this adapter")
+    ap.add_argument(
+        "--adapter", type=Path, action="append", default=[],
+        help="serve the model on this adapter; given more than once, clients take turns over "
+        "them (rows of several adapters in every batch)",
+    )  # fmt: skip
     ap.add_argument("--clients", default="1,8")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument(
@@ -308,12 +312,19 @@ def main() -> None:
     if args.shape:
         model = random_model(args.workdir / f"random-{args.shape}", args.model, SHAPES[args.shape])
     home = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
-    entry = f"models:\n  bench:\n    target: {model.resolve()}\n"
+    entry = f"    target: {model.resolve()}\n"
     if args.draft:
         entry += f"    draft: {args.draft.resolve()}\n"
-    if args.adapter:
-        entry += f"    adapters: [{args.adapter.resolve()}]\n"
-    (home / "models.yaml").write_text(entry + f"    options: {{draft_method: {args.method}}}\n")
+    entry += f"    options: {{draft_method: {args.method}}}\n"
+    models = {"bench": entry}
+    if args.adapter:  # one entry per adapter, all on the base loaded once
+        models = {
+            f"bench{i}": entry + f"    adapters: [{path.resolve()}]\n"
+            for i, path in enumerate(args.adapter)
+        }
+    (home / "models.yaml").write_text(
+        "models:\n" + "".join(f"  {name}:\n{body}" for name, body in models.items())
+    )
     port = free_port()
     os.environ.update(HF_HUB_OFFLINE="1", MLXD_HOME=str(home), MLXD_HOST=f"127.0.0.1:{port}",
                       MLXD_NUM_PARALLEL="16")  # fmt: skip
@@ -329,7 +340,7 @@ def main() -> None:
         held = json.loads((code_pair() / "heldout_prompts.json").read_text())
         prompts = [p["prompt"] for p in held["code"]][:16]
     driver = DRIVER.format(root=str(ROOT), port=port, clients=clients, tokens=args.tokens,
-                           pid=os.getpid(), prompts=prompts)  # fmt: skip
+                           pid=os.getpid(), prompts=prompts, models=list(models))  # fmt: skip
     subprocess.Popen([sys.executable, "-c", driver], cwd=ROOT)
     cli.main(["serve", "--registry", str(home / "models.yaml")])
 
