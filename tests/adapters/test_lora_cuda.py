@@ -411,7 +411,9 @@ def test_adapted_rows_on_a_fused_gate_and_up_share_its_matmul(
     monkeypatch.setattr(lora_cuda, "_compiled_terms", lora_cuda._add_terms)  # traced: no host
     # `project` calls: block 0 q+k+v, o, (gate+up), down; block 1 q+v, k, o, (gate+up), down
     batch, lone = [3, 1, 1, 2, 1, 1, 1], [3, 1, 2, 1, 2, 1, 1, 2, 1]
-    for slots, length, pairs, projects in (([2, 0, 1], 1, [2, 2], batch), ([1], 1, [], lone)):
+    cases = (([2, 0, 1], 1, [2, 2], batch), ([1], 1, [], lone))
+    # each twice: the second step on the same slots replays the routes the first one bound
+    for slots, length, pairs, projects in (c for c in cases for _ in range(2)):
         tokens = mx.array([[(5 * r + t) % 50 for t in range(length)] for r in range(len(slots))])
         calls.clear()
         shared_terms.clear()
