@@ -35,7 +35,9 @@ from mlxd.registry.adapterfiles import (
     ADAPTER_WEIGHTS,
     AdapterFileError,
     adapter_revision,
+    block_counts,
     check_fits,
+    check_layout,
     read_adapter,
 )
 from mlxd.registry.schema import AdapterRef
@@ -131,6 +133,7 @@ def _read(model: nn.Module, path: Path, scale: float | None) -> tuple[dict[str, 
                 f"adapter {path} does not fit this model: {module} is ({inner} -> {out})"
                 f" but the adapter is ({a[0]} -> {b[1]})"
             )
+    check_layout(info, block_counts(name for name, _ in model.named_modules()))
     return tensors, info.scale if scale is None else scale, info.dora
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,9 @@ __all__ = [
     "AdapterFileError",
     "AdapterInfo",
     "adapter_revision",
+    "block_counts",
     "check_fits",
+    "check_layout",
     "read_adapter",
 ]
 
@@ -46,6 +49,8 @@ class AdapterInfo:
     scale: float  # lora_parameters.scale
     rank: int
     modules: dict[str, dict[str, list[int]]]  # module path -> leaf -> shape
+    num_layers: int = -1  # the blocks adapted, counted from the last (mlx-lm: <= 0 all)
+    keys: tuple[str, ...] | None = None  # lora_parameters.keys (None: every projection)
 
     @property
     def dora(self) -> bool:
@@ -83,6 +88,7 @@ def read_adapter(path: Path) -> AdapterInfo:
         raise AdapterFileError(f"adapter {path}: lora_parameters.scale is missing")
     if not math.isfinite(scale):
         raise AdapterFileError(f"adapter {path}: lora_parameters.scale must be a finite number")
+    num_layers, keys, declared = _layout(path, config, params)
     weights = path / ADAPTER_WEIGHTS
     if not weights.is_file():
         raise AdapterFileError(f"adapter {path}: {ADAPTER_WEIGHTS} is missing")
@@ -108,8 +114,81 @@ def read_adapter(path: Path) -> AdapterInfo:
             )
         if ("m" in leaves) != (kind == "dora") or ("m" in leaves and leaves["m"] != [b[1]]):
             raise AdapterFileError(f"adapter {path}: {module}.m does not match a {kind} adapter")
+        if declared is not None and a[1] != declared:
+            raise AdapterFileError(
+                f"adapter {path}: {module} has rank {a[1]} but {ADAPTER_CONFIG} says"
+                f" lora_parameters.rank {declared}"
+            )
         rank = max(rank, a[1])
-    return AdapterInfo(path, kind, float(scale), rank, modules)
+    return AdapterInfo(path, kind, float(scale), rank, modules, num_layers, keys)
+
+
+def _layout(
+    path: Path, config: dict[str, Any], params: Any
+) -> tuple[int, tuple[str, ...] | None, int | None]:
+    """The config's `num_layers`, `lora_parameters.keys` and `lora_parameters.rank` (each
+    optional), which mlx-lm's loader builds the adapted layers from."""
+    num_layers = config.get("num_layers", -1)
+    if not isinstance(num_layers, int) or isinstance(num_layers, bool):
+        raise AdapterFileError(f"adapter {path}: num_layers must be an integer")
+    keys = params.get("keys") if isinstance(params, dict) else None
+    if keys is not None and (
+        not isinstance(keys, list) or not all(isinstance(k, str) for k in keys)
+    ):
+        raise AdapterFileError(f"adapter {path}: lora_parameters.keys must be a list of names")
+    rank = params.get("rank") if isinstance(params, dict) else None
+    if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool)):
+        raise AdapterFileError(f"adapter {path}: lora_parameters.rank must be an integer")
+    return num_layers, None if keys is None else tuple(keys), rank
+
+
+def _block_of(module: str) -> tuple[str, int, str] | None:
+    """(the block list's path, the block's index, the path within it) of a module path such as
+    `model.layers.3.self_attn.q_proj`; None for a module outside numbered blocks."""
+    parts = module.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i]), int(part), ".".join(parts[i + 1 :])
+    return None
+
+
+def block_counts(modules: Iterable[str]) -> dict[str, int]:
+    """The number of blocks of each block list that `modules` (a model's module paths) show."""
+    counts: dict[str, int] = {}
+    for module in modules:
+        found = _block_of(module)
+        if found is not None:
+            counts[found[0]] = max(counts.get(found[0], 0), found[1] + 1)
+    return counts
+
+
+def check_layout(info: AdapterInfo, blocks: dict[str, int]) -> None:
+    """Raise AdapterFileError for a tensor that the adapter's own config does not adapt, as
+    mlx-lm's loader refuses it: a block before its last `num_layers`, a projection not among
+    its `lora_parameters.keys`. `blocks`: the base's block count per block list
+    (`block_counts`)."""
+    for module in info.modules:
+        found = _block_of(module)
+        if found is None:
+            if info.keys is None or module not in info.keys:
+                raise AdapterFileError(
+                    f"adapter {info.path}: {module} is outside the blocks its"
+                    f" {ADAPTER_CONFIG} adapts"
+                )
+            continue
+        blocks_path, index, within = found
+        count = blocks.get(blocks_path, 0)
+        first = count - info.num_layers if 0 < info.num_layers < count else 0
+        if index < first:
+            raise AdapterFileError(
+                f"adapter {info.path}: {module} is not among the last {info.num_layers} of"
+                f" {count} blocks that its {ADAPTER_CONFIG} adapts (num_layers)"
+            )
+        if info.keys is not None and within not in info.keys:
+            raise AdapterFileError(
+                f"adapter {info.path}: {module} is not among its {ADAPTER_CONFIG}'s"
+                f" lora_parameters.keys"
+            )
 
 
 # What mlx-lm's models name their token (and position) embeddings: 2-D weights as a projection's
@@ -145,7 +224,7 @@ def _base_shapes(base: Path) -> dict[str, tuple[int, int]]:
 
 def check_fits(info: AdapterInfo, base: Path) -> None:
     """Raise AdapterFileError unless every adapted module is a projection of `base` with the
-    adapter's shapes."""
+    adapter's shapes, in the blocks and among the projections its config names."""
     try:
         shapes = _base_shapes(base)
     except (OSError, ValueError, ModelFilesError) as exc:
@@ -166,6 +245,7 @@ def check_fits(info: AdapterInfo, base: Path) -> None:
                 f"adapter {info.path} does not fit this base model: {module} is"
                 f" ({inner} -> {out}) but the adapter is ({a[0]} -> {b[1]})"
             )
+    check_layout(info, block_counts(shapes))
 
 
 _HASHES: dict[tuple[str, int, int, int], str] = {}  # (path, inode, size, mtime) -> digest

@@ -7,8 +7,10 @@ import json
 import shutil
 from pathlib import Path
 
+import mlx_lm
 import pytest
 
+from mlxd.engine.adapters import AdapterError, load_adapters
 from mlxd.registry.adapterfiles import (
     AdapterFileError,
     adapter_revision,
@@ -110,3 +112,44 @@ def test_modelfile_parses_and_renders_back() -> None:
     ]:
         with pytest.raises(ModelfileError, match=message):
             parse_modelfile(bad)
+
+
+def test_tensors_outside_what_the_config_adapts_are_refused_as_mlx_lm_refuses_them(
+    adapters: Adapters, tiny_pair: TinyPair, tmp_path: Path
+) -> None:
+    """`adapter_config.json` names the blocks (`num_layers`, from the last) and projections
+    (`lora_parameters.keys`) mlx-lm's loader adapts: a tensor outside them, or of another rank
+    than `lora_parameters.rank`, makes mlx-lm refuse the adapter, and mlxd, where it checks the
+    files (create, probe-open) and where it mounts them, refuses it too."""
+    edited = tmp_path / "edited"
+    shutil.copytree(adapters.sql, edited)
+    config = json.loads((edited / "adapter_config.json").read_text())
+    params = config["lora_parameters"]
+    within = sorted({m.split(".", 3)[3] for m in read_adapter(adapters.sql).modules})
+    model, _ = mlx_lm.load(str(tiny_pair.target))
+
+    def write(**changes: object) -> None:
+        (edited / "adapter_config.json").write_text(json.dumps({**config, **changes}))
+
+    for changes, message in (
+        ({"num_layers": 1}, "num_layers"),
+        ({"lora_parameters": {**params, "keys": within[:1]}}, "lora_parameters.keys"),
+    ):
+        write(**changes)
+        with pytest.raises(ValueError, match="incompatible tensors"):
+            mlx_lm.load(str(tiny_pair.target), adapter_path=str(edited))
+        with pytest.raises(AdapterFileError, match=message):
+            check_fits(read_adapter(edited), tiny_pair.target)
+        with pytest.raises(AdapterError, match=message):
+            load_adapters(model, [edited], [None])
+    write(lora_parameters={**params, "rank": params["rank"] * 2})
+    with pytest.raises(AdapterFileError, match="rank"):
+        read_adapter(edited)
+    for fine in (
+        {"num_layers": -1},
+        {"num_layers": 99},
+        {"lora_parameters": {**params, "keys": within}},
+    ):
+        write(**fine)
+        check_fits(read_adapter(edited), tiny_pair.target)
+        load_adapters(model, [edited], [None])
