@@ -11,7 +11,8 @@ from typing import Any
 
 from jinja2 import meta
 
-from mlxd.engine.prompt import JINJA, is_go_template
+from mlxd.engine.prompt import JINJA
+from mlxd.registry.templates import is_go_template
 
 HERMES = "hermes"  # Qwen2.5 / Qwen3 / Hermes: <tool_call>{json}</tool_call>
 QWEN_XML = "qwen_xml"  # Qwen3-Coder / Qwen3.5: <tool_call><function=f><parameter=p>...

@@ -26,13 +26,14 @@ from mlxd.engine.kvquant import KvLayout, kv_layout
 from mlxd.engine.memory import computes_in_float32
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.prefill import CHUNK, bucketed, feed, warm_shapes
-from mlxd.engine.prompt import FimFormat, detect_fim, jinja_template
+from mlxd.engine.prompt import FimFormat, detect_fim
 from mlxd.engine.sampling import Rng
 from mlxd.engine.speculation import Costs, FixedDraftLength, SpecHistory
 from mlxd.engine.textstream import TokenBytes, token_bytes
 from mlxd.engine.truncation import MAX_CHARS_PER_TOKEN
 from mlxd.registry.schema import ModelEntry
 from mlxd.registry.store import model_digest, resolve_local
+from mlxd.registry.templates import loaded_template
 
 log = logging.getLogger(__name__)
 VERIFY_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
@@ -343,7 +344,7 @@ def _load_sharded(
     assert entry.distributed is not None
     try:
         return load_distributed(
-            entry.name, path, entry.distributed, backend, jinja_template(entry.template)
+            entry.name, path, entry.distributed, backend, loaded_template(entry.template)
         )
     except (GroupError, OSError, ValueError) as exc:
         raise ModelUnavailable(f"cannot start the distributed target: {exc}") from exc
@@ -379,7 +380,7 @@ def load_pairing(
     if entry.distributed is not None:
         target, tokenizer, config = _load_sharded(entry, target_dir, backend)
     else:
-        target, tokenizer, config = load_model(target_dir, backend, jinja_template(entry.template))
+        target, tokenizer, config = load_model(target_dir, backend, loaded_template(entry.template))
     draft = None
     draft_dir = None
     draft_revision = ""

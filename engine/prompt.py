@@ -15,6 +15,8 @@ from jinja2 import TemplateSyntaxError, nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from mlxd.registry.templates import is_go_template
+
 
 class PromptError(ValueError):
     """The request cannot be rendered for this model (answered with 400)."""
@@ -217,11 +219,6 @@ def inserts(fim: FimFormat | None, template: str | None) -> bool:
     return fim is not None or suffix_template(template) is not None
 
 
-def jinja_template(template: str | None) -> str | None:
-    """A model's template when it is Jinja, which its tokenizer renders (installed at load)."""
-    return template if template and not is_go_template(template) else None
-
-
 def _collated(messages: Sequence[Mapping[str, Any]]) -> list[tuple[str, str]]:
     """(role, content), consecutive messages of one role joined by a blank line, as Ollama
     collates a conversation before a legacy template renders it."""
@@ -273,15 +270,6 @@ def with_system(messages: Sequence[Mapping[str, Any]], system: str | None) -> li
     if system and not (out and out[0].get("role") == "system"):
         out.insert(0, {"role": "system", "content": system})
     return out
-
-
-_GO_FIELD = re.compile(r"{{[^}]*?(?<![\w\])])\.[A-Z]")
-
-
-def is_go_template(template: str) -> bool:
-    """Ollama's Go templates name fields (`{{ .Prompt }}`); anything else is Jinja, as the chat
-    template `/api/show` reports, which /api/generate's `template` therefore also takes."""
-    return bool(_GO_FIELD.search(template))
 
 
 def render_chat(

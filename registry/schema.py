@@ -41,6 +41,7 @@ from mlxd.registry.bounds import BOUNDS, OptionsError, check_bound
 from mlxd.registry.distributed import Distribution, check_distributed
 from mlxd.registry.embedded import EMBEDDED_DIR
 from mlxd.registry.names import InvalidModelName, parse_name
+from mlxd.registry.templates import loaded_template
 
 __all__ = [
     "ENTRY_CHOICES",
@@ -201,8 +202,13 @@ class ModelEntry:
 
     @property
     def load_key(self) -> tuple[Any, ...]:
-        """What the loaded pairing depends on (`LOAD_KEYS`): equal keys share one load."""
-        return tuple(getattr(self, k) for k in LOAD_KEYS)
+        """What the loaded pairing depends on (`LOAD_KEYS`): equal keys share one load. Of the
+        template, what the tokenizer is loaded with (`loaded_template`): entries differing only
+        in an Ollama (Go) template, rendered per request, share one."""
+        return tuple(
+            loaded_template(self.template) if k == "template" else getattr(self, k)
+            for k in LOAD_KEYS
+        )
 
     @property
     def target_is_path(self) -> bool:

@@ -110,6 +110,25 @@ def test_an_adapter_added_by_a_registry_edit_is_served_without_reloading_the_bas
     assert loads(thread) == 1
 
 
+def test_an_adapter_entry_with_its_own_go_template_decodes_on_the_loaded_base(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters
+) -> None:
+    """An Ollama (Go) template is rendered per request, so an adapter entry with one shares the
+    base its siblings decode on (it loaded a second base); its template is applied."""
+    server, thread = served
+    sql = answer(server, "coder-sql")
+    coder = thread.state.registry().get("coder")
+    text = server.registry.read_text(encoding="utf-8")
+    entry = f"  coder-sql-go:\n    target: {coder.target}\n    draft: {coder.draft}\n"
+    entry += f"    adapters: [{adapters.sql}]\n    template: '{{{{ .Prompt }}}}'\n"
+    server.registry.write_text(text + entry, encoding="utf-8")
+    assert wait_for(lambda: "coder-sql-go:latest" in tags(server))
+    templated = client(server).generate(model="coder-sql-go", prompt=PROMPT, options=GREEDY)
+    assert templated.response == sql  # the template renders the prompt as it is
+    assert loads(thread) == 1
+    assert len(httpx.get(f"{server.base_url}/api/ps").json()["models"]) == 1
+
+
 def test_removing_or_moving_entries_keeps_the_base_the_others_use(
     served: tuple[RunningServer, ServerThread],
 ) -> None:

@@ -38,6 +38,10 @@ def test_adapters_key_takes_a_path_a_list_or_path_and_scale(tmp_path: Path) -> N
     assert many.adapters == (AdapterRef("/x"), AdapterRef("/y", 2.0))
     assert many.draft_adapters == (AdapterRef("/z"),)
     assert many.load_key == one.load_key  # adapters never change what is loaded
+    go = load_registry_file(registry(tmp_path, "    template: '{{ .Prompt }}'\n"))["m:latest"]
+    assert go.load_key == one.load_key  # an Ollama template is rendered per request
+    jinja = load_registry_file(registry(tmp_path, "    template: '{{ messages }}'\n"))["m:latest"]
+    assert jinja.load_key != one.load_key  # a Jinja one is what the tokenizer is loaded with
     for bad in (
         "{scale: 2}", "[{path: /y, scale: lots}]", "[{path: /y, rank: 2}]", "3",
         "[{path: /y, scale: .nan}]", "[{path: /y, scale: -.inf}]",
