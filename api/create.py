@@ -10,6 +10,7 @@ adapter on a loaded base is mounted by the first request for it: the base is not
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -26,7 +27,7 @@ from mlxd.registry.blobs import BlobError, blob_intact, parse_digest, store_blob
 from mlxd.registry.create import CreateError, CreateSpec, create_model, local_path
 from mlxd.registry.modelfile import ModelfileError, parse_modelfile
 from mlxd.registry.pull import Progress, user_file_in_use
-from mlxd.registry.schema import KNOWN_OPTIONS, RegistryError
+from mlxd.registry.schema import KNOWN_OPTIONS, AdapterRef, RegistryError
 
 __all__ = ["routes"]
 
@@ -64,6 +65,14 @@ async def post_blob(request: Request) -> Response:
     return Response(status_code=201 if created else 200)
 
 
+def _near(here: Path | None, ref: AdapterRef) -> AdapterRef:
+    """A Modelfile's adapter path, taken relative to the Modelfile's folder where it is not
+    absolute."""
+    if here is None or local_path(ref.ref, "adapter path").is_absolute():
+        return ref
+    return AdapterRef(str(here / ref.ref), ref.scale)
+
+
 def _spec(body: CreateRequest) -> CreateSpec:
     name = body.model or body.name
     if not name:
@@ -82,10 +91,8 @@ def _spec(body: CreateRequest) -> CreateSpec:
             raise ApiError(400, f"invalid modelfile: {exc}") from exc
         try:
             here = local_path(body.path, "path").parent if body.path else None
-            spec.adapter_dirs = [
-                str(here / a) if here and not local_path(a, "adapter path").is_absolute() else a
-                for a in parsed.adapters
-            ]
+            spec.adapter_dirs = [_near(here, a) for a in parsed.adapters]
+            spec.draft_adapter_dirs = [_near(here, a) for a in parsed.draft_adapters]
         except CreateError as exc:
             raise ApiError(exc.status, str(exc)) from None
         spec.from_ = parsed.from_

@@ -226,9 +226,10 @@ def show_json(m: LocalModel, unavailable: str | None = None, verbose: bool = Fal
         f"# FROM {entry.name}\n"
     )
     modelfile = render_modelfile(
-        str(m.target_dir), [a.ref for a in entry.adapters], dict(entry.options), entry.system,
-        template, [dict(x) for x in entry.messages], header=header,
+        str(m.target_dir), entry.adapters, dict(entry.options), entry.system, template,
+        [dict(x) for x in entry.messages], header=header,
         draft=str(m.draft_dir) if m.draft_dir else None, licenses=entry.license,
+        draft_adapters=entry.draft_adapters,
     )  # fmt: skip
     return ShowResponse(
         modelfile=modelfile,

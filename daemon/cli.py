@@ -690,7 +690,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 def create_body(client: Client, name: str, modelfile: Path) -> dict[str, Any]:
     """The /api/create body for a Modelfile: one ADAPTER directory is uploaded as blobs (so a
-    daemon on another machine gets the files); paths are taken relative to the Modelfile."""
+    daemon on another machine gets the files), unless it has a scale or the draft has adapters
+    (which only the Modelfile's text says); paths are taken relative to the Modelfile."""
     text = modelfile.read_text(encoding="utf-8")
     spec = parse_modelfile(text)
     here = modelfile.resolve().parent
@@ -699,8 +700,9 @@ def create_body(client: Client, name: str, modelfile: Path) -> dict[str, Any]:
         path = Path(p).expanduser()
         return path if path.is_absolute() else here / path
 
-    adapters = [local(a) for a in spec.adapters]
-    if len(adapters) == 1 and adapters[0].is_dir():
+    adapters = [local(a.ref) for a in spec.adapters]
+    uploads = spec.adapters[0].scale is None and not spec.draft_adapters if adapters else False
+    if len(adapters) == 1 and adapters[0].is_dir() and uploads:  # Ollama's fields say no more
         files = sorted(f for f in adapters[0].iterdir() if f.name in ADAPTER_FILES)
         body: dict[str, Any] = {"model": name, "from": spec.from_}
         body["adapters"] = {f.name: client.upload_blob(f) for f in files}

@@ -27,9 +27,9 @@ from mlxd.registry.home import mlxd_home, user_registry_path
 from mlxd.registry.names import InvalidModelName, parse_name
 from mlxd.registry.pull import Progress
 from mlxd.registry.registry import Registry
-from mlxd.registry.schema import KNOWN_OPTIONS, check_option
+from mlxd.registry.schema import KNOWN_OPTIONS, AdapterRef, check_option
 from mlxd.registry.store import is_complete_model, resolve_local
-from mlxd.registry.userfile import entry_fields, set_entry, written_now
+from mlxd.registry.userfile import adapter_field, entry_fields, set_entry, written_now
 
 __all__ = ["CreateError", "CreateSpec", "create_model"]
 
@@ -50,7 +50,8 @@ class CreateSpec:
     from_: str | None = None
     draft: str | None = None  # a draft model directory (replaces the base's)
     adapter_blobs: dict[str, str] = field(default_factory=dict)  # file name -> digest
-    adapter_dirs: list[str] = field(default_factory=list)  # local directories (Modelfile)
+    adapter_dirs: list[AdapterRef] = field(default_factory=list)  # local directories (Modelfile)
+    draft_adapter_dirs: list[AdapterRef] = field(default_factory=list)  # the draft's (Modelfile)
     parameters: dict[str, Any] = field(default_factory=dict)
     system: str | None = None
     template: str | None = None
@@ -154,6 +155,30 @@ def _assemble(files: Mapping[str, str], env: Mapping[str, str]) -> tuple[Path, s
     return final, "sha256:" + key, True
 
 
+def _local_adapters(refs: list[AdapterRef]) -> list[AdapterRef]:
+    """Adapter directories a Modelfile names, resolved (their scales kept)."""
+    out = []
+    for ref in refs:
+        path = local_path(ref.ref, "adapter path")
+        if not path.is_absolute():
+            raise CreateError(f"adapter path '{ref.ref}' must be absolute")
+        out.append(AdapterRef(str(path.resolve()), ref.scale))
+    return out
+
+
+def _check_adapters(refs: list[AdapterRef], model: Path) -> None:
+    """Refuse adapters that do not fit `model`, or DoRA combined with others (as a registry
+    entry is refused)."""
+    for ref in refs:
+        try:
+            info = read_adapter(Path(ref.ref))
+            check_fits(info, model)
+        except AdapterFileError as exc:
+            raise CreateError(str(exc)) from None
+        if info.dora and len(refs) > 1:
+            raise CreateError(f"adapter {ref.ref}: DoRA adapters cannot be combined")
+
+
 def _check_draft_adapters(kept: list[Any], draft: Path) -> None:
     """The source's `draft_adapters` must fit the draft that replaces its own (else every
     request on the model would fail): refused with the adapter named."""
@@ -197,7 +222,7 @@ def create_model(
     target = resolve_local(base)
     if target is None:
         raise CreateError(f"model '{spec.from_}' not found, try pulling it first", 404)
-    adapters: list[str] = []
+    adapters: list[AdapterRef] = []
     if spec.adapter_blobs or spec.adapter_dirs:
         yield Progress("converting adapter")
         made: list[tuple[Path, bool]] = []
@@ -207,26 +232,15 @@ def create_model(
                 made.append((path, new))
                 verb = "creating new" if new else "using existing"
                 yield Progress(f"{verb} layer {digest}")
-                adapters.append(str(path))
-            for raw in spec.adapter_dirs:
-                path = local_path(raw, "adapter path")
-                if not path.is_absolute():
-                    raise CreateError(f"adapter path '{raw}' must be absolute")
-                adapters.append(str(path.resolve()))
-            for adapter in adapters:
-                try:
-                    info = read_adapter(Path(adapter))
-                    check_fits(info, target)
-                except AdapterFileError as exc:
-                    raise CreateError(str(exc)) from None
-                if info.dora and len(adapters) > 1:  # as a registry entry is refused
-                    raise CreateError(f"adapter {adapter}: DoRA adapters cannot be combined")
+                adapters.append(AdapterRef(str(path)))
+            adapters += _local_adapters(spec.adapter_dirs)
+            _check_adapters(adapters, target)
         except BaseException:
             for path, new in made:  # an adapter directory nobody will register
                 if new:
                     shutil.rmtree(path, ignore_errors=True)
             raise
-        fields["adapters"] = adapters
+        fields["adapters"] = [adapter_field(r) for r in adapters]
     if spec.parameters or fields.get("options"):
         fields["options"] = _options(fields.get("options") or {}, spec.parameters)
     if spec.system:
@@ -243,7 +257,15 @@ def create_model(
         if not is_complete_model(draft):
             raise CreateError(f"'{spec.draft}' holds no model (a config.json and its weights)")
         fields["draft"] = str(draft.resolve())
-        _check_draft_adapters(fields.get("draft_adapters") or [], draft)
+        if not spec.draft_adapter_dirs:
+            _check_draft_adapters(fields.get("draft_adapters") or [], draft)
+    if spec.draft_adapter_dirs:
+        draft_dir = resolve_local(fields["draft"]) if fields.get("draft") else None
+        if draft_dir is None:
+            raise CreateError("DRAFT_ADAPTER names an adapter for a draft, but there is no draft")
+        refs = _local_adapters(spec.draft_adapter_dirs)
+        _check_adapters(refs, draft_dir)
+        fields["draft_adapters"] = [adapter_field(r) for r in refs]
     if spec.license:
         fields["license"] = [*fields.get("license", []), *spec.license]
     fields.pop("description", None)

@@ -1,23 +1,31 @@
 """Ollama's Modelfile: parsed into the fields of a create request, and written back out.
 
 The commands mlxd understands are `FROM`, `DRAFT` (mlxd's: the speculative draft), `ADAPTER`,
-`PARAMETER`, `SYSTEM`, `TEMPLATE`, `MESSAGE` and `LICENSE` (one or more); values may be quoted, and
-`\"\"\"` opens a multi-line value, as in Ollama. Anything else is an error that names the line.
+`DRAFT_ADAPTER` (mlxd's: an adapter for the draft), `PARAMETER`, `SYSTEM`, `TEMPLATE`, `MESSAGE`
+and `LICENSE` (one or more); values may be quoted, and `\"\"\"` opens a multi-line value, as in
+Ollama. An adapter's path may be followed by `scale=<number>` (mlxd's: the scale that replaces
+its trained one). Anything else is an error that names the line.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mlxd.registry.schema import KNOWN_OPTIONS
+from mlxd.registry.schema import KNOWN_OPTIONS, AdapterRef
 
 __all__ = ["Modelfile", "ModelfileError", "parameter_value", "parse_modelfile", "render_modelfile"]
 
-COMMANDS = ("from", "draft", "adapter", "parameter", "system", "template", "message", "license")
+COMMANDS = (
+    "from", "draft", "adapter", "draft_adapter", "parameter", "system", "template", "message",
+    "license",
+)  # fmt: skip
+_SCALED = re.compile(r"^(?P<path>.*\S)\s+scale=(?P<scale>\S+)$")
 
 
 class ModelfileError(ValueError):
@@ -30,7 +38,8 @@ class Modelfile:
 
     from_: str | None = None
     draft: str | None = None
-    adapters: list[str] = field(default_factory=list)
+    adapters: list[AdapterRef] = field(default_factory=list)
+    draft_adapters: list[AdapterRef] = field(default_factory=list)
     parameters: dict[str, Any] = field(default_factory=dict)
     system: str | None = None
     template: str | None = None
@@ -130,7 +139,9 @@ def parse_modelfile(text: str) -> Modelfile:
         elif command == "draft":
             spec.draft = _value(rest)
         elif command == "adapter":
-            spec.adapters.append(_value(rest))
+            spec.adapters.append(_adapter(rest, line))
+        elif command == "draft_adapter":
+            spec.draft_adapters.append(_adapter(rest, line))
         elif command == "parameter":
             name, _, raw = rest.partition(" ")
             value = _parameter(name.strip(), raw, line)
@@ -154,13 +165,32 @@ def parse_modelfile(text: str) -> Modelfile:
     return spec
 
 
+def _adapter(rest: str, line: int) -> AdapterRef:
+    """An adapter line's path and, where `scale=<number>` follows it, its scale."""
+    found = _SCALED.match(rest.strip())
+    if found is None:
+        return AdapterRef(_value(rest))
+    try:
+        scale = float(found["scale"])
+    except ValueError:
+        scale = math.nan
+    if not math.isfinite(scale):
+        raise ModelfileError(f"line {line}: an adapter's scale must be a finite number")
+    return AdapterRef(_value(found["path"]), scale)
+
+
+def _adapter_line(command: str, ref: AdapterRef) -> str:
+    path = json.dumps(ref.ref) if any(c.isspace() for c in ref.ref) else ref.ref
+    return f"{command} {path}" + ("" if ref.scale is None else f" scale={ref.scale!r}")
+
+
 def _quote(text: str) -> str:
     return f'"""{text}"""'
 
 
 def render_modelfile(
     from_: str,
-    adapters: list[str],
+    adapters: Sequence[AdapterRef],
     parameters: dict[str, Any],
     system: str | None,
     template: str | None,
@@ -168,6 +198,7 @@ def render_modelfile(
     header: str = "",
     draft: str | None = None,
     licenses: Sequence[str] = (),
+    draft_adapters: Sequence[AdapterRef] = (),
 ) -> str:
     """A Modelfile that creates the model again (what `/api/show` and `mlxd show --modelfile`
     print)."""
@@ -175,7 +206,8 @@ def render_modelfile(
     lines.append(f"FROM {shlex.quote(from_) if ' ' in from_ else from_}")
     if draft:
         lines.append(f"DRAFT {shlex.quote(draft) if ' ' in draft else draft}")
-    lines += [f"ADAPTER {a}" for a in adapters]
+    lines += [_adapter_line("ADAPTER", a) for a in adapters]
+    lines += [_adapter_line("DRAFT_ADAPTER", a) for a in draft_adapters]
     if template:
         lines.append(f"TEMPLATE {_quote(template)}")
     if system:

@@ -129,6 +129,33 @@ def test_an_adapter_entry_with_its_own_go_template_decodes_on_the_loaded_base(
     assert len(httpx.get(f"{server.base_url}/api/ps").json()["models"]) == 1
 
 
+def test_the_shown_modelfile_creates_the_model_again_with_its_adapters_scales(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters
+) -> None:
+    """`/api/show`'s Modelfile names each adapter's scale and the draft's adapters, so a model
+    created from it is the same model (it lost them: the adapter came back at its trained
+    scale)."""
+    server, thread = served
+    coder = thread.state.registry().get("coder")
+    text = server.registry.read_text(encoding="utf-8")
+    entry = f"  coder-scaled:\n    target: {coder.target}\n    draft: {coder.draft}\n"
+    entry += f"    adapters: [{{path: {adapters.sql}, scale: 2.5}}]\n"
+    entry += f"    draft_adapters: [{adapters.draft}]\n"
+    server.registry.write_text(text + entry, encoding="utf-8")
+    assert wait_for(lambda: "coder-scaled:latest" in tags(server))
+    shown = httpx.post(f"{server.base_url}/api/show", json={"model": "coder-scaled"}).json()
+    body = {"model": "again", "modelfile": shown["modelfile"]}
+    assert httpx.post(f"{server.base_url}/api/create", json=body, timeout=60).status_code == 200
+    assert wait_for(lambda: "again:latest" in tags(server))
+    again, scaled = (
+        thread.state.registry().get("again"),
+        thread.state.registry().get("coder-scaled"),
+    )
+    assert again.adapters == scaled.adapters and again.adapters[0].scale == 2.5
+    assert again.draft_adapters == scaled.draft_adapters
+    assert answer(server, "again") == answer(server, "coder-scaled") != answer(server, "coder-sql")
+
+
 def test_removing_or_moving_entries_keeps_the_base_the_others_use(
     served: tuple[RunningServer, ServerThread],
 ) -> None:

@@ -96,7 +96,7 @@ def test_modelfile_parses_and_renders_back() -> None:
         "MESSAGE user hi\nMESSAGE assistant hello\n"
     )
     spec = parse_modelfile(text)
-    assert spec.from_ == "coder" and spec.adapters == ["./sql"]
+    assert spec.from_ == "coder" and spec.adapters == [AdapterRef("./sql")]
     assert spec.parameters == {"temperature": 0.2, "stop": ["<|end|>", "###"]}
     assert spec.system == "You are\nterse."
     assert spec.messages == [
@@ -104,15 +104,25 @@ def test_modelfile_parses_and_renders_back() -> None:
         {"role": "assistant", "content": "hello"},
     ]
     again = parse_modelfile(
-        render_modelfile("coder", ["./sql"], spec.parameters, spec.system, None, spec.messages)
+        render_modelfile(
+            "coder", [AdapterRef("./sql")], spec.parameters, spec.system, None, spec.messages
+        )
     )
     assert again == spec
+    # mlxd's own: an adapter's scale, the draft's adapters, a path with a space
+    scaled = [AdapterRef("/a/sql", 5.0), AdapterRef("/a b/tests", 0.0), AdapterRef("/a/x")]
+    text = render_modelfile("coder", scaled, {}, None, None, draft="/d", draft_adapters=scaled[:1])
+    assert "ADAPTER /a/sql scale=5.0" in text and "DRAFT_ADAPTER /a/sql scale=5.0" in text
+    back = parse_modelfile(text)
+    assert back.adapters == scaled and back.draft_adapters == scaled[:1] and back.draft == "/d"
     for bad, message in [
         ("ADAPTER x\n", "no FROM"),
         ("FROM a\nPARAMETER temprature 1\n", "unknown parameter"),
         ("FROM a\nPARAMETER num_ctx many\n", "invalid value"),
         ('FROM a\nSYSTEM """open\n', "unterminated"),
         ("FROM a\nLORA x\n", "unknown command"),
+        ("FROM a\nADAPTER /x scale=lots\n", "finite number"),
+        ("FROM a\nADAPTER /x scale=inf\n", "finite number"),
     ]:
         with pytest.raises(ModelfileError, match=message):
             parse_modelfile(bad)
