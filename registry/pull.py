@@ -72,6 +72,7 @@ from huggingface_hub.utils import build_hf_headers, filter_repo_objects
 
 from mlxd.registry.home import user_registry_path
 from mlxd.registry.names import HUB_HOSTS, ModelName, hub_name, parse_name
+from mlxd.registry.prune import prune_adapters
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import ModelEntry, RegistryError
 from mlxd.registry.store import (
@@ -935,7 +936,8 @@ def _installed(entry: ModelEntry, env: Mapping[str, str]) -> bool:
 def delete_model(
     entry: ModelEntry, registry: Registry, env: Mapping[str, str] = os.environ
 ) -> Removal:
-    """Remove a model: its user-registry entry, and its hub-cache files unless shared.
+    """Remove a model: its user-registry entry, and its hub-cache files and the adapter
+    directories created for it (`prune_adapters`) unless shared.
 
     An entry in the user registry (``$MLXD_HOME/models.yaml``) is taken out of that file. An
     entry that lives in the packaged registry or a ``--registry`` file cannot be removed from
@@ -950,6 +952,7 @@ def delete_model(
         raise DeleteError(404, f"model '{entry.name}' not found")  # configured, not pulled
     removed = remove_entry(entry.name, path=user_file) if in_user_file else False
     others = _others(entry, registry, env, removed)
+    pruned = prune_adapters(entry, others, env) if removed else 0
 
     whole: set[str] = set()  # repos another entry uses at main: keep every revision
     pinned: set[tuple[str, str]] = set()
@@ -1016,7 +1019,7 @@ def delete_model(
             f"model '{entry.name}' is defined in {entry.source} and points at local files"
             " that mlxd does not manage; remove it from that file instead",
         )
-    return Removal(entry.name, removed, deleted, freed, tuple(kept))
+    return Removal(entry.name, removed, deleted, freed + pruned, tuple(kept))
 
 
 def copy_model(entry: ModelEntry, destination: str, env: Mapping[str, str] = os.environ) -> str:

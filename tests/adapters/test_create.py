@@ -156,6 +156,32 @@ def test_the_shown_modelfile_creates_the_model_again_with_its_adapters_scales(
     assert answer(server, "again") == answer(server, "coder-scaled") != answer(server, "coder-sql")
 
 
+def test_deleting_the_last_model_on_an_uploaded_adapter_removes_its_files(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters
+) -> None:
+    """As Ollama prunes a deleted model's layers that no other model uses: the adapter
+    directory a create assembled, and the blobs linked into it, go with the last model on
+    them; a model still on them keeps them."""
+    server, _ = served
+    c = client(server)
+    home = Path(os.environ["MLXD_HOME"])
+    files = {
+        name: c.create_blob(adapters.sql / name)
+        for name in ("adapter_config.json", "adapters.safetensors")
+    }
+    blobs = {home / "blobs" / d.replace(":", "-") for d in files.values()}
+    for name in ("one", "two"):
+        assert c.create(model=name, from_="coder", adapters=files).status == "success"
+    [folder] = list((home / "adapters").iterdir())
+    c.delete("one")
+    assert folder.is_dir() and all(b.is_file() for b in blobs)  # "two" is on them
+    assert answer(server, "two") == answer(server, "coder-sql")
+    c.delete("two")
+    assert not folder.exists() and not any(b.exists() for b in blobs)
+    assert answer(server, "coder-sql")  # adapters the registry names are never touched
+    assert (adapters.sql / "adapters.safetensors").is_file()
+
+
 def test_removing_or_moving_entries_keeps_the_base_the_others_use(
     served: tuple[RunningServer, ServerThread],
 ) -> None:
