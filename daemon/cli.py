@@ -325,6 +325,14 @@ def show_info(info: dict[str, Any]) -> None:
         print("\n  Parameters")
         for line in info["parameters"].splitlines():
             print(f"    {line}")
+    for title, key in (("System", "system"), ("License", "license")):
+        lines = [line for line in (info.get(key) or "").splitlines() if line.strip()]
+        if lines:  # as Ollama shows them: the first two lines
+            print(f"\n  {title}")
+            for line in lines[:2]:
+                print(f"    {line.strip()}")
+            if len(lines) > 2:
+                print("    ...")
 
 
 def _stream_text(

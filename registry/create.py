@@ -149,7 +149,8 @@ def _assemble(files: Mapping[str, str], env: Mapping[str, str]) -> tuple[Path, s
             shutil.rmtree(final)
         os.replace(tmp, final)
     except AdapterFileError as exc:
-        raise CreateError(str(exc).replace(str(tmp), "the uploaded adapter")) from None
+        said = str(exc).replace(f"adapter {tmp}: {tmp}/", "the uploaded adapter's ")
+        raise CreateError(said.replace(f"adapter {tmp}", "the uploaded adapter")) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final, "sha256:" + key, True

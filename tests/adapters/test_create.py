@@ -427,7 +427,7 @@ def test_bad_input_is_refused_and_nothing_is_registered(
                 },
             },
             400,
-            "corrupt",
+            "the uploaded adapter's adapters.safetensors is corrupt",
         ),
         (
             {

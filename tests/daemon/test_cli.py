@@ -148,6 +148,12 @@ def test_show(server: RunningServer) -> None:
     assert "completion" in caps and "insert" in caps
 
 
+def test_show_prints_the_system_prompt_as_ollama_does(server: RunningServer) -> None:
+    result = mlxd(["show", "sys"], server.port)
+    assert result.returncode == 0, err(result)
+    assert re.search(r"System\n\s+You are terse\.", out(result)), out(result)
+
+
 def test_show_pair_names_the_draft(server: RunningServer) -> None:
     result = mlxd(["show", "pair"], server.port)
     assert result.returncode == 0
