@@ -357,6 +357,13 @@ def test_modelfile_create_raw_and_from_the_cli_and_show_modelfile_recreates_it(
     again = cli(["create", "again", "-f", str(tmp_path / "Again")], server)
     assert again.returncode == 0, again.stderr
     assert answer(server, "again") == want
+    # a scale only the Modelfile says: the folder is named, not uploaded, and the scale kept
+    (folder / "Scaled").write_text("FROM coder\nADAPTER ./adapter scale=0.0\n", encoding="utf-8")
+    scaled = cli(["create", "scaled", "-f", str(folder / "Scaled")], server)
+    assert scaled.returncode == 0, scaled.stderr
+    [ref] = thread.state.registry().get("scaled").adapters
+    assert ref.scale == 0.0 and Path(ref.ref) == (folder / "adapter").resolve()
+    assert answer(server, "scaled") == answer(server, "coder")  # a zero scale: the base's
     assert loads(thread) == 1
 
 
