@@ -167,12 +167,35 @@ def _local_adapters(refs: list[AdapterRef]) -> list[AdapterRef]:
     return out
 
 
+def _inherited(fields: Mapping[str, Any], key: str) -> list[AdapterRef]:
+    """The adapters (`key`) of the entry a model is created from, as its fields write them."""
+    return [
+        AdapterRef(item["path"], item.get("scale")) if isinstance(item, dict) else AdapterRef(item)
+        for item in fields.get(key) or []
+    ]
+
+
+def _added(
+    inherited: list[AdapterRef], uploaded: list[AdapterRef], named: list[AdapterRef]
+) -> list[AdapterRef]:
+    """A created model's adapters: those of the model it is created from, then its own (as
+    Ollama adds a Modelfile's adapter layers to its FROM model's), each once."""
+    out: list[AdapterRef] = []
+    for ref in (*inherited, *uploaded, *_local_adapters(named)):
+        if ref not in out:
+            out.append(ref)
+    return out
+
+
 def _check_adapters(refs: list[AdapterRef], model: Path) -> None:
-    """Refuse adapters that do not fit `model`, or DoRA combined with others (as a registry
-    entry is refused)."""
+    """Refuse adapters that are not here, do not fit `model`, or are DoRA combined with others
+    (as a registry entry is refused)."""
     for ref in refs:
         try:
-            info = read_adapter(Path(ref.ref))
+            found = Path(ref.ref) if ref.is_path else resolve_local(ref.ref)
+            if found is None:
+                raise AdapterFileError(f"adapter '{ref.ref}' is not available locally")
+            info = read_adapter(found)
             check_fits(info, model)
         except AdapterFileError as exc:
             raise CreateError(str(exc)) from None
@@ -234,7 +257,7 @@ def create_model(
                 verb = "creating new" if new else "using existing"
                 yield Progress(f"{verb} layer {digest}")
                 adapters.append(AdapterRef(str(path)))
-            adapters += _local_adapters(spec.adapter_dirs)
+            adapters = _added(_inherited(fields, "adapters"), adapters, spec.adapter_dirs)
             _check_adapters(adapters, target)
         except BaseException:
             for path, new in made:  # an adapter directory nobody will register
@@ -264,7 +287,7 @@ def create_model(
         draft_dir = resolve_local(fields["draft"]) if fields.get("draft") else None
         if draft_dir is None:
             raise CreateError("DRAFT_ADAPTER names an adapter for a draft, but there is no draft")
-        refs = _local_adapters(spec.draft_adapter_dirs)
+        refs = _added(_inherited(fields, "draft_adapters"), [], spec.draft_adapter_dirs)
         _check_adapters(refs, draft_dir)
         fields["draft_adapters"] = [adapter_field(r) for r in refs]
     if spec.license:

@@ -182,6 +182,28 @@ def test_deleting_the_last_model_on_an_uploaded_adapter_removes_its_files(
     assert (adapters.sql / "adapters.safetensors").is_file()
 
 
+def test_a_model_created_from_one_on_an_adapter_adds_its_own_to_it(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters
+) -> None:
+    """As Ollama adds a Modelfile's adapter layers to its FROM model's: created from
+    `coder-sql` with the tests adapter, the model is on both, as an entry naming both is (it
+    was on the new one alone); an adapter it already has is not added twice."""
+    server, thread = served
+    modelfile = f"FROM coder-sql\nADAPTER {adapters.tests}\nADAPTER {adapters.sql}\n"
+    r = httpx.post(f"{server.base_url}/api/create", json={"model": "both", "modelfile": modelfile})
+    assert r.status_code == 200, r.text
+    both = thread.state.registry().get("both")
+    assert [Path(a.ref) for a in both.adapters] == [adapters.sql, adapters.tests]
+    coder = thread.state.registry().get("coder")
+    text = server.registry.read_text(encoding="utf-8")
+    entry = f"  named-both:\n    target: {coder.target}\n    draft: {coder.draft}\n"
+    entry += f"    adapters: [{adapters.sql}, {adapters.tests}]\n"
+    server.registry.write_text(text + entry, encoding="utf-8")
+    assert wait_for(lambda: "named-both:latest" in tags(server))
+    assert answer(server, "both") == answer(server, "named-both")
+    assert answer(server, "both") != answer(server, "coder-tests")
+
+
 def test_removing_or_moving_entries_keeps_the_base_the_others_use(
     served: tuple[RunningServer, ServerThread],
 ) -> None:
