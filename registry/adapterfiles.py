@@ -168,9 +168,11 @@ def check_layout(info: AdapterInfo, blocks: dict[str, int]) -> None:
     its `lora_parameters.keys`. `blocks`: the base's block count per block list
     (`block_counts`)."""
     for module in info.modules:
+        if info.keys is not None and module in info.keys:
+            continue  # a key naming the module's whole path: mlx-lm adapts it in any block
         found = _block_of(module)
         if found is None:
-            if info.keys is None or module not in info.keys:
+            if info.keys is None:
                 raise AdapterFileError(
                     f"adapter {info.path}: {module} is outside the blocks its"
                     f" {ADAPTER_CONFIG} adapts"

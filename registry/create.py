@@ -23,8 +23,9 @@ from typing import Any
 
 from mlxd.registry.adapterfiles import AdapterFileError, check_fits, read_adapter
 from mlxd.registry.blobs import BlobError, blob_intact, blob_path, holds, parse_digest
-from mlxd.registry.home import mlxd_home, user_registry_path
+from mlxd.registry.home import user_registry_path
 from mlxd.registry.names import InvalidModelName, parse_name
+from mlxd.registry.prune import adapters_dir, adapters_lock
 from mlxd.registry.pull import Progress
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import KNOWN_OPTIONS, AdapterRef, check_option
@@ -131,7 +132,7 @@ def _assemble(files: Mapping[str, str], env: Mapping[str, str]) -> tuple[Path, s
     key = hashlib.sha256(
         "".join(f"{n}:{d};" for n, d in sorted(digests.items())).encode()
     ).hexdigest()
-    final = mlxd_home(env) / "adapters" / key
+    final = adapters_dir(env) / key
     if final.is_dir() and all(holds(final / n, d) for n, d in digests.items()):
         return final, "sha256:" + key, False
     # absent, or built from a copy damaged since (its files are links to the blobs): anew
@@ -246,24 +247,40 @@ def create_model(
     target = resolve_local(base)
     if target is None:
         raise CreateError(f"model '{spec.from_}' not found, try pulling it first", 404)
+    made: list[Path] = []  # adapter directories this create assembled anew
+    with adapters_lock(env):  # a delete prunes nothing this create is registering
+        try:
+            yield from _fill(spec, fields, target, made, env)
+            yield Progress("writing manifest")
+            set_entry(name, fields, path=user_registry_path(env))
+        except BaseException:
+            for path in made:  # an adapter directory nobody will register
+                shutil.rmtree(path, ignore_errors=True)
+            raise
+    yield Progress("success")
+
+
+def _fill(
+    spec: CreateSpec,
+    fields: dict[str, Any],
+    target: Path,
+    made: list[Path],
+    env: Mapping[str, str],
+) -> Iterator[Progress]:
+    """Complete the new entry's `fields` from `spec`, checking everything; the adapter
+    directories it assembles anew are noted in `made`."""
     adapters: list[AdapterRef] = []
     if spec.adapter_blobs or spec.adapter_dirs:
         yield Progress("converting adapter")
-        made: list[tuple[Path, bool]] = []
-        try:
-            if spec.adapter_blobs:
-                path, digest, new = _assemble(spec.adapter_blobs, env)
-                made.append((path, new))
-                verb = "creating new" if new else "using existing"
-                yield Progress(f"{verb} layer {digest}")
-                adapters.append(AdapterRef(str(path)))
-            adapters = _added(_inherited(fields, "adapters"), adapters, spec.adapter_dirs)
-            _check_adapters(adapters, target)
-        except BaseException:
-            for path, new in made:  # an adapter directory nobody will register
-                if new:
-                    shutil.rmtree(path, ignore_errors=True)
-            raise
+        if spec.adapter_blobs:
+            path, digest, new = _assemble(spec.adapter_blobs, env)
+            if new:
+                made.append(path)
+            verb = "creating new" if new else "using existing"
+            yield Progress(f"{verb} layer {digest}")
+            adapters.append(AdapterRef(str(path)))
+        adapters = _added(_inherited(fields, "adapters"), adapters, spec.adapter_dirs)
+        _check_adapters(adapters, target)
         fields["adapters"] = [adapter_field(r) for r in adapters]
     if spec.parameters or fields.get("options"):
         fields["options"] = _options(fields.get("options") or {}, spec.parameters)
@@ -294,9 +311,6 @@ def create_model(
         fields["license"] = [*fields.get("license", []), *spec.license]
     fields.pop("description", None)
     fields["modified_at"] = written_now()
-    yield Progress("writing manifest")
     with contextlib.suppress(KeyError):
         if not fields["messages"]:
             del fields["messages"]
-    set_entry(name, fields, path=user_registry_path(env))
-    yield Progress("success")

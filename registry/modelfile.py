@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -167,21 +166,42 @@ def parse_modelfile(text: str) -> Modelfile:
 
 def _adapter(rest: str, line: int) -> AdapterRef:
     """An adapter line's path and, where `scale=<number>` follows it, its scale."""
-    found = _SCALED.match(rest.strip())
+    text = rest.strip()
+    if text.startswith('"') and not text.startswith('"""'):
+        try:
+            path, end = json.JSONDecoder().raw_decode(text)
+        except json.JSONDecodeError:
+            return AdapterRef(_value(rest))
+        tail = text[end:].strip()
+        if not tail:
+            return AdapterRef(str(path))
+        if not tail.startswith("scale="):
+            raise ModelfileError(f"line {line}: unexpected {tail!r} after the adapter's path")
+        return AdapterRef(str(path), _scale(tail.removeprefix("scale="), line))
+    found = _SCALED.match(text)
     if found is None:
         return AdapterRef(_value(rest))
+    return AdapterRef(_value(found["path"]), _scale(found["scale"], line))
+
+
+def _scale(text: str, line: int) -> float:
     try:
-        scale = float(found["scale"])
+        scale = float(text)
     except ValueError:
         scale = math.nan
     if not math.isfinite(scale):
         raise ModelfileError(f"line {line}: an adapter's scale must be a finite number")
-    return AdapterRef(_value(found["path"]), scale)
+    return scale
+
+
+def _path(path: str) -> str:
+    """A path as a Modelfile line writes it: quoted (as JSON, which `_value` reads back) where
+    it holds a space."""
+    return json.dumps(path) if any(c.isspace() for c in path) else path
 
 
 def _adapter_line(command: str, ref: AdapterRef) -> str:
-    path = json.dumps(ref.ref) if any(c.isspace() for c in ref.ref) else ref.ref
-    return f"{command} {path}" + ("" if ref.scale is None else f" scale={ref.scale!r}")
+    return f"{command} {_path(ref.ref)}" + ("" if ref.scale is None else f" scale={ref.scale!r}")
 
 
 def _quote(text: str) -> str:
@@ -203,9 +223,9 @@ def render_modelfile(
     """A Modelfile that creates the model again (what `/api/show` and `mlxd show --modelfile`
     print)."""
     lines = [header] if header else []
-    lines.append(f"FROM {shlex.quote(from_) if ' ' in from_ else from_}")
+    lines.append(f"FROM {_path(from_)}")
     if draft:
-        lines.append(f"DRAFT {shlex.quote(draft) if ' ' in draft else draft}")
+        lines.append(f"DRAFT {_path(draft)}")
     lines += [_adapter_line("ADAPTER", a) for a in adapters]
     lines += [_adapter_line("DRAFT_ADAPTER", a) for a in draft_adapters]
     if template:

@@ -4,24 +4,45 @@ Ollama prunes a deleted model's layers that no other model uses."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
-from collections.abc import Iterable, Mapping
+import stat
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from mlxd.registry.blobs import blobs_dir
 from mlxd.registry.home import mlxd_home
 from mlxd.registry.schema import ModelEntry
+from mlxd.registry.userfile import file_lock
 
-__all__ = ["prune_adapters"]
+__all__ = ["adapters_dir", "adapters_lock", "prune_adapters"]
+
+_ASSEMBLED = re.compile(r"[0-9a-f]{64}")  # the digest create names a directory it assembles
 
 
-def _adapter_dirs(entry: ModelEntry, root: Path) -> set[Path]:
-    """The entry's adapter directories that lie in `root` (those create assembled)."""
+def adapters_dir(env: Mapping[str, str] = os.environ) -> Path:
+    return mlxd_home(env) / "adapters"
+
+
+@contextlib.contextmanager
+def adapters_lock(env: Mapping[str, str] = os.environ) -> Iterator[None]:
+    """Held by a create from assembling its adapter directory until its entry is written, and
+    by a delete while it decides what to prune: a delete never removes a directory a create
+    is registering."""
+    with file_lock(mlxd_home(env) / ".adapters.lock"):
+        yield
+
+
+def _assembled(entry: ModelEntry, root: Path) -> set[Path]:
+    """The entry's adapter directories that create assembled (digest-named, in `root`); a
+    folder of the user's own, wherever it is, is never one of them."""
     found = set()
     for ref in (*entry.adapters, *entry.draft_adapters):
         path = Path(ref.ref)
-        if path.is_absolute() and path.resolve().parent == root:
+        # resolved: a digest-named link to a folder elsewhere is not one
+        if path.is_absolute() and _ASSEMBLED.fullmatch(path.name) and path.resolve().parent == root:
             found.add(path.resolve())
     return found
 
@@ -30,23 +51,26 @@ def prune_adapters(
     gone: ModelEntry, others: Iterable[ModelEntry], env: Mapping[str, str] = os.environ
 ) -> int:
     """Remove `gone`'s assembled adapter directories that none of `others` uses, and the blobs
-    only they linked (a blob whose file is also another directory's, or was copied, stays);
-    the bytes freed."""
-    root = (mlxd_home(env) / "adapters").resolve()
-    used = set().union(*(_adapter_dirs(e, root) for e in others))
-    doomed = [d for d in _adapter_dirs(gone, root) if d not in used and d.is_dir()]
+    only they linked (a blob also linked elsewhere, or copied, stays); the bytes freed. Call it
+    holding `adapters_lock`, `others` read under it. What cannot be removed is left."""
+    root = adapters_dir(env).resolve()
+    used = set().union(*(_assembled(e, root) for e in others))
     inodes: set[tuple[int, int]] = set()
     freed = 0
-    for folder in doomed:
-        for file in folder.iterdir():
-            st = file.stat()
-            inodes.add((st.st_dev, st.st_ino))
-            freed += st.st_size if st.st_nlink == 1 else 0
-        shutil.rmtree(folder, ignore_errors=True)
+    for folder in _assembled(gone, root) - used:
+        with contextlib.suppress(OSError):
+            for file in folder.iterdir():
+                st = file.lstat()
+                if stat.S_ISREG(st.st_mode):
+                    inodes.add((st.st_dev, st.st_ino))
+                    freed += st.st_size if st.st_nlink == 1 else 0
+            shutil.rmtree(folder, ignore_errors=True)
     blobs = blobs_dir(env)
-    if inodes and blobs.is_dir():
+    if not inodes:
+        return freed
+    with contextlib.suppress(OSError):
         for blob in blobs.iterdir():
-            st = blob.stat()
+            st = blob.lstat()
             if (st.st_dev, st.st_ino) in inodes and st.st_nlink == 1:  # linked nowhere else now
                 blob.unlink(missing_ok=True)
                 freed += st.st_size

@@ -72,7 +72,7 @@ from huggingface_hub.utils import build_hf_headers, filter_repo_objects
 
 from mlxd.registry.home import user_registry_path
 from mlxd.registry.names import HUB_HOSTS, ModelName, hub_name, parse_name
-from mlxd.registry.prune import prune_adapters
+from mlxd.registry.prune import adapters_lock, prune_adapters
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import ModelEntry, RegistryError
 from mlxd.registry.store import (
@@ -950,9 +950,10 @@ def delete_model(
     in_user_file = _norm(entry.source) == _norm(user_file)
     if not in_user_file and not _installed(entry, env):
         raise DeleteError(404, f"model '{entry.name}' not found")  # configured, not pulled
-    removed = remove_entry(entry.name, path=user_file) if in_user_file else False
-    others = _others(entry, registry, env, removed)
-    pruned = prune_adapters(entry, others, env) if removed else 0
+    with adapters_lock(env):  # no create is registering an adapter directory pruned here
+        removed = remove_entry(entry.name, path=user_file) if in_user_file else False
+        others = _others(entry, registry, env, removed)
+        pruned = prune_adapters(entry, others, env) if removed else 0
 
     whole: set[str] = set()  # repos another entry uses at main: keep every revision
     pinned: set[tuple[str, str]] = set()

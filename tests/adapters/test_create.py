@@ -204,6 +204,26 @@ def test_a_model_created_from_one_on_an_adapter_adds_its_own_to_it(
     assert answer(server, "both") != answer(server, "coder-tests")
 
 
+def test_a_create_refused_after_its_adapter_was_assembled_leaves_no_folder(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters
+) -> None:
+    """A refusal found after the uploaded files were assembled (an unknown parameter, a
+    draft that is not there) removes the folder it assembled: nothing half-made stays."""
+    server, _ = served
+    c = client(server)
+    home = Path(os.environ["MLXD_HOME"])
+    files = {
+        name: c.create_blob(adapters.tests / name)
+        for name in ("adapter_config.json", "adapters.safetensors")
+    }
+    for extra in ({"parameters": {"bogus": 1}}, {"modelfile": "FROM coder\nDRAFT /no/draft\n"}):
+        body = {"model": "half", "from": "coder", "adapters": files, **extra}
+        r = httpx.post(f"{server.base_url}/api/create", json=body, timeout=60)
+        assert r.status_code in (400, 404), r.text
+        assert not list((home / "adapters").glob("[0-9a-f]*"))
+        assert "half:latest" not in tags(server)
+
+
 def test_removing_or_moving_entries_keeps_the_base_the_others_use(
     served: tuple[RunningServer, ServerThread],
 ) -> None:

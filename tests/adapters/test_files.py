@@ -115,6 +115,10 @@ def test_modelfile_parses_and_renders_back() -> None:
     assert "ADAPTER /a/sql scale=5.0" in text and "DRAFT_ADAPTER /a/sql scale=5.0" in text
     back = parse_modelfile(text)
     assert back.adapters == scaled and back.draft_adapters == scaled[:1] and back.draft == "/d"
+    odd = [AdapterRef("/data/lora scale=1"), AdapterRef('/q"uote d/x', 2.0)]
+    text = render_modelfile("/m dir/x", odd, {}, None, None, draft="/d dir/y")
+    back = parse_modelfile(text)
+    assert back.adapters == odd and back.from_ == "/m dir/x" and back.draft == "/d dir/y"
     for bad, message in [
         ("ADAPTER x\n", "no FROM"),
         ("FROM a\nPARAMETER temprature 1\n", "unknown parameter"),
@@ -123,6 +127,7 @@ def test_modelfile_parses_and_renders_back() -> None:
         ("FROM a\nLORA x\n", "unknown command"),
         ("FROM a\nADAPTER /x scale=lots\n", "finite number"),
         ("FROM a\nADAPTER /x scale=inf\n", "finite number"),
+        ('FROM a\nADAPTER "/x" y\n', "unexpected"),
     ]:
         with pytest.raises(ModelfileError, match=message):
             parse_modelfile(bad)
@@ -159,11 +164,14 @@ def test_tensors_outside_what_the_config_adapts_are_refused_as_mlx_lm_refuses_th
     write(lora_parameters={**params, "rank": params["rank"] * 2})
     with pytest.raises(AdapterFileError, match="rank"):
         read_adapter(edited)
+    whole = sorted(read_adapter(adapters.sql).modules)  # keys naming whole module paths
     for fine in (
         {"num_layers": -1},
         {"num_layers": 99},
         {"lora_parameters": {**params, "keys": within}},
+        {"num_layers": 1, "lora_parameters": {**params, "keys": whole}},
     ):
         write(**fine)
+        mlx_lm.load(str(tiny_pair.target), adapter_path=str(edited))  # mlx-lm takes it
         check_fits(read_adapter(edited), tiny_pair.target)
         load_adapters(model, [edited], [None])
