@@ -204,21 +204,16 @@ def _check_adapters(refs: list[AdapterRef], model: Path) -> None:
             raise CreateError(f"adapter {ref.ref}: DoRA adapters cannot be combined")
 
 
-def _check_draft_adapters(kept: list[Any], draft: Path) -> None:
+def _check_draft_adapters(kept: list[AdapterRef], draft: Path) -> None:
     """The source's `draft_adapters` must fit the draft that replaces its own (else every
     request on the model would fail): refused with the adapter named."""
-    for item in kept:
-        ref = item["path"] if isinstance(item, dict) else item
-        path = resolve_local(str(ref))
-        try:
-            if path is None:
-                raise AdapterFileError(f"adapter '{ref}' is not available locally")
-            check_fits(read_adapter(path), draft)
-        except AdapterFileError as exc:
-            raise CreateError(
-                f"the draft adapters of the model this one is created from do not fit the new "
-                f"draft: {exc}"
-            ) from None
+    try:
+        _check_adapters(kept, draft)
+    except CreateError as exc:
+        raise CreateError(
+            f"the draft adapters of the model this one is created from do not fit the new "
+            f"draft: {exc}"
+        ) from None
 
 
 def _own_template(model_dir: Path) -> str | None:
@@ -299,7 +294,7 @@ def _fill(
             raise CreateError(f"'{spec.draft}' holds no model (a config.json and its weights)")
         fields["draft"] = str(draft.resolve())
         if not spec.draft_adapter_dirs:
-            _check_draft_adapters(fields.get("draft_adapters") or [], draft)
+            _check_draft_adapters(_inherited(fields, "draft_adapters"), draft)
     if spec.draft_adapter_dirs:
         draft_dir = resolve_local(fields["draft"]) if fields.get("draft") else None
         if draft_dir is None:
