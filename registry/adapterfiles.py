@@ -172,12 +172,9 @@ def check_layout(info: AdapterInfo, blocks: dict[str, int]) -> None:
             continue  # a key naming the module's whole path: mlx-lm adapts it in any block
         found = _block_of(module)
         if found is None:
-            if info.keys is None:
-                raise AdapterFileError(
-                    f"adapter {info.path}: {module} is outside the blocks its"
-                    f" {ADAPTER_CONFIG} adapts"
-                )
-            continue
+            raise AdapterFileError(
+                f"adapter {info.path}: {module} is outside the blocks its {ADAPTER_CONFIG} adapts"
+            )
         blocks_path, index, within = found
         count = blocks.get(blocks_path, 0)
         first = count - info.num_layers if 0 < info.num_layers < count else 0

@@ -75,6 +75,17 @@ def tags(server: RunningServer) -> list[str]:
     return [m["name"] for m in httpx.get(f"{server.base_url}/api/tags").json()["models"]]
 
 
+def add_entry(served: tuple[RunningServer, ServerThread], name: str, lines: str) -> None:
+    """Append an entry on `coder`'s target and draft, with `lines` (its other keys), to the
+    registry the server reads, and wait until it is listed."""
+    server, thread = served
+    coder = thread.state.registry().get("coder")
+    text = server.registry.read_text(encoding="utf-8")
+    entry = f"  {name}:\n    target: {coder.target}\n    draft: {coder.draft}\n{lines}"
+    server.registry.write_text(text + entry, encoding="utf-8")
+    assert wait_for(lambda: f"{name}:latest" in tags(server))
+
+
 def test_entries_on_one_base_load_it_once_and_each_answers_as_its_adapter(
     served: tuple[RunningServer, ServerThread],
 ) -> None:
@@ -99,12 +110,7 @@ def test_an_adapter_added_by_a_registry_edit_is_served_without_reloading_the_bas
 ) -> None:
     server, thread = served
     base = answer(server, "coder")
-    text = server.registry.read_text(encoding="utf-8")
-    entry = f"  coder-dora:\n    target: {thread.state.registry().get('coder').target}\n"
-    entry += f"    draft: {thread.state.registry().get('coder').draft}\n"
-    entry += f"    adapters: [{{path: {adapters.dora}, scale: 5.0}}]\n"
-    server.registry.write_text(text + entry, encoding="utf-8")
-    assert wait_for(lambda: "coder-dora:latest" in tags(server))
+    add_entry(served, "coder-dora", f"    adapters: [{{path: {adapters.dora}, scale: 5.0}}]\n")
     dora = answer(server, "coder-dora")
     assert dora != base and answer(server, "coder") == base
     assert loads(thread) == 1
@@ -117,12 +123,11 @@ def test_an_adapter_entry_with_its_own_go_template_decodes_on_the_loaded_base(
     base its siblings decode on (it loaded a second base); its template is applied."""
     server, thread = served
     sql = answer(server, "coder-sql")
-    coder = thread.state.registry().get("coder")
-    text = server.registry.read_text(encoding="utf-8")
-    entry = f"  coder-sql-go:\n    target: {coder.target}\n    draft: {coder.draft}\n"
-    entry += f"    adapters: [{adapters.sql}]\n    template: '{{{{ .Prompt }}}}'\n"
-    server.registry.write_text(text + entry, encoding="utf-8")
-    assert wait_for(lambda: "coder-sql-go:latest" in tags(server))
+    add_entry(
+        served,
+        "coder-sql-go",
+        f"    adapters: [{adapters.sql}]\n    template: '{{{{ .Prompt }}}}'\n",
+    )
     templated = client(server).generate(model="coder-sql-go", prompt=PROMPT, options=GREEDY)
     assert templated.response == sql  # the template renders the prompt as it is
     assert loads(thread) == 1
@@ -136,13 +141,8 @@ def test_the_shown_modelfile_creates_the_model_again_with_its_adapters_scales(
     created from it is the same model (it lost them: the adapter came back at its trained
     scale)."""
     server, thread = served
-    coder = thread.state.registry().get("coder")
-    text = server.registry.read_text(encoding="utf-8")
-    entry = f"  coder-scaled:\n    target: {coder.target}\n    draft: {coder.draft}\n"
-    entry += f"    adapters: [{{path: {adapters.sql}, scale: 2.5}}]\n"
-    entry += f"    draft_adapters: [{adapters.draft}]\n"
-    server.registry.write_text(text + entry, encoding="utf-8")
-    assert wait_for(lambda: "coder-scaled:latest" in tags(server))
+    lines = f"    adapters: [{{path: {adapters.sql}, scale: 2.5}}]\n"
+    add_entry(served, "coder-scaled", lines + f"    draft_adapters: [{adapters.draft}]\n")
     shown = httpx.post(f"{server.base_url}/api/show", json={"model": "coder-scaled"}).json()
     body = {"model": "again", "modelfile": shown["modelfile"]}
     assert httpx.post(f"{server.base_url}/api/create", json=body, timeout=60).status_code == 200
@@ -194,12 +194,7 @@ def test_a_model_created_from_one_on_an_adapter_adds_its_own_to_it(
     assert r.status_code == 200, r.text
     both = thread.state.registry().get("both")
     assert [Path(a.ref) for a in both.adapters] == [adapters.sql, adapters.tests]
-    coder = thread.state.registry().get("coder")
-    text = server.registry.read_text(encoding="utf-8")
-    entry = f"  named-both:\n    target: {coder.target}\n    draft: {coder.draft}\n"
-    entry += f"    adapters: [{adapters.sql}, {adapters.tests}]\n"
-    server.registry.write_text(text + entry, encoding="utf-8")
-    assert wait_for(lambda: "named-both:latest" in tags(server))
+    add_entry(served, "named-both", f"    adapters: [{adapters.sql}, {adapters.tests}]\n")
     assert answer(server, "both") == answer(server, "named-both")
     assert answer(server, "both") != answer(server, "coder-tests")
 

@@ -13,8 +13,10 @@ import pytest
 from mlxd.engine.adapters import AdapterError, load_adapters
 from mlxd.registry.adapterfiles import (
     AdapterFileError,
+    AdapterInfo,
     adapter_revision,
     check_fits,
+    check_layout,
     read_adapter,
 )
 from mlxd.registry.modelfile import ModelfileError, parse_modelfile, render_modelfile
@@ -175,3 +177,15 @@ def test_tensors_outside_what_the_config_adapts_are_refused_as_mlx_lm_refuses_th
         mlx_lm.load(str(tiny_pair.target), adapter_path=str(edited))  # mlx-lm takes it
         check_fits(read_adapter(edited), tiny_pair.target)
         load_adapters(model, [edited], [None])
+
+
+def test_a_tensor_outside_the_blocks_is_taken_only_where_a_key_names_it() -> None:
+    """mlx-lm adapts a module outside the numbered blocks (`lm_head`) only where a key names
+    its whole path: refused under any other keys, or none."""
+    modules = {"lm_head": {"lora_a": [4, 8], "lora_b": [8, 4]}}
+    blocks = {"model.layers": 2}
+    for keys in (None, ("self_attn.q_proj",)):
+        info = AdapterInfo(Path("/a"), "lora", 1.0, 8, modules, -1, keys)
+        with pytest.raises(AdapterFileError, match="outside the blocks"):
+            check_layout(info, blocks)
+    check_layout(AdapterInfo(Path("/a"), "lora", 1.0, 8, modules, -1, ("lm_head",)), blocks)
