@@ -599,7 +599,13 @@ class RowLoRA(nn.Module):
             single = plan.single
         if single is not None:
             w = held.by_slot.get(single)
-            return held.base(x) if w is None else mx.addmm(held.base(x), x @ w.a, w.b)
+            if w is None:
+                return held.base(x)
+            # as one matrix of rows x tokens: (rows, 1, r) @ (r, out) would be a batch of
+            # `rows` products, each an operation of its own on a CPU
+            flat = x.reshape(-1, x.shape[-1])
+            y = mx.addmm(held.base(flat), flat @ w.a, w.b)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         assert plan is not None
         return held.base(x) + self._gathered(x, held.stacks, plan)
 
