@@ -31,6 +31,9 @@ FOREVER_SECONDS = MAX_SECONDS
 def expires_at(status: ModelStatus, now: datetime) -> str:
     """Never past "forever": keep_alive is bounded at the edge, and this bound keeps one bad
     value from breaking the listing for every client."""
+    wall, left_s = status.expires_wall, status.expires_in
+    if wall is not None and left_s is not None and left_s < FOREVER_SECONDS:
+        return rfc3339(datetime.fromtimestamp(wall, timezone.utc))
     left = FOREVER_SECONDS if status.expires_in is None else min(status.expires_in, FOREVER_SECONDS)
     return rfc3339(now + timedelta(seconds=left))
 

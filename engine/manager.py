@@ -281,6 +281,7 @@ class Resident:
     users: int = 0  # requests holding it (waiting or generating)
     waiting: int = 0  # of those, the ones not generating yet
     expires_at: float = FOREVER  # monotonic; inf while in use or kept forever
+    expires_wall: float | None = None  # the same moment on the wall clock (idle, not forever)
     last_used: float = field(default_factory=time.monotonic)
     retired: bool = False  # leaving: stops once idle, then its memory comes back
     stopped: bool = False  # its runner was told to stop
@@ -338,6 +339,9 @@ class ModelStatus:
     stopping: bool
     ranks: tuple[str, ...] = ()  # a distributed target's ranks (and why its group ended)
     names: tuple[str, ...] = ()  # the entries it serves now (adapter entries share a base)
+    # when an idle model expires, on the wall clock, fixed from when it went idle (so every
+    # listing gives the same time, as Ollama's does); None: in use, leaving, or kept forever
+    expires_wall: float | None = None
 
     @property
     def name(self) -> str:
@@ -365,6 +369,7 @@ def _status(model: Resident, now: float) -> ModelStatus:
         need=model.need,
         keep_alive=model.keep_alive,
         expires_in=left,
+        expires_wall=None if model.users or model.retired else model.expires_wall,
         active=model.active,
         waiting=model.waiting,
         loading=model.loading,
@@ -649,7 +654,7 @@ class ModelManager:
         if keep_alive is not None:
             model.keep_alive = keep_alive
         model.users += 1
-        model.expires_at = FOREVER
+        model.expires_at, model.expires_wall = FOREVER, None
         model.last_used = time.monotonic()
         model.cancel_timer()
         ticket.attach(model)
@@ -860,6 +865,7 @@ class ModelManager:
             return
         model.expires_at = time.monotonic() + model.keep_alive
         if model.keep_alive != FOREVER:
+            model.expires_wall = time.time() + model.keep_alive
             loop = asyncio.get_running_loop()
             model.timer = loop.call_later(model.keep_alive, self._expire, model)
         self._notify()

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -102,6 +103,8 @@ def test_empty_prompt_loads_and_ps_lists_the_model(base: str, tiny_pair: TinyPai
     assert model["details"] == tags[TINY]["details"]
     assert model["context_length"] == 2048  # min(default num_ctx 4096, the model's 2048)
     assert 200 < seconds_until(model["expires_at"]) <= 300  # the default keep_alive, 5m
+    time.sleep(0.05)  # an idle model's expiry is a moment, not "keep_alive from now"
+    assert ps(base)[TINY]["expires_at"] == model["expires_at"]
 
 
 def test_chat_with_no_messages_loads_too(base: str) -> None:
