@@ -199,10 +199,30 @@ EMBEDDINGS = frozenset({
 })  # fmt: skip
 
 
-def _base_shapes(base: Path) -> dict[str, tuple[int, int]]:
+def _base_blocks(config: dict[str, Any], shapes: dict[str, tuple[int, int]]) -> dict[str, int]:
+    """The base's block count per block list as the loaded model has them: a checkpoint may
+    hold multi-token-prediction blocks past `num_hidden_layers`
+    (`num_nextn_predict_layers`: DeepSeek V3, GLM 4.5), which mlx-lm drops at load, so
+    `num_layers` counts the last blocks from before them."""
+    counts = block_counts(shapes)
+    layers, extra = config.get("num_hidden_layers"), config.get("num_nextn_predict_layers")
+    if isinstance(layers, int) and isinstance(extra, int) and extra > 0:
+        for path, count in counts.items():
+            if count == layers + extra:
+                counts[path] = layers
+    return counts
+
+
+def _base_config(base: Path) -> dict[str, Any]:
+    config = json.loads((base / "config.json").read_text(encoding="utf-8"))
+    if not isinstance(config, dict):
+        raise ValueError("config.json is not an object")
+    return config
+
+
+def _base_shapes(base: Path, config: dict[str, Any]) -> dict[str, tuple[int, int]]:
     """(out, in) of every projection weight in the base, unpacking quantized ones (embeddings
     left out)."""
-    config = json.loads((base / "config.json").read_text(encoding="utf-8"))
     quant = config.get("quantization") or config.get("quantization_config") or {}
     bits = int(quant.get("bits", 0)) if isinstance(quant, dict) else 0
     shapes: dict[str, tuple[int, int]] = {}
@@ -225,7 +245,8 @@ def check_fits(info: AdapterInfo, base: Path) -> None:
     """Raise AdapterFileError unless every adapted module is a projection of `base` with the
     adapter's shapes, in the blocks and among the projections its config names."""
     try:
-        shapes = _base_shapes(base)
+        config = _base_config(base)
+        shapes = _base_shapes(base, config)
     except (OSError, ValueError, ModelFilesError) as exc:
         raise AdapterFileError(f"cannot read the base model {base}: {exc}") from None
     for module, leaves in info.modules.items():
@@ -244,7 +265,7 @@ def check_fits(info: AdapterInfo, base: Path) -> None:
                 f"adapter {info.path} does not fit this base model: {module} is"
                 f" ({inner} -> {out}) but the adapter is ({a[0]} -> {b[1]})"
             )
-    check_layout(info, block_counts(shapes))
+    check_layout(info, _base_blocks(config, shapes))
 
 
 _HASHES: dict[tuple[str, int, int, int], str] = {}  # (path, inode, size, mtime) -> digest

@@ -7,6 +7,7 @@ import json
 import shutil
 from pathlib import Path
 
+import mlx.core as mx
 import mlx_lm
 import pytest
 
@@ -21,6 +22,7 @@ from mlxd.registry.adapterfiles import (
 )
 from mlxd.registry.modelfile import ModelfileError, parse_modelfile, render_modelfile
 from mlxd.registry.schema import AdapterRef, RegistryError, load_registry_file
+from mlxd.registry.store import read_safetensors_header
 from tests.adapters.conftest import Adapters
 from tests.fixtures.tiny_models import TinyPair
 
@@ -189,3 +191,32 @@ def test_a_tensor_outside_the_blocks_is_taken_only_where_a_key_names_it() -> Non
         with pytest.raises(AdapterFileError, match="outside the blocks"):
             check_layout(info, blocks)
     check_layout(AdapterInfo(Path("/a"), "lora", 1.0, 8, modules, -1, ("lm_head",)), blocks)
+
+
+def test_blocks_past_num_hidden_layers_for_token_prediction_do_not_count(
+    adapters: Adapters, tiny_pair: TinyPair, tmp_path: Path
+) -> None:
+    """A checkpoint's multi-token-prediction blocks (`num_nextn_predict_layers`), which mlx-lm
+    drops at load, are not among the blocks an adapter's `num_layers` counts back from: an
+    adapter of every block fits (it was refused at create, and mounted)."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_pair.target, base)
+    config = json.loads((base / "config.json").read_text())
+    layers = config["num_hidden_layers"]
+    (base / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}))
+    header = read_safetensors_header(next(base.glob("model*.safetensors")))
+    shape = header["model.layers.0.self_attn.q_proj.weight"]["shape"]
+    mx.save_safetensors(
+        str(base / "model-mtp.safetensors"),
+        {f"model.layers.{layers}.self_attn.q_proj.weight": mx.zeros(shape)},
+    )
+    adapter = tmp_path / "adapter"
+    shutil.copytree(adapters.sql, adapter)
+    adapter_config = json.loads((adapter / "adapter_config.json").read_text())
+    (adapter / "adapter_config.json").write_text(
+        json.dumps({**adapter_config, "num_layers": layers})
+    )
+    check_fits(read_adapter(adapter), base)
+    (base / "config.json").write_text(json.dumps(config))  # no such blocks declared: refused
+    with pytest.raises(AdapterFileError, match="num_layers"):
+        check_fits(read_adapter(adapter), base)
