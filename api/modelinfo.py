@@ -14,13 +14,20 @@ from mlxd.api.chatformat import chat_format
 from mlxd.api.errors import ApiError
 from mlxd.api.tokenizerinfo import tokenizer_info
 from mlxd.api.types import DraftInfo, ModelSummary, ShowResponse
-from mlxd.engine.adapters import AdapterError, locate_adapters
+from mlxd.engine.adapters import AdapterError, hub_adapters_pulled, locate_adapters
 from mlxd.engine.embedding.spec import spec_from_dir
 from mlxd.engine.prompt import detect_fim, inserts
 from mlxd.registry.adapterfiles import ADAPTER_WEIGHTS, adapter_revision
 from mlxd.registry.modelfile import render_modelfile
-from mlxd.registry.schema import ModelEntry, parse_rfc3339, rfc3339
-from mlxd.registry.store import ModelDetails, model_digest, model_size, read_details, resolve_local
+from mlxd.registry.schema import AdapterRef, ModelEntry, parse_rfc3339, rfc3339
+from mlxd.registry.store import (
+    ModelDetails,
+    model_digest,
+    model_size,
+    read_details,
+    resolve_adapter,
+    resolve_local,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +62,7 @@ def find_local(entry: ModelEntry) -> LocalModel | None:
     if target is None:
         return None
     draft = resolve_local(entry.draft) if entry.draft else None
-    if entry.draft and draft is None:
+    if (entry.draft and draft is None) or not hub_adapters_pulled(entry):
         return None
     try:
         return _read_local(entry, target, draft)
@@ -96,6 +103,16 @@ def _adapters(entry: ModelEntry) -> tuple[str, int]:
         return revision, sum((p / ADAPTER_WEIGHTS).stat().st_size for p in paths)
     except (AdapterError, OSError):
         return "|".join(f"{r.ref}:{r.scale}" for r in refs), 0
+
+
+def _on_disk(refs: tuple[AdapterRef, ...]) -> list[AdapterRef]:
+    """Adapters as a Modelfile names them: a hub repository by the directory it was pulled
+    to, as `FROM` names the base (a Modelfile's adapter is a path); one not pulled by name."""
+    out = []
+    for ref in refs:
+        found = None if ref.is_path else resolve_adapter(ref.ref)
+        out.append(AdapterRef(str(found), ref.scale) if found is not None else ref)
+    return out
 
 
 def _settings(entry: ModelEntry) -> str:
@@ -226,10 +243,10 @@ def show_json(m: LocalModel, unavailable: str | None = None, verbose: bool = Fal
         f"# FROM {entry.name}\n"
     )
     modelfile = render_modelfile(
-        str(m.target_dir), entry.adapters, dict(entry.options), entry.system, template,
+        str(m.target_dir), _on_disk(entry.adapters), dict(entry.options), entry.system, template,
         [dict(x) for x in entry.messages], header=header,
         draft=str(m.draft_dir) if m.draft_dir else None, licenses=entry.license,
-        draft_adapters=entry.draft_adapters,
+        draft_adapters=_on_disk(entry.draft_adapters),
     )  # fmt: skip
     return ShowResponse(
         modelfile=modelfile,

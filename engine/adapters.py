@@ -40,8 +40,8 @@ from mlxd.registry.adapterfiles import (
     check_layout,
     read_adapter,
 )
-from mlxd.registry.schema import AdapterRef
-from mlxd.registry.store import resolve_local
+from mlxd.registry.schema import AdapterRef, ModelEntry
+from mlxd.registry.store import resolve_adapter
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,7 @@ __all__ = [
     "AdapterSet",
     "Mount",
     "check_entry_adapters",
+    "hub_adapters_pulled",
     "locate_adapters",
     "selecting",
 ]
@@ -63,11 +64,19 @@ class AdapterError(ValueError):
     """An adapter that cannot be mounted on this model; the message says which and why."""
 
 
+def hub_adapters_pulled(entry: ModelEntry) -> bool:
+    """Whether every adapter the entry names by its hub repository is in the local cache (an
+    entry on one that is not is a model not pulled yet; a missing directory is the entry's
+    fault, said where it is probed)."""
+    hub = [a.ref for a in (*entry.adapters, *entry.draft_adapters) if not a.is_path]
+    return all(resolve_adapter(ref) is not None for ref in hub)
+
+
 def locate_adapters(refs: Sequence[AdapterRef]) -> list[Path]:
     """The local directories of `refs` (a hub repo must have been pulled)."""
     paths = []
     for ref in refs:
-        path = resolve_local(ref.ref)
+        path = resolve_adapter(ref.ref)
         if path is None:
             raise AdapterError(f"adapter '{ref.ref}' is not available locally; pull it first")
         paths.append(path)

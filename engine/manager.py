@@ -21,7 +21,12 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxd.engine.adapters import DEFAULT_ADAPTER_BYTES, AdapterError, check_entry_adapters
+from mlxd.engine.adapters import (
+    DEFAULT_ADAPTER_BYTES,
+    AdapterError,
+    check_entry_adapters,
+    hub_adapters_pulled,
+)
 from mlxd.engine.backend import Backend
 from mlxd.engine.counts import EVICTION, LOAD, LOAD_FAILURE, RUNNER_RESTART, LifecycleCounts
 from mlxd.engine.distributed.group import forget_loss, lost_reason
@@ -57,7 +62,7 @@ from mlxd.engine.runner import PairingRunner
 from mlxd.engine.speculation import Costs
 from mlxd.engine.threads import run_in_mlx_thread
 from mlxd.registry.schema import ModelEntry
-from mlxd.registry.store import resolve_local
+from mlxd.registry.store import resolve_adapter, resolve_local
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +124,7 @@ def files_stamp(entry: ModelEntry) -> tuple[tuple[str, int, int], ...]:
     file put back by hand), not only after a restart."""
     dirs = [resolve_local(ref) for ref in (entry.target, entry.draft) if ref is not None]
     refs = (*entry.adapters, *entry.draft_adapters)
-    dirs += [Path(a.ref) for a in refs if a.is_path]
+    dirs += [Path(a.ref) if a.is_path else resolve_adapter(a.ref) for a in refs]
     found: list[tuple[str, int, int]] = []
     for folder in dirs:
         if folder is None or not folder.is_dir():
@@ -132,8 +137,10 @@ def files_stamp(entry: ModelEntry) -> tuple[tuple[str, int, int], ...]:
 
 
 def files_present(entry: ModelEntry) -> bool:
-    return resolve_local(entry.target) is not None and (
-        entry.draft is None or resolve_local(entry.draft) is not None
+    return (
+        resolve_local(entry.target) is not None
+        and (entry.draft is None or resolve_local(entry.draft) is not None)
+        and hub_adapters_pulled(entry)
     )
 
 

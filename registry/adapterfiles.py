@@ -17,7 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxd.registry.store import ModelFilesError, _quant_bits, _weight_files, read_safetensors_header
+from mlxd.registry.store import (
+    ADAPTER_FILES,
+    ModelFilesError,
+    _quant_bits,
+    _weight_files,
+    read_safetensors_header,
+)
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -31,8 +37,7 @@ __all__ = [
     "read_adapter",
 ]
 
-ADAPTER_CONFIG = "adapter_config.json"
-ADAPTER_WEIGHTS = "adapters.safetensors"
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = ADAPTER_FILES
 LEAVES = ("lora_a", "lora_b", "m")
 
 

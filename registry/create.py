@@ -29,7 +29,7 @@ from mlxd.registry.prune import adapters_dir, adapters_lock
 from mlxd.registry.pull import Progress
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import KNOWN_OPTIONS, AdapterRef, check_option
-from mlxd.registry.store import is_complete_model, resolve_local
+from mlxd.registry.store import is_complete_model, resolve_adapter, resolve_local
 from mlxd.registry.userfile import adapter_field, entry_fields, set_entry, written_now
 
 __all__ = ["CreateError", "CreateSpec", "create_model"]
@@ -193,7 +193,7 @@ def _check_adapters(refs: list[AdapterRef], model: Path) -> None:
     (as a registry entry is refused)."""
     for ref in refs:
         try:
-            found = Path(ref.ref) if ref.is_path else resolve_local(ref.ref)
+            found = Path(ref.ref) if ref.is_path else resolve_adapter(ref.ref)
             if found is None:
                 raise AdapterFileError(f"adapter '{ref.ref}' is not available locally")
             info = read_adapter(found)

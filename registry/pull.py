@@ -46,7 +46,7 @@ import re
 import shutil
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import urlsplit
@@ -76,6 +76,7 @@ from mlxd.registry.prune import adapters_lock, prune_adapters
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import ModelEntry, RegistryError
 from mlxd.registry.store import (
+    ADAPTER_FILES,
     MODEL_FILE_PATTERNS,
     ModelFilesError,
     file_hashes,
@@ -245,10 +246,16 @@ class HubRef:
 
     repo_id: str
     revision: str = "main"
+    adapter: bool = False  # a LoRA adapter's repo (an entry's `adapters:`), not a model's
 
     @property
     def pinned(self) -> bool:
         return _COMMIT_RE.fullmatch(self.revision) is not None
+
+    @property
+    def patterns(self) -> tuple[str, ...]:
+        """The files of the repo a pull fetches."""
+        return ADAPTER_FILES if self.adapter else MODEL_FILE_PATTERNS
 
 
 @dataclass(frozen=True)
@@ -256,7 +263,7 @@ class PullPlan:
     """What a pull fetches and under which name the result is served."""
 
     name: str  # Ollama display name
-    hub: tuple[HubRef, ...]  # target first, then the draft
+    hub: tuple[HubRef, ...]  # target first, then the draft, then adapters
     local: tuple[Path, ...] = ()  # local directories the entry points at (must exist)
     register: bool = False  # add ``name`` to the user registry once the files are in
     keep: Mapping[str, Any] = field(default_factory=dict)  # the entry's fields a pull keeps
@@ -286,10 +293,7 @@ def _cache_ref(target: str, env: Mapping[str, str]) -> HubRef | Path:
 def _entry_plan(entry: ModelEntry, env: Mapping[str, str]) -> PullPlan:
     hub: list[HubRef] = []
     local: list[Path] = []
-    for ref in (entry.target, entry.draft):
-        if not ref:
-            continue
-        found = _cache_ref(ref, env)
+    for found in _hub_refs(entry, env):
         if isinstance(found, HubRef):
             hub.append(found)
         else:
@@ -455,7 +459,7 @@ def _fetch_manifest(ref: HubRef, api: HfApi, cache: Path) -> _Manifest:
         )
     files: list[_RemoteFile] = []
     for sibling in filter_repo_objects(
-        info.siblings or [], allow_patterns=list(MODEL_FILE_PATTERNS), key=lambda s: s.rfilename
+        info.siblings or [], allow_patterns=list(ref.patterns), key=lambda s: s.rfilename
     ):
         if sibling.size is None or not sibling.blob_id:
             raise PullError(
@@ -466,7 +470,19 @@ def _fetch_manifest(ref: HubRef, api: HfApi, cache: Path) -> _Manifest:
             _checked_file(ref.repo_id, sibling.rfilename, sibling.size, sibling.blob_id, sha)
         )
     names = {f.path for f in files}
-    if "config.json" not in names or not any(n.endswith(".safetensors") for n in names):
+    if ref.adapter and not names >= set(ADAPTER_FILES):
+        raise PullError(
+            f"pull model manifest: {ref.repo_id} has no adapter files"
+            f" ({' and '.join(ADAPTER_FILES)}, in mlx-lm's layout)"
+        )
+    if ADAPTER_FILES[0] in names and "config.json" not in names and not ref.adapter:
+        raise PullError(
+            f"pull model manifest: {ref.repo_id} is a LoRA adapter, not a model: name it in"
+            " an entry's `adapters:` (models.yaml) and pull that entry"
+        )
+    if not ref.adapter and (
+        "config.json" not in names or not any(n.endswith(".safetensors") for n in names)
+    ):
         raise PullError(
             f"pull model manifest: {ref.repo_id} has no MLX model files"
             " (config.json and *.safetensors)"
@@ -480,13 +496,14 @@ def _fetch_manifest(ref: HubRef, api: HfApi, cache: Path) -> _Manifest:
 
 
 def _offline_manifest(ref: HubRef, cache: Path, env: Mapping[str, str]) -> _Manifest:
-    folder = resolve_local(ref.repo_id, revision=ref.revision, env=env)
+    folder = resolve_local(ref.repo_id, revision=ref.revision, env=env, adapter=ref.adapter)
     if folder is None:
         raise PullError(
             f"pull model manifest: {ref.repo_id} is not in the local cache and offline mode"
             " is enabled (HF_HUB_OFFLINE is set)"
         )
-    files = tuple(_RemoteFile(f.name, f.stat().st_size, "", None) for f in model_files(folder))
+    listed = [folder / name for name in ADAPTER_FILES] if ref.adapter else model_files(folder)
+    files = tuple(_RemoteFile(f.name, f.stat().st_size, "", None) for f in listed)
     storage = cache / repo_folder_name(repo_id=ref.repo_id, repo_type="model")
     return _Manifest(ref, folder.name, files, storage, offline=True)
 
@@ -910,7 +927,11 @@ class Removal:
 
 
 def _hub_refs(entry: ModelEntry, env: Mapping[str, str]) -> list[HubRef | Path]:
-    return [_cache_ref(ref, env) for ref in (entry.target, entry.draft) if ref]
+    """Where the entry's files come from: its target, its draft, then its adapters (a hub
+    repo, pinned where the path is into the hub cache, or a local path)."""
+    models = [_cache_ref(ref, env) for ref in (entry.target, entry.draft) if ref]
+    adapters = [_cache_ref(a.ref, env) for a in (*entry.adapters, *entry.draft_adapters)]
+    return models + [replace(a, adapter=True) if isinstance(a, HubRef) else a for a in adapters]
 
 
 def _others(

@@ -46,8 +46,13 @@ __all__ = [
     "model_size",
     "read_details",
     "read_safetensors_header",
+    "resolve_adapter",
     "resolve_local",
 ]
+
+# An adapter in mlx-lm's layout: its config and final weights (a training run's folder also
+# holds numbered checkpoints, `0000100_adapters.safetensors`, which are not fetched)
+ADAPTER_FILES: tuple[str, ...] = ("adapter_config.json", "adapters.safetensors")
 
 # What a model needs on disk (the same set mlx_lm downloads): weights, configs and index,
 # tokenizer files in their various formats, and chat templates.
@@ -113,10 +118,25 @@ def is_complete_model(model_dir: Path) -> bool:
     return bool(weights) and all(w.is_file() for w in weights)
 
 
+def is_complete_adapter(folder: Path) -> bool:
+    return all((folder / name).is_file() for name in ADAPTER_FILES)
+
+
+def resolve_adapter(ref: str, *, env: Mapping[str, str] = os.environ) -> Path | None:
+    """The local directory of an adapter (a directory path, or a hub repo pulled into the
+    Hugging Face cache), or None where it is not fully present."""
+    return resolve_local(ref, env=env, adapter=True)
+
+
 def resolve_local(
-    ref: str, *, revision: str | None = None, env: Mapping[str, str] = os.environ
+    ref: str,
+    *,
+    revision: str | None = None,
+    env: Mapping[str, str] = os.environ,
+    adapter: bool = False,
 ) -> Path | None:
-    """The local directory holding ``ref``'s files, or None if it is not fully present.
+    """The local directory holding ``ref``'s files (a model's; with `adapter`, an adapter's),
+    or None if it is not fully present.
 
     ``ref`` is a directory path or a hub repo id. A repo id is looked up only in the user's
     Hugging Face cache (``local_files_only``), so listing models never touches the network.
@@ -133,7 +153,7 @@ def resolve_local(
             repo_id=ref,
             revision=revision,
             local_files_only=True,
-            allow_patterns=list(MODEL_FILE_PATTERNS),
+            allow_patterns=list(ADAPTER_FILES if adapter else MODEL_FILE_PATTERNS),
             cache_dir=hub_cache_dir(env),
         )
     except (
@@ -147,7 +167,8 @@ def resolve_local(
     ):
         return None
     snapshot = Path(folder)
-    return snapshot if is_complete_model(snapshot) else None
+    complete = is_complete_adapter if adapter else is_complete_model
+    return snapshot if complete(snapshot) else None
 
 
 def model_files(model_dir: Path) -> list[Path]:

@@ -156,6 +156,34 @@ def test_the_shown_modelfile_creates_the_model_again_with_its_adapters_scales(
     assert answer(server, "again") == answer(server, "coder-scaled") != answer(server, "coder-sql")
 
 
+def test_a_hub_adapter_is_shown_by_its_directory_and_the_modelfile_creates_the_model_again(
+    served: tuple[RunningServer, ServerThread],
+    adapters: Adapters,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An adapter named by its hub repository is written in the shown Modelfile as the
+    directory it was pulled to, as `FROM` is (it was written as the repo id, which a
+    Modelfile reads as a path beside it, so the create was refused)."""
+    server, thread = served
+    cache = tmp_path / "hub"
+    commit = "0" * 40
+    repo = cache / "models--acme--sql-lora"
+    shutil.copytree(adapters.sql, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit, encoding="utf-8")
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    add_entry(served, "coder-hub", "    adapters: [{path: acme/sql-lora, scale: 3.0}]\n")
+    shown = httpx.post(f"{server.base_url}/api/show", json={"model": "coder-hub"}).json()
+    assert f"ADAPTER {repo / 'snapshots' / commit} scale=3" in shown["modelfile"]
+    body = {"model": "again-hub", "modelfile": shown["modelfile"]}
+    created = httpx.post(f"{server.base_url}/api/create", json=body, timeout=60)
+    assert created.status_code == 200, created.text
+    assert wait_for(lambda: "again-hub:latest" in tags(server))
+    assert answer(server, "again-hub") == answer(server, "coder-hub") != answer(server, "coder")
+    assert loads(thread) == 1
+
+
 def test_deleting_the_last_model_on_an_uploaded_adapter_removes_its_files(
     served: tuple[RunningServer, ServerThread], adapters: Adapters
 ) -> None:

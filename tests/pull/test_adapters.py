@@ -1,0 +1,94 @@
+"""Adapters named by their hub repository in a registry entry: pulled with the entry, served,
+deleted with it; a bare adapter repository is refused as a model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import ollama
+import pytest
+
+from mlxd.registry.store import resolve_adapter
+from tests.conftest import RunningServer, ServerThread
+from tests.fixtures.adapters import train_adapter
+from tests.pull.conftest import GREEDY, TARGET_REPO, HubEnv
+
+ADAPTER_REPO = "org/tiny-sql-lora"
+PROMPT = "SELECT name FROM"
+
+
+@pytest.fixture
+def adapter(hub_env: HubEnv, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real adapter of the hub's target, served by the hub as a training run's folder
+    (with a numbered checkpoint beside the final weights, which a pull leaves)."""
+    folder = train_adapter(
+        hub_env.pair.target, tmp_path_factory.mktemp("sql"), "SELECT id FROM users;", seed=1
+    )
+    shutil.copy(folder / "adapters.safetensors", folder / "0000010_adapters.safetensors")
+    hub_env.hub.add_repo(ADAPTER_REPO, folder)
+    return folder
+
+
+@pytest.fixture
+def served(
+    hub_env: HubEnv, adapter: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[RunningServer]:
+    base = tmp_path / "base.yaml"
+    base.write_text(
+        "models:\n"
+        f"  hubtiny:\n    target: {TARGET_REPO}\n"
+        f"  hubsql:\n    target: {TARGET_REPO}\n    adapters: [{ADAPTER_REPO}]\n"
+        f"  localsql:\n    target: {TARGET_REPO}\n    adapters: [{adapter}]\n",
+        encoding="utf-8",
+    )
+    monkeypatch.setenv("MLXD_REGISTRY", f"{base}{os.pathsep}{hub_env.user_file}")
+    with ServerThread(None) as info:  # type: ignore[arg-type]
+        yield info
+
+
+def names(server: RunningServer) -> list[str]:
+    return [m["name"] for m in httpx.get(f"{server.base_url}/api/tags").json()["models"]]
+
+
+def test_an_entry_on_a_hub_adapter_is_pulled_with_it_and_served(
+    served: RunningServer, hub_env: HubEnv
+) -> None:
+    """The entry lists and answers as a model not pulled until `pull` fetched its target
+    and its adapter's two files (hub adapters were never fetched, and never found in the
+    cache, where the lookup asked for a model's config.json)."""
+    c = ollama.Client(host=served.base_url, timeout=120)
+    assert "hubsql:latest" not in names(served)
+    with pytest.raises(ollama.ResponseError) as info:
+        c.generate(model="hubsql", prompt=PROMPT, options=GREEDY, raw=True)
+    assert info.value.status_code == 404
+    statuses = [p.status for p in c.pull("hubsql", stream=True)]
+    assert statuses[-1] == "success"
+    found = resolve_adapter(ADAPTER_REPO)
+    assert found is not None
+    assert sorted(p.name for p in found.iterdir()) == ["adapter_config.json", "adapters.safetensors"]
+    assert {"hubsql:latest", "localsql:latest", "hubtiny:latest"} <= set(names(served))
+    sql = c.generate(model="hubsql", prompt=PROMPT, options=GREEDY, raw=True).response
+    assert sql == c.generate(model="localsql", prompt=PROMPT, options=GREEDY, raw=True).response
+    assert sql != c.generate(model="hubtiny", prompt=PROMPT, options=GREEDY, raw=True).response
+
+    shown = c.show("hubsql").modelfile or ""
+    assert f"ADAPTER {found}" in shown  # where it was pulled to, as FROM names the base
+
+    c.delete("hubsql")  # an entry of a file mlxd does not edit: its files go
+    assert resolve_adapter(ADAPTER_REPO) is None
+    assert not hub_env.storage(ADAPTER_REPO).exists()
+    assert "hubsql:latest" not in names(served)
+    assert "hubtiny:latest" in names(served)  # the target another entry uses stays
+
+
+def test_pulling_an_adapter_repository_as_a_model_says_what_it_is(
+    served: RunningServer,
+) -> None:
+    r = httpx.post(f"{served.base_url}/api/pull", json={"model": ADAPTER_REPO}, timeout=60)
+    assert r.status_code == 200  # Ollama streams a pull's error after its first status
+    last = r.text.strip().splitlines()[-1]
+    assert "is a LoRA adapter, not a model" in last and "adapters:" in last
