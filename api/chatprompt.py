@@ -159,7 +159,11 @@ class ChatPrompt:
             raise ApiError(400, f"{self.entry.name} does not support tools")
         self.think = resolve_think(self.think_value, fmt, self.entry.name)
         seeded = [dict(m) for m in self.entry.messages] + self.messages  # MESSAGE lines first
-        messages = with_system(template_messages(seeded, fmt), self.entry.system)
+        # the model's SYSTEM, unless the request opens with its own (as Ollama decides it:
+        # on the request's messages, not on the seed's)
+        own = bool(self.messages) and self.messages[0].get("role") == "system"
+        system = None if own else self.entry.system
+        messages = with_system(template_messages(seeded, fmt), system)
         text = render_chat(
             pairing.tokenizer, messages, self.tools, template_kwargs(fmt, self.think),
             go_template(self.entry.template),

@@ -73,6 +73,18 @@ def _near(here: Path | None, ref: AdapterRef) -> AdapterRef:
     return AdapterRef(str(here / ref.ref), ref.scale)
 
 
+SEED_ROLES = ("system", "user", "assistant")  # what a model's MESSAGE lines may be
+
+
+def _message(role: str | None, content: str | None) -> dict[str, str]:
+    """A seed message as the entry keeps it: the role lower-cased as a chat's are; another
+    role (a tool result, which no seeded call precedes) is refused."""
+    role = (role or "user").lower()
+    if role not in SEED_ROLES:
+        raise ApiError(400, f"invalid message role '{role[:40]}': use system, user or assistant")
+    return {"role": role, "content": content or ""}
+
+
 def _spec(body: CreateRequest) -> CreateSpec:
     name = body.model or body.name
     if not name:
@@ -109,9 +121,7 @@ def _spec(body: CreateRequest) -> CreateSpec:
         spec.license = [body.license] if isinstance(body.license, str) else list(body.license)
     spec.template = body.template or spec.template
     if body.messages is not None:
-        spec.messages = [
-            {"role": m.role or "user", "content": m.content or ""} for m in body.messages
-        ]
+        spec.messages = [_message(m.role, m.content) for m in body.messages]
     try:  # refused now, not by every request the model gets
         check_template(spec.template)
     except PromptError as exc:

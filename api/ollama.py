@@ -274,6 +274,8 @@ async def generate(request: Request) -> Response:
     grammars = [grammar]
     tokenizers: list[Any] = [None]
 
+    seed = () if context else entry.messages  # the model's MESSAGE lines open a conversation
+
     def render(pairing: Pairing) -> str:
         tokenizers[0] = pairing.tokenizer
         if context:
@@ -288,7 +290,7 @@ async def generate(request: Request) -> Response:
             system = body.system or entry.system
             text = render_generate(
                 pairing.tokenizer, prompt, system, body.template, suffix, pairing.fim,
-                template_kwargs(fmt, think), go_template(entry.template),
+                template_kwargs(fmt, think), go_template(entry.template), seed,
             )  # fmt: skip
         # the model's own tags split its thinking; a prompt it did not render (`raw`, a
         # request's template) only where `think` asks for it, as Ollama does
@@ -303,7 +305,7 @@ async def generate(request: Request) -> Response:
         system = body.system or entry.system
         return render_generate(
             pairing.tokenizer, "", system, body.template, None, None,
-            model_template=go_template(entry.template),
+            model_template=go_template(entry.template), seed=seed,
         )  # fmt: skip
 
     if body.debug_render_only:

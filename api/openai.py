@@ -481,13 +481,13 @@ async def completions(request: Request) -> Response:
             raise ApiError(400, f"{entry.name} does not support insert")
         return render_generate(
             pairing.tokenizer, prompt, entry.system, None, suffix or None, pairing.fim,
-            model_template=go_template(entry.template),
+            model_template=go_template(entry.template), seed=entry.messages,
         )  # fmt: skip
 
     def head(pairing: Pairing) -> str:
         return render_generate(
             pairing.tokenizer, "", entry.system, None, None, None,
-            model_template=go_template(entry.template),
+            model_template=go_template(entry.template), seed=entry.messages,
         )  # fmt: skip
 
     slot, load_seconds, tokens = await while_connected(

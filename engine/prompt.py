@@ -336,11 +336,13 @@ def render_generate(
     fim: FimFormat | None,
     extra: Mapping[str, Any] | None = None,
     model_template: str | None = None,
+    seed: Sequence[Mapping[str, Any]] = (),
 ) -> str:
     """Ollama's /api/generate rendering (the raw case never reaches here): the request's
     `template`, else the model's Go template (`model_template`, see `go_template`), else its
-    chat template. A suffix takes the request's Go template, else the model's template where
-    it renders one (`suffix_template`), else the model's FIM tokens."""
+    chat template, of the system prompt, the model's `seed` messages (its MESSAGE lines) and
+    the prompt. A suffix takes the request's Go template, else the model's template where it
+    renders one (`suffix_template`), else the model's FIM tokens."""
     if suffix:
         if not inserts(fim, model_template):
             raise PromptError("does not support insert")
@@ -352,7 +354,8 @@ def render_generate(
         assert fim is not None
         return BareText(fim.render(prompt, suffix))
     template = template or model_template
-    user = with_system([{"role": "user", "content": prompt}], system)
+    opening = [{"role": "system", "content": system}] if system else []
+    user = [*opening, *(dict(m) for m in seed), {"role": "user", "content": prompt}]
     if template and is_go_template(template):
         return render_go_chat(template, user)
     if template:  # Jinja: the chat template's language, as /api/show reports it

@@ -720,3 +720,85 @@ def cli(args: list[str], server: RunningServer) -> subprocess.CompletedProcess[s
         [sys.executable, "-m", "mlxd.daemon.cli", *args],
         cwd=REPO, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
+
+
+def test_a_created_models_messages_open_generate_and_yield_to_a_requests_system(
+    served: tuple[RunningServer, ServerThread],
+) -> None:
+    """The model's MESSAGE lines open `/api/generate` and `/v1/completions` too (after the
+    system prompt, as Ollama renders a generate without `context`); a chat whose request
+    opens with its own system message drops the model's SYSTEM, as Ollama decides it on the
+    request's first message (the seed's was looked at, so both were kept)."""
+    server, _ = served
+    base = server.base_url
+    seed = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]
+    for name, messages in (("seeded", seed), ("unseeded", None)):
+        body = {"model": name, "from": "coder", "system": "SYS", "messages": messages}
+        assert httpx.post(f"{base}/api/create", json=body, timeout=60).status_code == 200
+
+    def rendered(route: str, **body: object) -> str:
+        r = httpx.post(f"{base}/api/{route}", json={**body, "_debug_render_only": True})
+        assert r.status_code == 200, r.text
+        return str(r.json()["_debug_info"]["rendered_template"])
+
+    text = rendered("generate", model="seeded", prompt="write fib", stream=False)
+    assert text.index("SYS") < text.index("hello") < text.index("hi there") < text.index("fib")
+    own = [{"role": "system", "content": "REQSYS"}, {"role": "user", "content": "write fib"}]
+    text = rendered("chat", model="seeded", messages=own, stream=False)
+    assert "SYS" not in text.replace("REQSYS", "")
+    assert text.index("hello") < text.index("hi there") < text.index("REQSYS")
+    mine = [{"role": "user", "content": "write fib"}]
+    text = rendered("chat", model="seeded", messages=mine, stream=False)
+    assert text.index("SYS") < text.index("hello") < text.index("fib")
+
+    def counted(model: str) -> tuple[int, int]:
+        options = {"num_predict": 1, "temperature": 0}
+        ollama_body = {"model": model, "prompt": "write fib", "stream": False, "options": options}
+        native = httpx.post(f"{base}/api/generate", json=ollama_body, timeout=60).json()
+        openai_body = {"model": model, "prompt": "write fib", "max_tokens": 1, "temperature": 0}
+        usage = httpx.post(f"{base}/v1/completions", json=openai_body, timeout=60).json()["usage"]
+        return native["prompt_eval_count"], usage["prompt_tokens"]
+
+    seeded, unseeded = counted("seeded"), counted("unseeded")
+    assert seeded[0] == seeded[1] > unseeded[0] == unseeded[1]
+
+
+def test_create_takes_a_messages_roles_as_chat_does_and_refuses_others(
+    served: tuple[RunningServer, ServerThread],
+) -> None:
+    """A role other than system, user or assistant was a 500 (the registry refused the
+    entry as it was written); a capitalised one is taken lower-cased, as a chat takes it."""
+    server, thread = served
+    base = server.base_url
+    for role in ("wizard", "tool"):
+        body = {"model": "roles", "from": "coder", "messages": [{"role": role, "content": "x"}]}
+        r = httpx.post(f"{base}/api/create", json=body, timeout=60)
+        assert r.status_code == 400 and role in r.json()["error"], r.text
+    assert "roles:latest" not in tags(server)
+    body = {"model": "roles", "from": "coder", "messages": [{"role": "User", "content": "x"}]}
+    assert httpx.post(f"{base}/api/create", json=body, timeout=60).status_code == 200
+    assert wait_for(lambda: "roles:latest" in tags(server))
+    assert thread.state.registry().get("roles").messages[0]["role"] == "user"
+
+
+def test_creating_over_a_model_removes_the_adapter_files_only_it_used(
+    served: tuple[RunningServer, ServerThread], adapters: Adapters
+) -> None:
+    """As Ollama removes a replaced model's unused layers: the uploaded adapter's folder and
+    blobs stayed behind when a create replaced the only model on them."""
+    server, _ = served
+    c = client(server)
+    files = {
+        name: c.create_blob(adapters.tests / name)
+        for name in ("adapter_config.json", "adapters.safetensors")
+    }
+    c.create(model="replaced", from_="coder", adapters=files)
+    folders = Path(os.environ["MLXD_HOME"]) / "adapters"
+    assert len(list(folders.iterdir())) == 1
+    c.create(model="kept", from_="coder", adapters=files)
+    c.create(model="replaced", from_="coder")  # "kept" still uses the folder
+    assert len(list(folders.iterdir())) == 1
+    c.create(model="kept", from_="coder", system="no adapter now")
+    assert not list(folders.iterdir())
+    blobs = Path(os.environ["MLXD_HOME"]) / "blobs"
+    assert not [b for b in blobs.iterdir() if b.name.endswith(files["adapters.safetensors"][7:])]
