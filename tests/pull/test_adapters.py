@@ -69,7 +69,10 @@ def test_an_entry_on_a_hub_adapter_is_pulled_with_it_and_served(
     assert statuses[-1] == "success"
     found = resolve_adapter(ADAPTER_REPO)
     assert found is not None
-    assert sorted(p.name for p in found.iterdir()) == ["adapter_config.json", "adapters.safetensors"]
+    assert sorted(p.name for p in found.iterdir()) == [
+        "adapter_config.json",
+        "adapters.safetensors",
+    ]
     assert {"hubsql:latest", "localsql:latest", "hubtiny:latest"} <= set(names(served))
     sql = c.generate(model="hubsql", prompt=PROMPT, options=GREEDY, raw=True).response
     assert sql == c.generate(model="localsql", prompt=PROMPT, options=GREEDY, raw=True).response
