@@ -9,8 +9,10 @@ adapter on a loaded base is mounted by the first request for it: the base is not
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
+from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
@@ -73,6 +75,19 @@ def _near(here: Path | None, ref: AdapterRef) -> AdapterRef:
     return AdapterRef(str(here / ref.ref), ref.scale)
 
 
+def _parameters(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """`parameters` as a request reads its options (Ollama's): null leaves one unset, and a
+    whole-number option given a fractional number takes its integer part."""
+    out = {}
+    for name, value in raw.items():
+        if value is None:
+            continue
+        if KNOWN_OPTIONS.get(name) == "int" and isinstance(value, float) and math.isfinite(value):
+            value = int(value)
+        out[name] = value
+    return out
+
+
 SEED_ROLES = ("system", "user", "assistant")  # what a model's MESSAGE lines may be
 
 
@@ -115,7 +130,7 @@ def _spec(body: CreateRequest) -> CreateSpec:
         spec.license = parsed.licenses
     spec.from_ = body.from_ or spec.from_
     spec.adapter_blobs = dict(body.adapters or {})
-    spec.parameters = {**spec.parameters, **(body.parameters or {})}
+    spec.parameters = {**spec.parameters, **_parameters(body.parameters or {})}
     spec.system = body.system or spec.system
     if body.license:
         spec.license = [body.license] if isinstance(body.license, str) else list(body.license)

@@ -245,10 +245,12 @@ def create_model(
     made: list[Path] = []  # adapter directories this create assembled anew
     user_file = user_registry_path(env)
     with adapters_lock(env):  # a delete prunes nothing this create is registering
+        replaced = registry.get(name)
+        if replaced is not None:
+            name = replaced.name  # the name as it is stored, whatever its case here (Ollama's)
         try:
             yield from _fill(spec, fields, target, made, env)
             yield Progress("writing manifest")
-            replaced = registry.get(name)
             set_entry(name, fields, path=user_file)
         except BaseException:
             for path in made:  # an adapter directory nobody will register

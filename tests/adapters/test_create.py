@@ -802,3 +802,30 @@ def test_creating_over_a_model_removes_the_adapter_files_only_it_used(
     assert not list(folders.iterdir())
     blobs = Path(os.environ["MLXD_HOME"]) / "blobs"
     assert not [b for b in blobs.iterdir() if b.name.endswith(files["adapters.safetensors"][7:])]
+
+
+def test_creating_over_a_model_named_in_another_case_keeps_its_name(
+    served: tuple[RunningServer, ServerThread],
+) -> None:
+    """Names match whatever their case, and a replaced model keeps the name it was stored
+    under, as Ollama canonicalises to the stored casing (it was renamed)."""
+    server, thread = served
+    c = client(server)
+    c.create(model="Mixed", from_="coder", system="one")
+    c.create(model="mixed", from_="coder", system="two")
+    assert "Mixed:latest" in tags(server) and "mixed:latest" not in tags(server)
+    assert thread.state.registry().get("MIXED").system == "two"
+
+
+def test_create_reads_parameters_as_a_request_reads_options(
+    served: tuple[RunningServer, ServerThread],
+) -> None:
+    """null leaves a parameter unset and a fractional number for a whole-number one takes
+    its integer part, as a request's options (and Ollama's create) read them: both were 400s."""
+    server, thread = served
+    parameters = {"num_predict": 7.9, "top_k": 3.0, "temperature": None}
+    body = {"model": "params", "from": "coder", "parameters": parameters}
+    r = httpx.post(f"{server.base_url}/api/create", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert wait_for(lambda: "params:latest" in tags(server))
+    assert dict(thread.state.registry().get("params").options) == {"num_predict": 7, "top_k": 3}
