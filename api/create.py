@@ -21,6 +21,7 @@ from starlette.routing import Route
 
 from mlxd.api.codec import NDJSON, ndjson_line, read_request
 from mlxd.api.errors import ApiError
+from mlxd.api.inference import check_images
 from mlxd.api.state import CLOSING, ServerState, state_of
 from mlxd.api.types import CreateRequest
 from mlxd.engine.options import OptionsError, parse_options
@@ -136,6 +137,8 @@ def _spec(body: CreateRequest) -> CreateSpec:
         spec.license = [body.license] if isinstance(body.license, str) else list(body.license)
     spec.template = body.template or spec.template
     if body.messages is not None:
+        for m in body.messages:  # the base is text-only, as every route says
+            check_images(m.images, spec.from_ or name)
         spec.messages = [_message(m.role, m.content) for m in body.messages]
     try:  # refused now, not by every request the model gets
         check_template(spec.template)

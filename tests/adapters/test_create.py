@@ -774,6 +774,10 @@ def test_create_takes_a_messages_roles_as_chat_does_and_refuses_others(
         body = {"model": "roles", "from": "coder", "messages": [{"role": role, "content": "x"}]}
         r = httpx.post(f"{base}/api/create", json=body, timeout=60)
         assert r.status_code == 400 and role in r.json()["error"], r.text
+    image = {"role": "user", "content": "x", "images": ["aGk="]}  # dropped without a word
+    body = {"model": "roles", "from": "coder", "messages": [image]}
+    r = httpx.post(f"{base}/api/create", json=body, timeout=60)
+    assert r.status_code == 400 and "does not support images" in r.json()["error"], r.text
     assert "roles:latest" not in tags(server)
     body = {"model": "roles", "from": "coder", "messages": [{"role": "User", "content": "x"}]}
     assert httpx.post(f"{base}/api/create", json=body, timeout=60).status_code == 200
