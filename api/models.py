@@ -220,7 +220,7 @@ async def copy(request: Request) -> Response:
     if existing is not None:
         destination = existing.name
     try:
-        await run_in_threadpool(copy_model, entry, destination)
+        await run_in_threadpool(copy_model, entry, destination, registry)
     except (RegistryError, OSError) as exc:
         raise ApiError(500, str(exc)) from exc
     await run_in_threadpool(state.reload)

@@ -25,10 +25,10 @@ from mlxd.registry.adapterfiles import AdapterFileError, check_fits, read_adapte
 from mlxd.registry.blobs import BlobError, blob_intact, blob_path, holds, parse_digest
 from mlxd.registry.home import user_registry_path
 from mlxd.registry.names import InvalidModelName, parse_name
-from mlxd.registry.prune import adapters_dir, adapters_lock, prune_adapters
+from mlxd.registry.prune import adapters_dir, adapters_lock, prune_replaced
 from mlxd.registry.pull import Progress
 from mlxd.registry.registry import Registry
-from mlxd.registry.schema import KNOWN_OPTIONS, AdapterRef, ModelEntry, RegistryError, check_option
+from mlxd.registry.schema import KNOWN_OPTIONS, AdapterRef, check_option
 from mlxd.registry.store import is_complete_model, resolve_adapter, resolve_local
 from mlxd.registry.userfile import adapter_field, entry_fields, set_entry, written_now
 
@@ -256,23 +256,9 @@ def create_model(
             for path in made:  # an adapter directory nobody will register
                 shutil.rmtree(path, ignore_errors=True)
             raise
-        if replaced is not None and os.path.realpath(replaced.source) == os.path.realpath(
-            user_file
-        ):
-            _prune_replaced(replaced, registry, user_file, env)
+        if replaced is not None:
+            prune_replaced(replaced, registry, env)
     yield Progress("success")
-
-
-def _prune_replaced(
-    replaced: ModelEntry, registry: Registry, user_file: Path, env: Mapping[str, str]
-) -> None:
-    """The adapter directories of the model a create replaced, where no model uses them now
-    (as Ollama removes a replaced manifest's unused layers); left where anything fails."""
-    try:
-        now = Registry.load(list(registry.paths), optional=(user_file,))
-    except (RegistryError, OSError):
-        return
-    prune_adapters(replaced, now.entries(), env)
 
 
 def _fill(

@@ -13,11 +13,12 @@ from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 from mlxd.registry.blobs import blobs_dir
-from mlxd.registry.home import mlxd_home
-from mlxd.registry.schema import ModelEntry
+from mlxd.registry.home import mlxd_home, user_registry_path
+from mlxd.registry.registry import Registry
+from mlxd.registry.schema import ModelEntry, RegistryError
 from mlxd.registry.userfile import file_lock
 
-__all__ = ["adapters_dir", "adapters_lock", "prune_adapters"]
+__all__ = ["adapters_dir", "adapters_lock", "prune_adapters", "prune_replaced"]
 
 _ASSEMBLED = re.compile(r"[0-9a-f]{64}")  # the digest create names a directory it assembles
 
@@ -75,3 +76,19 @@ def prune_adapters(
                 blob.unlink(missing_ok=True)
                 freed += st.st_size
     return freed
+
+
+def prune_replaced(
+    replaced: ModelEntry, registry: Registry, env: Mapping[str, str] = os.environ
+) -> int:
+    """After a create or copy wrote over `replaced`: where it was an entry of the user
+    registry, its assembled adapter directories that no model uses now, as Ollama removes a
+    replaced manifest's unused layers; the bytes freed. Call it holding `adapters_lock`."""
+    user_file = user_registry_path(env)
+    if os.path.realpath(replaced.source) != os.path.realpath(user_file):
+        return 0
+    try:
+        now = Registry.load(list(registry.paths), optional=(user_file,))
+    except (RegistryError, OSError):
+        return 0  # left for a later delete
+    return prune_adapters(replaced, now.entries(), env)

@@ -72,7 +72,7 @@ from huggingface_hub.utils import build_hf_headers, filter_repo_objects
 
 from mlxd.registry.home import user_registry_path
 from mlxd.registry.names import HUB_HOSTS, ModelName, hub_name, parse_name
-from mlxd.registry.prune import adapters_lock, prune_adapters
+from mlxd.registry.prune import adapters_lock, prune_adapters, prune_replaced
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import ModelEntry, RegistryError
 from mlxd.registry.store import (
@@ -1044,9 +1044,19 @@ def delete_model(
     return Removal(entry.name, removed, deleted, freed + pruned, tuple(kept))
 
 
-def copy_model(entry: ModelEntry, destination: str, env: Mapping[str, str] = os.environ) -> str:
-    """Register ``destination`` in the user registry with ``entry``'s fields; the display name."""
+def copy_model(
+    entry: ModelEntry,
+    destination: str,
+    registry: Registry | None = None,
+    env: Mapping[str, str] = os.environ,
+) -> str:
+    """Register ``destination`` in the user registry with ``entry``'s fields; the display name.
+    A model it replaces (found in ``registry``) leaves no adapter files only it used."""
     name = parse_name(destination).display
     fields = {**entry_fields(entry), "modified_at": written_now()}  # a new model, as Ollama's
-    set_entry(name, fields, path=user_registry_path(env))
+    with adapters_lock(env):
+        replaced = registry.get(name) if registry is not None else None
+        set_entry(name, fields, path=user_registry_path(env))
+        if registry is not None and replaced is not None:
+            prune_replaced(replaced, registry, env)
     return name

@@ -785,7 +785,7 @@ def test_create_takes_a_messages_roles_as_chat_does_and_refuses_others(
     assert thread.state.registry().get("roles").messages[0]["role"] == "user"
 
 
-def test_creating_over_a_model_removes_the_adapter_files_only_it_used(
+def test_creating_or_copying_over_a_model_removes_the_adapter_files_only_it_used(
     served: tuple[RunningServer, ServerThread], adapters: Adapters
 ) -> None:
     """As Ollama removes a replaced model's unused layers: the uploaded adapter's folder and
@@ -802,7 +802,7 @@ def test_creating_over_a_model_removes_the_adapter_files_only_it_used(
     c.create(model="kept", from_="coder", adapters=files)
     c.create(model="replaced", from_="coder")  # "kept" still uses the folder
     assert len(list(folders.iterdir())) == 1
-    c.create(model="kept", from_="coder", system="no adapter now")
+    c.copy("replaced", "kept")  # a copy over the last model on them: gone too
     assert not list(folders.iterdir())
     blobs = Path(os.environ["MLXD_HOME"]) / "blobs"
     assert not [b for b in blobs.iterdir() if b.name.endswith(files["adapters.safetensors"][7:])]
