@@ -19,7 +19,7 @@ from mlxd.api.toolgrammar import AUTO, after_thinking, tool_grammar
 from mlxd.api.tools import mistral_id, template_calls, tool_names
 from mlxd.engine.grammar import GrammarError, GrammarSpec, validate
 from mlxd.engine.pairing import Pairing
-from mlxd.engine.prompt import continued, go_template, render_chat, with_system
+from mlxd.engine.prompt import continued, go_template, render_chat
 from mlxd.registry.schema import ModelEntry
 
 THINK_LEVELS = ("low", "medium", "high", "max")
@@ -162,8 +162,9 @@ class ChatPrompt:
         # the model's SYSTEM, unless the request opens with its own (as Ollama decides it:
         # on the request's messages, not on the seed's)
         own = bool(self.messages) and self.messages[0].get("role") == "system"
-        system = None if own else self.entry.system
-        messages = with_system(template_messages(seeded, fmt), system)
+        messages = template_messages(seeded, fmt)
+        if self.entry.system and not own:
+            messages.insert(0, {"role": "system", "content": self.entry.system})
         text = render_chat(
             pairing.tokenizer, messages, self.tools, template_kwargs(fmt, self.think),
             go_template(self.entry.template),

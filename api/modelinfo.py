@@ -14,7 +14,7 @@ from mlxd.api.chatformat import chat_format
 from mlxd.api.errors import ApiError
 from mlxd.api.tokenizerinfo import tokenizer_info
 from mlxd.api.types import DraftInfo, ModelSummary, ShowResponse
-from mlxd.engine.adapters import AdapterError, hub_adapters_pulled, locate_adapters
+from mlxd.engine.adapters import AdapterError, locate_adapters
 from mlxd.engine.embedding.spec import spec_from_dir
 from mlxd.engine.prompt import detect_fim, inserts
 from mlxd.registry.adapterfiles import ADAPTER_WEIGHTS, adapter_revision
@@ -22,6 +22,7 @@ from mlxd.registry.modelfile import render_modelfile
 from mlxd.registry.schema import AdapterRef, ModelEntry, parse_rfc3339, rfc3339
 from mlxd.registry.store import (
     ModelDetails,
+    hub_adapters_pulled,
     model_digest,
     model_size,
     read_details,

@@ -216,9 +216,6 @@ async def copy(request: Request) -> Response:
         raise ApiError(
             400, f"cannot copy: the server reads its models from {paths} only (--registry)"
         )
-    existing = registry.get(destination)  # names match whatever their case: it keeps its own
-    if existing is not None:
-        destination = existing.name
     try:
         await run_in_threadpool(copy_model, entry, destination, registry)
     except (RegistryError, OSError) as exc:

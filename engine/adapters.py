@@ -40,7 +40,7 @@ from mlxd.registry.adapterfiles import (
     check_layout,
     read_adapter,
 )
-from mlxd.registry.schema import AdapterRef, ModelEntry
+from mlxd.registry.schema import AdapterRef
 from mlxd.registry.store import resolve_adapter
 
 log = logging.getLogger(__name__)
@@ -54,7 +54,6 @@ __all__ = [
     "AdapterSet",
     "Mount",
     "check_entry_adapters",
-    "hub_adapters_pulled",
     "locate_adapters",
     "selecting",
 ]
@@ -62,14 +61,6 @@ __all__ = [
 
 class AdapterError(ValueError):
     """An adapter that cannot be mounted on this model; the message says which and why."""
-
-
-def hub_adapters_pulled(entry: ModelEntry) -> bool:
-    """Whether every adapter the entry names by its hub repository is in the local cache (an
-    entry on one that is not is a model not pulled yet; a missing directory is the entry's
-    fault, said where it is probed)."""
-    hub = [a.ref for a in (*entry.adapters, *entry.draft_adapters) if not a.is_path]
-    return all(resolve_adapter(ref) is not None for ref in hub)
 
 
 def locate_adapters(refs: Sequence[AdapterRef]) -> list[Path]:

@@ -25,7 +25,6 @@ from mlxd.engine.adapters import (
     DEFAULT_ADAPTER_BYTES,
     AdapterError,
     check_entry_adapters,
-    hub_adapters_pulled,
 )
 from mlxd.engine.backend import Backend
 from mlxd.engine.counts import EVICTION, LOAD, LOAD_FAILURE, RUNNER_RESTART, LifecycleCounts
@@ -62,7 +61,7 @@ from mlxd.engine.runner import PairingRunner
 from mlxd.engine.speculation import Costs
 from mlxd.engine.threads import run_in_mlx_thread
 from mlxd.registry.schema import ModelEntry
-from mlxd.registry.store import resolve_adapter, resolve_local
+from mlxd.registry.store import hub_adapters_pulled, resolve_adapter, resolve_local
 
 log = logging.getLogger(__name__)
 

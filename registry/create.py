@@ -25,7 +25,7 @@ from mlxd.registry.adapterfiles import AdapterFileError, check_fits, read_adapte
 from mlxd.registry.blobs import BlobError, blob_intact, blob_path, holds, parse_digest
 from mlxd.registry.home import user_registry_path
 from mlxd.registry.names import InvalidModelName, parse_name
-from mlxd.registry.prune import adapters_dir, adapters_lock, prune_replaced
+from mlxd.registry.prune import adapters_dir, adapters_lock, prune_replaced, stored_entry
 from mlxd.registry.pull import Progress
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import KNOWN_OPTIONS, AdapterRef, check_option
@@ -245,7 +245,7 @@ def create_model(
     made: list[Path] = []  # adapter directories this create assembled anew
     user_file = user_registry_path(env)
     with adapters_lock(env):  # a delete prunes nothing this create is registering
-        replaced = registry.get(name)
+        replaced = stored_entry(name, registry, env)
         if replaced is not None:
             name = replaced.name  # the name as it is stored, whatever its case here (Ollama's)
         try:

@@ -14,11 +14,12 @@ from pathlib import Path
 
 from mlxd.registry.blobs import blobs_dir
 from mlxd.registry.home import mlxd_home, user_registry_path
+from mlxd.registry.names import parse_name
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import ModelEntry, RegistryError
 from mlxd.registry.userfile import file_lock
 
-__all__ = ["adapters_dir", "adapters_lock", "prune_adapters", "prune_replaced"]
+__all__ = ["adapters_dir", "adapters_lock", "prune_adapters", "prune_replaced", "stored_entry"]
 
 _ASSEMBLED = re.compile(r"[0-9a-f]{64}")  # the digest create names a directory it assembles
 
@@ -92,3 +93,20 @@ def prune_replaced(
     except (RegistryError, OSError):
         return 0  # left for a later delete
     return prune_adapters(replaced, now.entries(), env)
+
+
+def stored_entry(
+    name: str, registry: Registry, env: Mapping[str, str] = os.environ
+) -> ModelEntry | None:
+    """The entry a create or copy to `name` writes over: the one of that name, whatever its
+    case, as the registry files hold it now (read under `adapters_lock`, so two creates of
+    one name each see what the other wrote). A hub model `hf.co/org/x`, which `org/x` finds
+    for a pull or a run, is another model here."""
+    try:
+        now = Registry.load(list(registry.paths), optional=(user_registry_path(env),))
+    except (RegistryError, OSError):
+        now = registry
+    found = now.get(name)
+    if found is None or parse_name(found.name).key != parse_name(name).key:
+        return None
+    return found

@@ -72,7 +72,7 @@ from huggingface_hub.utils import build_hf_headers, filter_repo_objects
 
 from mlxd.registry.home import user_registry_path
 from mlxd.registry.names import HUB_HOSTS, ModelName, hub_name, parse_name
-from mlxd.registry.prune import adapters_lock, prune_adapters, prune_replaced
+from mlxd.registry.prune import adapters_lock, prune_adapters, prune_replaced, stored_entry
 from mlxd.registry.registry import Registry
 from mlxd.registry.schema import ModelEntry, RegistryError
 from mlxd.registry.store import (
@@ -80,6 +80,7 @@ from mlxd.registry.store import (
     MODEL_FILE_PATTERNS,
     ModelFilesError,
     file_hashes,
+    hub_adapters_pulled,
     hub_cache_dir,
     model_files,
     remember_hash,
@@ -949,8 +950,9 @@ def _others(
 
 
 def _installed(entry: ModelEntry, env: Mapping[str, str]) -> bool:
-    return all(
-        resolve_local(ref, env=env) is not None for ref in (entry.target, entry.draft) if ref
+    models = (entry.target, entry.draft)
+    return all(resolve_local(r, env=env) is not None for r in models if r) and hub_adapters_pulled(
+        entry, env
     )
 
 
@@ -1051,11 +1053,14 @@ def copy_model(
     env: Mapping[str, str] = os.environ,
 ) -> str:
     """Register ``destination`` in the user registry with ``entry``'s fields; the display name.
-    A model it replaces (found in ``registry``) leaves no adapter files only it used."""
+    A model it replaces (found in ``registry``) keeps its name as stored, whatever its case
+    in ``destination``, and leaves no adapter files only it used."""
     name = parse_name(destination).display
     fields = {**entry_fields(entry), "modified_at": written_now()}  # a new model, as Ollama's
     with adapters_lock(env):
-        replaced = registry.get(name) if registry is not None else None
+        replaced = stored_entry(name, registry, env) if registry is not None else None
+        if replaced is not None:
+            name = replaced.name
         set_entry(name, fields, path=user_registry_path(env))
         if registry is not None and replaced is not None:
             prune_replaced(replaced, registry, env)

@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import constants as hf_constants
 from huggingface_hub import snapshot_download
@@ -34,11 +34,15 @@ from huggingface_hub.errors import (
 
 from mlxd.registry.home import ensure_home
 
+if TYPE_CHECKING:
+    from mlxd.registry.schema import ModelEntry
+
 __all__ = [
     "DIGEST_CACHE_FILENAME",
     "MODEL_FILE_PATTERNS",
     "ModelDetails",
     "ModelFilesError",
+    "hub_adapters_pulled",
     "hub_cache_dir",
     "human_number",
     "model_digest",
@@ -116,6 +120,14 @@ def is_complete_model(model_dir: Path) -> bool:
     except ModelFilesError:
         return False
     return bool(weights) and all(w.is_file() for w in weights)
+
+
+def hub_adapters_pulled(entry: ModelEntry, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether every adapter the entry names by its hub repository is in the local cache (an
+    entry on one that is not is a model not pulled yet; a missing directory is the entry's
+    fault, said where it is probed)."""
+    hub = [a.ref for a in (*entry.adapters, *entry.draft_adapters) if not a.is_path]
+    return all(resolve_adapter(ref, env=env) is not None for ref in hub)
 
 
 def is_complete_adapter(folder: Path) -> bool:

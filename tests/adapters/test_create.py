@@ -833,3 +833,40 @@ def test_create_reads_parameters_as_a_request_reads_options(
     assert r.status_code == 200, r.text
     assert wait_for(lambda: "params:latest" in tags(server))
     assert dict(thread.state.registry().get("params").options) == {"num_predict": 7, "top_k": 3}
+
+
+def test_the_models_system_comes_first_where_its_seed_opens_with_a_system_message(
+    served: tuple[RunningServer, ServerThread],
+) -> None:
+    """As Ollama decides it on the request's first message: a seed's own system message
+    does not take the model's SYSTEM away (a chat lost it; a generate kept it)."""
+    server, _ = served
+    base = server.base_url
+    seed = [{"role": "system", "content": "SEEDSYS"}, {"role": "user", "content": "hello"}]
+    body = {"model": "sys-seed", "from": "coder", "system": "MODELSYS", "messages": seed}
+    assert httpx.post(f"{base}/api/create", json=body, timeout=60).status_code == 200
+    chat = {"model": "sys-seed", "messages": [{"role": "user", "content": "fib"}]}
+    for route, request in (("chat", chat), ("generate", {"model": "sys-seed", "prompt": "fib"})):
+        r = httpx.post(f"{base}/api/{route}", json={**request, "_debug_render_only": True})
+        text = r.json()["_debug_info"]["rendered_template"]
+        assert text.index("MODELSYS") < text.index("SEEDSYS") < text.index("fib"), route
+
+
+def test_create_and_copy_to_a_hub_models_short_name_make_a_model_of_their_own(
+    served: tuple[RunningServer, ServerThread],
+) -> None:
+    """`org/repo` finds a pulled `hf.co/org/repo` for a run or a pull, but a create or copy
+    under `org/repo` is another model: it was written over the pulled one."""
+    server, thread = served
+    add_entry(served, "hf.co/org/repo", "")
+    c = client(server)
+    c.create(model="org/repo", from_="coder", system="mine")
+    c.copy("coder-sql", "org/other")
+    add_entry(served, "hf.co/org/other", "")
+    c.copy("coder-sql", "org/other")
+    names = tags(server)
+    assert {"hf.co/org/repo:latest", "org/repo:latest", "org/other:latest"} <= set(names)
+    assert "hf.co/org/other:latest" in names
+    registry = thread.state.registry()
+    assert registry.get("hf.co/org/repo").system is None
+    assert registry.get("hf.co/org/other").adapters == ()

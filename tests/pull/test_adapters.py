@@ -65,6 +65,11 @@ def test_an_entry_on_a_hub_adapter_is_pulled_with_it_and_served(
     with pytest.raises(ollama.ResponseError) as info:
         c.generate(model="hubsql", prompt=PROMPT, options=GREEDY, raw=True)
     assert info.value.status_code == 404
+    c.pull("hubtiny")  # the target is here, the adapter not: still a model not pulled
+    with pytest.raises(ollama.ResponseError) as info:
+        c.delete("hubsql")
+    assert info.value.status_code == 404
+    assert "hubsql:latest" not in names(served) and "hubtiny:latest" in names(served)
     statuses = [p.status for p in c.pull("hubsql", stream=True)]
     assert statuses[-1] == "success"
     found = resolve_adapter(ADAPTER_REPO)
