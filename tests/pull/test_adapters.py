@@ -100,3 +100,19 @@ def test_pulling_an_adapter_repository_as_a_model_says_what_it_is(
     assert r.status_code == 200  # Ollama streams a pull's error after its first status
     last = r.text.strip().splitlines()[-1]
     assert "is a LoRA adapter, not a model" in last and "adapters:" in last
+
+
+def test_an_entrys_hub_adapter_pulls_offline_from_the_cache_and_must_hold_its_files(
+    served: RunningServer, hub_env: HubEnv, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Offline, a pull of an entry whose adapter is cached succeeds from the cache; an
+    adapter repository without `adapters.safetensors` is refused by name."""
+    c = ollama.Client(host=served.base_url, timeout=120)
+    c.pull("hubsql")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert [p.status for p in c.pull("hubsql", stream=True)][-1] == "success"
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    hub_env.hub.add_repo(ADAPTER_REPO, {"adapter_config.json": b"{}"})  # a new main: no weights
+    with pytest.raises(ollama.ResponseError) as info:
+        c.pull("hubsql")
+    assert "has no adapter files" in info.value.error and ADAPTER_REPO in info.value.error
