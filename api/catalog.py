@@ -16,8 +16,8 @@ from starlette.routing import Route
 
 from mlxd.api.codec import json_response
 from mlxd.api.state import ServerState, state_of
-from mlxd.engine.manager import files_present
 from mlxd.registry.schema import ModelEntry
+from mlxd.registry.store import files_present
 
 
 def entry_status(state: ServerState, entry: ModelEntry, pulled: bool) -> str:

@@ -22,7 +22,7 @@ from mlxd.registry.modelfile import render_modelfile
 from mlxd.registry.schema import AdapterRef, ModelEntry, parse_rfc3339, rfc3339
 from mlxd.registry.store import (
     ModelDetails,
-    hub_adapters_pulled,
+    files_present,
     model_digest,
     model_size,
     read_details,
@@ -59,11 +59,11 @@ def find_local(entry: ModelEntry) -> LocalModel | None:
     """The entry's files, None when they are not downloaded. A directory that is not a model
     (or not one mlxd can read) is returned with its `problem`, so one bad registry entry
     never breaks the listings of the others."""
-    target = resolve_local(entry.target)
-    if target is None:
+    if not files_present(entry):
         return None
+    target = resolve_local(entry.target)
     draft = resolve_local(entry.draft) if entry.draft else None
-    if (entry.draft and draft is None) or not hub_adapters_pulled(entry):
+    if target is None or (entry.draft and draft is None):  # removed meanwhile
         return None
     try:
         return _read_local(entry, target, draft)

@@ -61,7 +61,7 @@ from mlxd.engine.runner import PairingRunner
 from mlxd.engine.speculation import Costs
 from mlxd.engine.threads import run_in_mlx_thread
 from mlxd.registry.schema import ModelEntry
-from mlxd.registry.store import hub_adapters_pulled, resolve_adapter, resolve_local
+from mlxd.registry.store import files_present, resolve_adapter, resolve_local
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +133,6 @@ def files_stamp(entry: ModelEntry) -> tuple[tuple[str, int, int], ...]:
                 st = path.stat()  # through the hub cache's links to the blobs they name
                 found.append((str(path), st.st_size, st.st_mtime_ns))
     return tuple(found)
-
-
-def files_present(entry: ModelEntry) -> bool:
-    return (
-        resolve_local(entry.target) is not None
-        and (entry.draft is None or resolve_local(entry.draft) is not None)
-        and hub_adapters_pulled(entry)
-    )
 
 
 def _check_adapters(entry: ModelEntry) -> str | None:

@@ -80,7 +80,7 @@ from mlxd.registry.store import (
     MODEL_FILE_PATTERNS,
     ModelFilesError,
     file_hashes,
-    hub_adapters_pulled,
+    files_present,
     hub_cache_dir,
     model_files,
     remember_hash,
@@ -949,13 +949,6 @@ def _others(
     return [e for e in registry.entries() if e.key != entry.key]
 
 
-def _installed(entry: ModelEntry, env: Mapping[str, str]) -> bool:
-    models = (entry.target, entry.draft)
-    return all(resolve_local(r, env=env) is not None for r in models if r) and hub_adapters_pulled(
-        entry, env
-    )
-
-
 def delete_model(
     entry: ModelEntry, registry: Registry, env: Mapping[str, str] = os.environ
 ) -> Removal:
@@ -971,7 +964,7 @@ def delete_model(
     """
     user_file = user_registry_path(env)
     in_user_file = _norm(entry.source) == _norm(user_file)
-    if not in_user_file and not _installed(entry, env):
+    if not in_user_file and not files_present(entry, env):
         raise DeleteError(404, f"model '{entry.name}' not found")  # configured, not pulled
     with adapters_lock(env):  # no create is registering an adapter directory pruned here
         removed = remove_entry(entry.name, path=user_file) if in_user_file else False

@@ -42,7 +42,7 @@ __all__ = [
     "MODEL_FILE_PATTERNS",
     "ModelDetails",
     "ModelFilesError",
-    "hub_adapters_pulled",
+    "files_present",
     "hub_cache_dir",
     "human_number",
     "model_digest",
@@ -122,12 +122,15 @@ def is_complete_model(model_dir: Path) -> bool:
     return bool(weights) and all(w.is_file() for w in weights)
 
 
-def hub_adapters_pulled(entry: ModelEntry, env: Mapping[str, str] = os.environ) -> bool:
-    """Whether every adapter the entry names by its hub repository is in the local cache (an
-    entry on one that is not is a model not pulled yet; a missing directory is the entry's
-    fault, said where it is probed)."""
+def files_present(entry: ModelEntry, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the entry's models are here and every adapter it names by its hub repository
+    is in the local cache: an entry short of one is a model not pulled yet (a missing
+    adapter directory of its own is the entry's fault, said where it is probed)."""
+    models = [ref for ref in (entry.target, entry.draft) if ref]
     hub = [a.ref for a in (*entry.adapters, *entry.draft_adapters) if not a.is_path]
-    return all(resolve_adapter(ref, env=env) is not None for ref in hub)
+    return all(resolve_local(ref, env=env) is not None for ref in models) and all(
+        resolve_adapter(ref, env=env) is not None for ref in hub
+    )
 
 
 def is_complete_adapter(folder: Path) -> bool:
