@@ -24,11 +24,13 @@ def entry_status(state: ServerState, entry: ModelEntry, pulled: bool) -> str:
     """`not pulled`, `probing` (opening and checking it), `ok` or `unavailable: why` (also a
     local directory the entry names that is not there: no pull can bring it)."""
     if not pulled:
+        adapters = [(a.ref, a.is_path) for a in (*entry.adapters, *entry.draft_adapters)]
         missing = [
             ref
             for ref, local in (
                 (entry.target, entry.target_is_path),
                 (entry.draft, entry.draft_is_path),
+                *adapters,
             )
             if local and ref is not None and not os.path.isdir(ref)
         ]

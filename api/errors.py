@@ -21,7 +21,7 @@ from mlxd.engine.options import OptionsError
 from mlxd.engine.pairing import ModelNotPulled, ModelUnavailable
 from mlxd.engine.prompt import PromptError
 from mlxd.registry.names import InvalidModelName
-from mlxd.registry.pull import PullNotFound, PullRefused
+from mlxd.registry.pull import NotPullable, PullNotFound, PullRefused
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +64,7 @@ STATUS: dict[type[BaseException], int] = {
     ModelNotPulled: 404,
     PullNotFound: 404,
     PullRefused: 409,
+    NotPullable: 400,
     QueueFull: 503,
     ServerClosing: 503,
     NotAGenerativeModel: 400,

@@ -530,6 +530,10 @@ class ModelManager:
         t0 = time.perf_counter()
         if self._closing:
             raise ServerClosing()
+        if (entry.adapters or entry.draft_adapters) and not await asyncio.to_thread(
+            files_present, entry
+        ):  # its base may be here, loaded even: an adapter is not (a hub one not pulled yet)
+            raise ModelNotPulled(f"model '{entry.name}': an adapter is not available locally")
         if entry in self._pending:  # probing: take its turn now rather than after the others
             await self.probe(entry)
         probed = self._probes.get(entry)

@@ -158,6 +158,11 @@ class PullNotFound(PullError):
     """Nothing by that name: not on the hub, not on disk."""
 
 
+class NotPullable(PullError):
+    """The repo holds no files of the kind asked for (no model, no adapter): the request's
+    fault, not the server's."""
+
+
 class PullRefused(PullError):
     """This server's configuration could not serve what the pull would bring."""
 
@@ -472,19 +477,19 @@ def _fetch_manifest(ref: HubRef, api: HfApi, cache: Path) -> _Manifest:
         )
     names = {f.path for f in files}
     if ref.adapter and not names >= set(ADAPTER_FILES):
-        raise PullError(
+        raise NotPullable(
             f"pull model manifest: {ref.repo_id} has no adapter files"
             f" ({' and '.join(ADAPTER_FILES)}, in mlx-lm's layout)"
         )
     if ADAPTER_FILES[0] in names and "config.json" not in names and not ref.adapter:
-        raise PullError(
+        raise NotPullable(
             f"pull model manifest: {ref.repo_id} is a LoRA adapter, not a model: name it in"
             " an entry's `adapters:` (models.yaml) and pull that entry"
         )
     if not ref.adapter and (
         "config.json" not in names or not any(n.endswith(".safetensors") for n in names)
     ):
-        raise PullError(
+        raise NotPullable(
             f"pull model manifest: {ref.repo_id} has no MLX model files"
             " (config.json and *.safetensors)"
         )
@@ -494,6 +499,18 @@ def _fetch_manifest(ref: HubRef, api: HfApi, cache: Path) -> _Manifest:
         if not (_under(manifest.snapshot / f.path, storage) and _under(storage, cache)):
             raise PullError(f"pull model manifest: {ref.repo_id}: unsafe file name {f.path!r}")
     return manifest
+
+
+def _manifest(ref: HubRef, api: HfApi, cache: Path, endpoint: str) -> _Manifest:
+    """`_fetch_manifest`; what fails for an entry's adapter names it (its model's failures
+    read as Ollama words them)."""
+    try:
+        return _fetch_manifest(ref, api, cache)
+    except Exception as exc:
+        what = (
+            f"pull model manifest: adapter {ref.repo_id}" if ref.adapter else "pull model manifest"
+        )
+        raise _explain(exc, what, endpoint) from exc
 
 
 def _offline_manifest(ref: HubRef, cache: Path, env: Mapping[str, str]) -> _Manifest:
@@ -868,7 +885,7 @@ def pull(
                 manifests = [_offline_manifest(r, cache, env) for r in plan.hub]
             else:
                 api = HfApi(endpoint=endpoint, token=token)
-                manifests = [_fetch_manifest(r, api, cache) for r in plan.hub]
+                manifests = [_manifest(r, api, cache, endpoint) for r in plan.hub]
         except Exception as exc:
             raise _explain(exc, "pull model manifest", endpoint) from exc
         jobs = [_plan_job(m, f) for m in manifests for f in m.files]

@@ -123,13 +123,14 @@ def is_complete_model(model_dir: Path) -> bool:
 
 
 def files_present(entry: ModelEntry, env: Mapping[str, str] = os.environ) -> bool:
-    """Whether the entry's models are here and every adapter it names by its hub repository
-    is in the local cache: an entry short of one is a model not pulled yet (a missing
-    adapter directory of its own is the entry's fault, said where it is probed)."""
+    """Whether the entry's models and adapters are here (a hub repository in the local cache,
+    a directory on disk): an entry short of one is a model not pulled yet, as Ollama has a
+    model whose layers are not all there (what is wrong with files that are here is said
+    where the entry is probed)."""
     models = [ref for ref in (entry.target, entry.draft) if ref]
-    hub = [a.ref for a in (*entry.adapters, *entry.draft_adapters) if not a.is_path]
+    adapters = [a.ref for a in (*entry.adapters, *entry.draft_adapters)]
     return all(resolve_local(ref, env=env) is not None for ref in models) and all(
-        resolve_adapter(ref, env=env) is not None for ref in hub
+        resolve_adapter(ref, env=env) is not None for ref in adapters
     )
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import ollama
 import pytest
 
 from mlxd.registry.store import resolve_adapter
-from tests.conftest import RunningServer, ServerThread
+from tests.conftest import RunningServer, ServerThread, wait_for
 from tests.fixtures.adapters import train_adapter
 from tests.pull.conftest import GREEDY, TARGET_REPO, HubEnv
 
@@ -65,7 +66,11 @@ def test_an_entry_on_a_hub_adapter_is_pulled_with_it_and_served(
     with pytest.raises(ollama.ResponseError) as info:
         c.generate(model="hubsql", prompt=PROMPT, options=GREEDY, raw=True)
     assert info.value.status_code == 404
-    c.pull("hubtiny")  # the target is here, the adapter not: still a model not pulled
+    c.pull("hubtiny")  # the target is here, loaded even, the adapter not: not pulled
+    c.generate(model="hubtiny", prompt=PROMPT, options=GREEDY, raw=True)
+    with pytest.raises(ollama.ResponseError) as info:  # it was a 500 from the scheduler
+        c.generate(model="hubsql", prompt=PROMPT, options=GREEDY, raw=True)
+    assert info.value.status_code == 404 and "try pulling it first" in info.value.error
     with pytest.raises(ollama.ResponseError) as info:
         c.delete("hubsql")
     assert info.value.status_code == 404
@@ -100,6 +105,37 @@ def test_pulling_an_adapter_repository_as_a_model_says_what_it_is(
     assert r.status_code == 200  # Ollama streams a pull's error after its first status
     last = r.text.strip().splitlines()[-1]
     assert "is a LoRA adapter, not a model" in last and "adapters:" in last
+    body = {"model": ADAPTER_REPO, "stream": False}
+    r = httpx.post(f"{served.base_url}/api/pull", json=body, timeout=60)
+    assert r.status_code == 400 and "not a model" in r.json()["error"]  # it was a 500
+
+
+def test_an_adapter_pinned_by_its_snapshot_path_is_pulled_then_served(
+    served: RunningServer, hub_env: HubEnv, adapter: Path, tmp_path: Path
+) -> None:
+    """A path into the hub cache's snapshots is that repo at that commit: the entry is a model
+    not pulled until a pull brings it, then served at once (it stayed unavailable)."""
+    c = ollama.Client(host=served.base_url, timeout=120)
+    c.pull("hubtiny")  # the base is here: only the adapter is not
+    commit = hub_env.hub.add_repo(ADAPTER_REPO, adapter)  # the same files: the same commit
+    snapshot = hub_env.storage(ADAPTER_REPO) / "snapshots" / commit
+    registry = tmp_path / "base.yaml"
+    text = registry.read_text(encoding="utf-8")
+    registry.write_text(
+        text + f"  pinned:\n    target: {TARGET_REPO}\n    adapters: [{snapshot}]\n", "utf-8"
+    )
+
+    def status() -> str:
+        listed = httpx.get(f"{served.base_url}/api/mlxd/registry").json()["models"]
+        return next((m["status"] for m in listed if m["name"] == "pinned:latest"), "")
+
+    assert wait_for(lambda: status() != "")
+    time.sleep(1)  # time for a probe, were one to start
+    assert status().startswith("unavailable") and "pinned:latest" not in names(served)
+    c.pull("pinned")
+    assert wait_for(lambda: status() == "ok")
+    sql = c.generate(model="pinned", prompt=PROMPT, options=GREEDY, raw=True).response
+    assert sql == c.generate(model="localsql", prompt=PROMPT, options=GREEDY, raw=True).response
 
 
 def test_an_entrys_hub_adapter_pulls_offline_from_the_cache_and_must_hold_its_files(
