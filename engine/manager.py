@@ -21,11 +21,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from mlxd.engine.adapters import (
-    DEFAULT_ADAPTER_BYTES,
-    AdapterError,
-    check_entry_adapters,
-)
+from mlxd.engine.adapters import DEFAULT_ADAPTER_BYTES, AdapterError, check_entry_adapters
 from mlxd.engine.backend import Backend
 from mlxd.engine.counts import EVICTION, LOAD, LOAD_FAILURE, RUNNER_RESTART, LifecycleCounts
 from mlxd.engine.distributed.group import forget_loss, lost_reason
@@ -123,7 +119,7 @@ def files_stamp(entry: ModelEntry) -> tuple[tuple[str, int, int], ...]:
     file put back by hand), not only after a restart."""
     dirs = [resolve_local(ref) for ref in (entry.target, entry.draft) if ref is not None]
     refs = (*entry.adapters, *entry.draft_adapters)
-    dirs += [Path(a.ref) if a.is_path else resolve_adapter(a.ref) for a in refs]
+    dirs += [resolve_adapter(a.ref) for a in refs]
     found: list[tuple[str, int, int]] = []
     for folder in dirs:
         if folder is None or not folder.is_dir():

@@ -243,7 +243,6 @@ def create_model(
     if target is None:
         raise CreateError(f"model '{spec.from_}' not found, try pulling it first", 404)
     made: list[Path] = []  # adapter directories this create assembled anew
-    user_file = user_registry_path(env)
     with adapters_lock(env):  # a delete prunes nothing this create is registering
         replaced = stored_entry(name, registry, env)
         if replaced is not None:
@@ -251,7 +250,7 @@ def create_model(
         try:
             yield from _fill(spec, fields, target, made, env)
             yield Progress("writing manifest")
-            set_entry(name, fields, path=user_file)
+            set_entry(name, fields, path=user_registry_path(env))
         except BaseException:
             for path in made:  # an adapter directory nobody will register
                 shutil.rmtree(path, ignore_errors=True)
