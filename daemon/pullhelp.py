@@ -26,6 +26,11 @@ HINTS: tuple[tuple[tuple[str, ...], str], ...] = (
         " $MLXD_HOME/models.yaml",
     ),
     (
+        ("manifest: adapter",),  # an entry's adapter the hub has not (after the hub's own failures)
+        "an adapter the entry names is not there: check its `adapters:` (or `draft_adapters:`)"
+        " in models.yaml; an adapter of your own is named by its local directory",
+    ),
+    (
         ("file does not exist",),
         "no such model: `mlxd list` shows the registered names; any MLX repo on the hub pulls"
         " as org/repo or hf.co/org/repo[:revision]",

@@ -16,7 +16,7 @@ import pytest
 from mlxd.registry.store import resolve_adapter
 from tests.conftest import RunningServer, ServerThread, wait_for
 from tests.fixtures.adapters import train_adapter
-from tests.pull.conftest import GREEDY, TARGET_REPO, HubEnv
+from tests.pull.conftest import GREEDY, TARGET_REPO, HubEnv, cli
 
 ADAPTER_REPO = "org/tiny-sql-lora"
 PROMPT = "SELECT name FROM"
@@ -152,3 +152,18 @@ def test_an_entrys_hub_adapter_pulls_offline_from_the_cache_and_must_hold_its_fi
     with pytest.raises(ollama.ResponseError) as info:
         c.pull("hubsql")
     assert "has no adapter files" in info.value.error and ADAPTER_REPO in info.value.error
+
+
+def test_the_cli_says_which_adapter_a_pull_could_not_find(
+    served: RunningServer, hub_env: HubEnv, tmp_path: Path
+) -> None:
+    registry = tmp_path / "base.yaml"
+    text = registry.read_text(encoding="utf-8")
+    registry.write_text(
+        text + f"  nosuch:\n    target: {TARGET_REPO}\n    adapters: [org/nope-lora]\n", "utf-8"
+    )
+    assert wait_for(lambda: "nosuch:latest" in cli(["list"], served).stdout)
+    result = cli(["pull", "nosuch"], served)
+    assert result.returncode == 1
+    assert "Error: pull model manifest: adapter org/nope-lora: file does not exist" in result.stderr
+    assert "hint: an adapter the entry names is not there" in result.stderr
