@@ -24,6 +24,7 @@ import pytest
 
 from mlxd.engine.counts import LOAD
 from mlxd.registry.schema import load_registry_file
+from mlxd.registry.store import ADAPTER_FILES
 from tests.adapters.conftest import Adapters
 from tests.conftest import RunningServer, ServerThread, wait_for
 from tests.fixtures.tiny_models import TinyPair
@@ -61,6 +62,11 @@ def served(
 
 def client(server: RunningServer) -> ollama.Client:
     return ollama.Client(host=server.base_url, timeout=120)
+
+
+def upload(c: ollama.Client, adapter: Path) -> dict[str, str]:
+    """An adapter folder's files as blobs: {filename: digest}, as `create(adapters=)` takes."""
+    return {name: c.create_blob(adapter / name) for name in ADAPTER_FILES}
 
 
 def answer(server: RunningServer, model: str) -> str:
@@ -193,10 +199,7 @@ def test_deleting_the_last_model_on_an_uploaded_adapter_removes_its_files(
     server, _ = served
     c = client(server)
     home = Path(os.environ["MLXD_HOME"])
-    files = {
-        name: c.create_blob(adapters.sql / name)
-        for name in ("adapter_config.json", "adapters.safetensors")
-    }
+    files = upload(c, adapters.sql)
     blobs = {home / "blobs" / d.replace(":", "-") for d in files.values()}
     for name in ("one", "two"):
         assert c.create(model=name, from_="coder", adapters=files).status == "success"
@@ -235,10 +238,7 @@ def test_a_create_refused_after_its_adapter_was_assembled_leaves_no_folder(
     server, _ = served
     c = client(server)
     home = Path(os.environ["MLXD_HOME"])
-    files = {
-        name: c.create_blob(adapters.tests / name)
-        for name in ("adapter_config.json", "adapters.safetensors")
-    }
+    files = upload(c, adapters.tests)
     for extra in ({"parameters": {"bogus": 1}}, {"modelfile": "FROM coder\nDRAFT /no/draft\n"}):
         body = {"model": "half", "from": "coder", "adapters": files, **extra}
         r = httpx.post(f"{server.base_url}/api/create", json=body, timeout=60)
@@ -335,10 +335,7 @@ def test_ollama_client_create_blob_then_create_then_generate(
     server, thread = served
     c = client(server)
     want = answer(server, "coder-sql")
-    files = {
-        name: c.create_blob(adapters.sql / name)
-        for name in ("adapter_config.json", "adapters.safetensors")
-    }
+    files = upload(c, adapters.sql)
     parts = list(c.create(model="mine-sql", from_="coder", adapters=files, stream=True))
     statuses = [p.status for p in parts]
     assert statuses[0] == "converting adapter"
@@ -372,10 +369,7 @@ def test_a_blob_damaged_on_disk_is_taken_for_absent_and_uploaded_again(
     server, _ = served
     c = client(server)
     want = answer(server, "coder-sql")
-    files = {
-        name: c.create_blob(adapters.sql / name)
-        for name in ("adapter_config.json", "adapters.safetensors")
-    }
+    files = upload(c, adapters.sql)
     assert c.create(model="fine", from_="coder", adapters=files).status == "success"
     digest = files["adapters.safetensors"]
     blob = Path(os.environ["MLXD_HOME"]) / "blobs" / digest.replace(":", "-")
@@ -458,10 +452,7 @@ def test_bad_input_is_refused_and_nothing_is_registered(
 
     c = client(server)
     weights = c.create_blob(adapters.sql / "adapters.safetensors")
-    other = {
-        "adapter_config.json": c.create_blob(adapters.other_base / "adapter_config.json"),
-        "adapters.safetensors": c.create_blob(adapters.other_base / "adapters.safetensors"),
-    }
+    other = upload(c, adapters.other_base)
     corrupt = tmp_path / "adapters.safetensors"
     corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
     config = json.loads((Path(tiny_pair.target) / "config.json").read_text())
@@ -477,9 +468,7 @@ def test_bad_input_is_refused_and_nothing_is_registered(
     (embedding / "adapter_config.json").write_bytes(
         (adapters.sql / "adapter_config.json").read_bytes()
     )
-    on_embedding = {
-        f: c.create_blob(embedding / f) for f in ("adapter_config.json", "adapters.safetensors")
-    }
+    on_embedding = upload(c, embedding)
     cut = tmp_path / "cut" / "adapters.safetensors"  # a copy cut short: its header is whole
     cut.parent.mkdir()
     cut.write_bytes((adapters.sql / "adapters.safetensors").read_bytes()[:-100])
@@ -792,10 +781,7 @@ def test_creating_or_copying_over_a_model_removes_the_adapter_files_only_it_used
     blobs stayed behind when a create replaced the only model on them."""
     server, _ = served
     c = client(server)
-    files = {
-        name: c.create_blob(adapters.tests / name)
-        for name in ("adapter_config.json", "adapters.safetensors")
-    }
+    files = upload(c, adapters.tests)
     c.create(model="replaced", from_="coder", adapters=files)
     folders = Path(os.environ["MLXD_HOME"]) / "adapters"
     assert len(list(folders.iterdir())) == 1
