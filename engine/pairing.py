@@ -12,6 +12,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 from mlx_lm.utils import load as mlx_load
 
 from mlxd.engine import branches, dequant, fewrows, rowpad
@@ -37,6 +38,11 @@ from mlxd.registry.templates import loaded_template
 
 log = logging.getLogger(__name__)
 VERIFY_WIDTHS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 16)
+# token counts of a batch's verify rounds (rows x width, up to 8 x 16), measured as one row's
+# forward: the cost model priced them from v(16) as if every token past it cost what the
+# 16th did, so on a GPU, where a 64-token forward costs about what a 16-token one does, a
+# batch of 4 rows never verified more than 4 drafts a row
+WIDE_WIDTHS = (24, 32, 48, 64, 96, 128)
 DRAFT_ROWS = (1, 2, 4, 8)  # rows of a batched draft step measured at probe-open
 TARGET_ROWS = (1, 2, 3, 4, 5, 6, 7, 8)  # rows of a batched decode round measured at probe-open
 GREEDY = parse_options({"temperature": 0})
@@ -52,7 +58,7 @@ DEFAULT_DRAFT_TOKENS = 4  # the most drafts per round from a draft model (each c
 # The most per round from sources that cost nothing to draft (prompt lookup, a grammar's forced
 # tokens): the cost model then picks the length, and where a wide verify costs about what a
 # narrow one does (a bf16 7B on an H200: 16 tokens 1.34 of one, 5 tokens 1.30) it verifies a
-# long copied span in one round. 16 tokens is the widest verify the load measures (`VERIFY_WIDTHS`).
+# long copied span in one round. 16 tokens is the widest lone verify the load measures (`VERIFY_WIDTHS`).
 FREE_DRAFT_TOKENS = 15
 WARM_DRAFT_TOKENS = 8  # the draft lengths whose rounds load runs by default (`warm_up`)
 
@@ -182,12 +188,14 @@ def revision_of(path: Path, config: dict[str, Any], backend: Backend) -> str:
 
 
 def _forward_seconds(
-    model: nn.Module, widths: tuple[int, ...], context: int, passes: int = 7
+    model: nn.Module, widths: tuple[int, ...], context: int, passes: int = 7, keep: bool = True
 ) -> dict[int, float]:
     """Median seconds of an L-token forward at a cache length never seen before (as in real
     decoding, where every round lands on a new length). The widths take turns, pass after
     pass, so a slow spell of the machine skews none of the ratios between them; the first pass
-    only warms up."""
+    only warms up. Not `keep`: each forward's tokens are trimmed off again where the cache
+    can be trimmed, so wide forwards do not carry the cache into buckets of keys no other
+    width sees."""
     cache = make_cache(model)
     feed(model, cache, [0] * context)
     mx.eval([c.state for c in cache])
@@ -199,6 +207,8 @@ def _forward_seconds(
             mx.eval(model(x, cache=cache))
             if i:
                 samples[width].append(time.perf_counter() - t0)
+            if not keep and can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, width)
     return {width: statistics.median(s) for width, s in samples.items()}
 
 
@@ -274,6 +284,7 @@ def measure_costs(
         verify |= _forward_seconds(
             target, tuple(w for w in VERIFY_WIDTHS if w in padded), context, passes
         )
+    verify |= _forward_seconds(target, WIDE_WIDTHS, context, min(passes, 3), keep=False)
     draft_step = _forward_seconds(draft, (1,), context)[1] if draft is not None else 0.0
     rows = {}
     if draft is not None and all(plain_kv(c) for c in make_cache(draft)):

@@ -30,7 +30,7 @@ from mlxd.registry.store import model_digest, resolve_local
 
 log = logging.getLogger(__name__)
 
-FORMAT = 3  # bump when what a probe checks or measures changes
+FORMAT = 4  # bump when what a probe checks or measures changes
 
 
 def _version(package: str) -> str:

@@ -26,8 +26,11 @@ from mlxd.engine.options import parse_options
 from mlxd.engine.pairing import (
     DEFAULT_DRAFT_TOKENS,
     FREE_DRAFT_TOKENS,
+    VERIFY_WIDTHS,
+    WIDE_WIDTHS,
     Pairing,
     load_pairing,
+    measure_costs,
     warm_up,
 )
 from mlxd.engine.sampling import Rng
@@ -149,6 +152,39 @@ def test_a_batch_cuts_long_free_drafts_to_a_width_that_pays() -> None:
         for i in range(4)
     ]  # fmt: skip
     assert plan_widths(gens, [FREE_DRAFT_TOKENS] * 4, costs) == [1] * 4
+
+
+def test_a_batch_verifies_long_free_drafts_where_the_measured_curve_stays_flat() -> None:
+    """On a GPU a forward of 64 or 128 tokens costs about what one of 16 does. Load measures
+    those widths, so four rows of a batch verify eight lookup drafts each there; priced from
+    the widest lone verify alone (every token past 16 as dear as the 16th), two."""
+    target = tiny_vocab_model(3, 8)
+    greedy = parse_options({"temperature": 0})
+
+    def plan(costs: Costs) -> list[int]:
+        gens = [
+            Generation(target, [1, 2, 3], greedy, set(), 40, Rng(i), LookupDraftSource(),
+                       DraftLengthController(costs, FREE_DRAFT_TOKENS, 0.0))
+            for i in range(4)
+        ]  # fmt: skip
+        return plan_widths(gens, [FREE_DRAFT_TOKENS] * 4, costs)
+
+    def curve(w: int) -> float:
+        return 1.0 + w / 256  # flat: 128 tokens cost 1.5 of one
+
+    lone = Costs(verify={w: curve(w) for w in VERIFY_WIDTHS})
+    measured = Costs(verify={w: curve(w) for w in VERIFY_WIDTHS + WIDE_WIDTHS})
+    assert plan(measured) == [8] * 4  # 4 x 9 tokens
+    assert plan(lone) == [2] * 4  # 36 tokens priced as 2.25 times 16
+
+
+def test_load_measures_the_widths_of_a_batchs_verify_rounds() -> None:
+    """What a batch's verify rounds cost (rows x width tokens, up to 8 x 16) is measured at
+    probe-open, not extrapolated from a lone row's widest verify."""
+    costs = measure_costs(tiny_vocab_model(3, 8), None)
+    assert set(VERIFY_WIDTHS + WIDE_WIDTHS) <= set(costs.verify)
+    assert max(WIDE_WIDTHS) >= 8 * (FREE_DRAFT_TOKENS + 1)
+    assert all(costs.verify[w] > 0 for w in WIDE_WIDTHS)
 
 
 def test_a_batch_runs_only_the_widths_its_load_warmed(copier: Pairing) -> None:
