@@ -52,11 +52,12 @@ dropped now and then, so that a width once timed as losing is tried again).
 
 A verify round read before the next is queued keeps the device waiting while the host reads
 it: on an H200, fat 7B pair, 2 rows x 9 tokens took 20.7 ms where a queued 2-row plain round
-took 7.2. Where every row is greedy and prompt lookup drafts, the next round is queued as a
-verify round too, before this one is read: each row's first token is its choice after what
-this round accepted (found on the device), its drafts lookup's continuation of what the round
-would commit if it accepted every draft (`DraftSource.follow`). A wrong guess costs the
-round's drafts, never a token: every draft is verified. Such rounds are priced by their own
+took 7.2. Where prompt lookup drafts, the next round is queued as a verify round too, before
+this one is read: each row's first token is its choice after what this round accepted (found
+on the device), its drafts lookup's continuation of what the round would commit if it
+accepted every draft (`DraftSource.follow`). A wrong guess costs the round's drafts, never a
+token: every draft is verified. A sampled row's choices take the noise of the positions they
+land on (its first one's picked on the device), so a seeded row commits what it does alone. Such rounds are priced by their own
 record, return to return, as plain rounds are (`RoundTimes.queued`).
 """
 
@@ -635,6 +636,12 @@ class RowBatch:
             e is None or (len(g.tokens) == e[0] and g.tokens[-len(e[1]) :] == e[1])
             for g, e in zip(gens, ahead.expect, strict=True)
         ]
+        # a sampled row off its track chose past its first token with the noise of positions
+        # its tokens do not sit at: only that first choice (keyed where it lands) is a choice
+        drafts = [
+            d if on or g.opts.greedy else Draft.empty(d.source)
+            for g, d, on in zip(gens, drafts, on_track, strict=True)
+        ]
         unread = self._queue_unread(drafts, ahead.chosen, width, on_track)
         walks = [None] * len(gens)
         committed = self._read(drafts, ahead.chosen, walks, None, width, unread, on_track)
@@ -678,7 +685,7 @@ class RowBatch:
             nexts.append(mx.take(c, accepted).astype(mx.uint32))
         dropped = width - mx.stack(kept)
         kvcache.BucketedBatchKVCache.drop_unread(self.cache, dropped)
-        if self._queue_guessed(drafts, nexts, on_track):
+        if self._queue_guessed(drafts, nexts, on_track, kept, width):
             return True
         logits = self._forward(mx.stack(nexts)[:, None], queued=True)
         queued = self._choose_unread(logits, kept, width)
@@ -687,20 +694,27 @@ class RowBatch:
         return True
 
     def _queue_guessed(
-        self, drafts: list[Draft], nexts: list[mx.array], on_track: list[bool]
+        self,
+        drafts: list[Draft],
+        nexts: list[mx.array],
+        on_track: list[bool],
+        kept: list[mx.array],
+        width: int,
     ) -> bool:
         """Queue the next round as a verify round on guessed drafts, where the batch holds at
-        most `GUESS_ROWS` rows, every row is greedy (a sampled row's choices would need the
-        noise of positions the host has not read), some row's source can guess (`_guess`)
-        and the plan says the guesses pay over a plain round (`plan_widths` with `priors`).
-        Each row's input is its choice after this round's accepted drafts (`nexts`, on the
-        device; a plain round's choice), then its guess. On bucketed caches only, whose rows
-        roll by counts the host has not read."""
+        most `GUESS_ROWS` rows, some row's source can guess (`_guess`) and the plan says the
+        guesses pay over a plain round (`plan_widths` with `priors`). Each row's input is its
+        choice after this round's accepted drafts (`nexts`, on the device; a plain round's
+        choice), then its guess. A sampled row's first choice takes the noise of the position
+        it lands on, picked on the device by the `kept[i]` tokens this round of `width`
+        commits (`_choose_unread`); its later ones the noise of the positions they take if
+        the guess is on track, the only case in which they count (`_guessed_round`). On
+        bucketed caches only, whose rows roll by counts the host has not read."""
         gens = self.gens
         if not (
             len(gens) <= GUESS_ROWS
             and isinstance(self.cache[0], kvcache.BucketedBatchKVCache)
-            and all(g.opts.greedy and g.plain_only for g in gens)
+            and all(g.plain_only for g in gens)
         ):
             return False
         guesses = [self._guess(g, d, on) for g, d, on in zip(gens, drafts, on_track, strict=True)]
@@ -722,10 +736,15 @@ class RowBatch:
             rest = mx.array(tokens + [0] * (width - 1 - k), dtype=mx.uint32)
             rows.append(mx.concatenate([nxt.reshape(1), rest]))
         logits = self._logits(mx.stack(rows), queued=True)
-        chosen = [
-            mx.argmax(logits[i, : 1 + d.count], axis=-1).astype(mx.uint32)
-            for i, d in enumerate(guessed)
-        ]
+        chosen = []
+        for i, (g, d, e) in enumerate(zip(gens, guessed, expect, strict=True)):
+            if g.opts.greedy:
+                chosen.append(mx.argmax(logits[i, : 1 + d.count], axis=-1).astype(mx.uint32))
+                continue
+            keys = [mx.take(g.rng.keys(len(g.tokens) + 1, width), kept[i] - 1, axis=0)[None]]
+            if d.count and e is not None:
+                keys.append(g.rng.keys(e[0] + 1, d.count))
+            chosen.append(sample_keyed(logits[i, : 1 + d.count], g.opts, mx.concatenate(keys)))
         mx.async_eval(chosen)
         self.ahead = Ahead(list(gens), None, False, True, guessed, chosen, width, expect)
         return True
@@ -733,7 +752,8 @@ class RowBatch:
     def _guess_after(self, tokens: mx.array) -> bool:
         """Queue a verify round on guessed drafts after a plain round that chose `tokens`."""
         rows = len(self.gens)
-        return self._queue_guessed([Draft.empty()] * rows, list(tokens), [True] * rows)
+        one = [mx.array(1, dtype=mx.int32)] * rows
+        return self._queue_guessed([Draft.empty()] * rows, list(tokens), [True] * rows, one, 1)
 
     def _guess(self, g: Generation, d: Draft, on_track: bool) -> tuple[list[int], list[int]] | None:
         """Row `g`'s drafts for the round after this one, and what they assume this round

@@ -270,12 +270,13 @@ def test_lookup_follows_tokens_not_yet_committed_without_learning_them() -> None
     assert auto.follow([*short, 3], 4) == []  # three of four: the draft model's turn
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("dear", [False, True], ids=["verify", "dear-verify"])
 @pytest.mark.parametrize("bucket", [GPU_TEST_BUCKET, 16])
 def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
-    copier: Pairing, monkeypatch: pytest.MonkeyPatch, bucket: int, dear: bool
+    copier: Pairing, monkeypatch: pytest.MonkeyPatch, bucket: int, dear: bool, temperature: float
 ) -> None:
-    """Greedy rows drafting by prompt lookup queue each verify round on guessed drafts before
+    """Rows drafting by prompt lookup queue each verify round on guessed drafts before
     the round ahead of it is read (bucketed caches, as on a GPU). Rows whose lookup is
     right, rows a decoy earlier in the prompt misleads (their guesses follow commits that do
     not happen), a row on `auto`, a row whose accepted drafts end with its end of sequence
@@ -285,8 +286,9 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
     reckoned from the rows' tokens past a guessed round queued unread, is what the device
     holds. `dear`: the batch has timed verify rounds read before the next is queued at a
     hundred plain rounds, so it runs none: every draft is a guess queued after a plain
-    round."""
-    tokenizer, greedy = copier.tokenizer, parse_options({"temperature": 0})
+    round. Sampled rows (seeded) commit the tokens they commit alone too: each choice takes
+    the noise of the position it lands on, and an off-track guess counts only its first."""
+    tokenizer, opts = copier.tokenizer, parse_options({"temperature": temperature})
 
     def encode(text: str) -> list[int]:
         return list(tokenizer.encode(text, add_special_tokens=False))
@@ -319,15 +321,15 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
         for i, (prompt, (limit, drafts)) in enumerate(zip(prompts, plan, strict=True)):
             source: DraftSource | None = LookupDraftSource() if drafts else None
             if drafts == "auto":  # the copier drafting for itself where lookup finds nothing
-                model = ModelDraftSource(copier.target, greedy, Rng(i))
+                model = ModelDraftSource(copier.target, opts, Rng(i))
                 source = HybridDraftSource(LookupDraftSource(), model)
             controller = DraftLengthController(FLAT, FREE_DRAFT_TOKENS, 0.0) if drafts else None
-            solo = Generation(copier.target, prompt, greedy, copier.eos_ids, limit, Rng(i))
+            solo = Generation(copier.target, prompt, opts, copier.eos_ids, limit, Rng(i))
             solo.prefill()
             alone.append([t for new in solo for t in new])
             solo.close()
             gens.append(
-                Generation(copier.target, prompt, greedy, copier.eos_ids, limit, Rng(i),
+                Generation(copier.target, prompt, opts, copier.eos_ids, limit, Rng(i),
                            source, controller)
             )  # fmt: skip
         for g in gens:
@@ -386,3 +388,60 @@ def test_only_batches_of_up_to_guess_rows_queue_rounds_on_guesses(
         set_bucket(copier.target, None)
     assert out == [list(prompt[1 : 1 + n]) for n in limits]
     assert sizes and max(sizes) <= batch_module.GUESS_ROWS
+
+
+@pytest.mark.parametrize("bucket", [GPU_TEST_BUCKET, 16])
+def test_sampled_rows_on_guessed_drafts_commit_their_seeded_tokens(
+    monkeypatch: pytest.MonkeyPatch, bucket: int
+) -> None:
+    """Seeded rows at temperature 1 on a model whose choices the noise decides (a random
+    one over 8 tokens) queue verify rounds on lookup's guesses, right and wrong, and commit
+    what each commits alone: every choice takes the noise of the position it lands on, and a
+    guess off its track counts only its first choice."""
+    target = tiny_vocab_model(7, 8)
+    opts = parse_options({"temperature": 1.0})
+    prompts = [
+        [1, 2, 3, 4, 5, 6, 7] * 3,
+        [2, 3, 4, 2, 3, 4, 2, 3],
+        [5, 6, 5, 6, 5, 6, 5],
+        [7, 1, 7, 1, 7],
+    ]
+    guessed_round = RowBatch._guessed_round
+    tracks: list[bool] = []
+
+    def noted(self: RowBatch, since: float | None) -> Any:
+        ahead = self.ahead
+        assert ahead is not None and ahead.expect is not None and ahead.drafts is not None
+        for g, e, d in zip(self.gens, ahead.expect, ahead.drafts, strict=True):
+            if e is not None and d.count:
+                tracks.append(len(g.tokens) == e[0] and g.tokens[-len(e[1]) :] == e[1])
+        return guessed_round(self, since)
+
+    set_bucket(target, bucket)
+    try:
+        alone, gens = [], []
+        for i, prompt in enumerate(prompts):
+            solo = Generation(target, prompt, opts, set(), 60, Rng(100 + i))
+            solo.prefill()
+            alone.append([t for new in solo for t in new])
+            solo.close()
+            controller = DraftLengthController(FLAT, FREE_DRAFT_TOKENS, 0.0)
+            gen = Generation(target, prompt, opts, set(), 60, Rng(100 + i),
+                             LookupDraftSource(2, 1), controller)  # fmt: skip
+            gen.prefill()
+            gens.append(gen)
+        batch = RowBatch(target, FLAT)
+        batch.widths = round_widths(DEFAULT_DRAFT_TOKENS, FREE_DRAFT_TOKENS)
+        monkeypatch.setattr(RowBatch, "_guessed_round", noted)
+        out: list[list[int]] = [[] for _ in gens]
+        batch.join(gens)
+        while any(not g.done for g in gens):
+            for c in batch.round():
+                out[gens.index(c.gen)] += c.tokens
+            for g in [g for g in gens if g.done and g in batch]:
+                batch.leave(g)
+    finally:
+        set_bucket(target, None)
+    assert out == alone
+    assert True in tracks and False in tracks
+    assert sum(g.stats.accepted for g in gens) > 0
