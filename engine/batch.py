@@ -699,14 +699,14 @@ class RowBatch:
         nexts: list[mx.array],
         on_track: list[bool],
         kept: list[mx.array],
-        width: int,
+        flight: int,
     ) -> bool:
         """Queue the next round as a verify round on guessed drafts, where the batch holds at
         most `GUESS_ROWS` rows, some row's source can guess (`_guess`) and the plan says the
         guesses pay over a plain round (`plan_widths` with `priors`). Each row's input is its
         choice after this round's accepted drafts (`nexts`, on the device; a plain round's
         choice), then its guess. A sampled row's first choice takes the noise of the position
-        it lands on, picked on the device by the `kept[i]` tokens this round of `width`
+        it lands on, picked on the device by the `kept[i]` tokens this round of `flight`
         commits (`_choose_unread`); its later ones the noise of the positions they take if
         the guess is on track, the only case in which they count (`_guessed_round`). On
         bucketed caches only, whose rows roll by counts the host has not read."""
@@ -741,7 +741,8 @@ class RowBatch:
             if g.opts.greedy:
                 chosen.append(mx.argmax(logits[i, : 1 + d.count], axis=-1).astype(mx.uint32))
                 continue
-            keys = [mx.take(g.rng.keys(len(g.tokens) + 1, width), kept[i] - 1, axis=0)[None]]
+            landed = g.rng.keys(len(g.tokens) + 1, flight)  # where the round in flight leaves it
+            keys = [mx.take(landed, kept[i] - 1, axis=0)[None]]
             if d.count and e is not None:
                 keys.append(g.rng.keys(e[0] + 1, d.count))
             chosen.append(sample_keyed(logits[i, : 1 + d.count], g.opts, mx.concatenate(keys)))
