@@ -284,7 +284,8 @@ def measure_costs(
         verify |= _forward_seconds(
             target, tuple(w for w in VERIFY_WIDTHS if w in padded), context, passes
         )
-    verify |= _forward_seconds(target, WIDE_WIDTHS, context, min(passes, 3), keep=False)
+    if not sharded:  # a sharded forward this wide sends back only its last logits
+        verify |= _forward_seconds(target, WIDE_WIDTHS, context, 3, keep=False)
     draft_step = _forward_seconds(draft, (1,), context)[1] if draft is not None else 0.0
     rows = {}
     if draft is not None and all(plain_kv(c) for c in make_cache(draft)):
