@@ -57,8 +57,9 @@ this one is read: each row's first token is its choice after what this round acc
 on the device), its drafts lookup's continuation of what the round would commit if it
 accepted every draft (`DraftSource.follow`). A wrong guess costs the round's drafts, never a
 token: every draft is verified. A sampled row's choices take the noise of the positions they
-land on (its first one's picked on the device), so a seeded row commits what it does alone. Such rounds are priced by their own
-record, return to return, as plain rounds are (`RoundTimes.queued`).
+land on (its first one's picked on the device), so a seeded row commits what it does alone.
+Such rounds are priced by their own record, return to return, as plain rounds are
+(`RoundTimes.queued`).
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ DEFAULT_DRAFT_TOKENS = 4  # the most drafts per round from a draft model (each c
 # The most per round from sources that cost nothing to draft (prompt lookup, a grammar's forced
 # tokens): the cost model then picks the length, and where a wide verify costs about what a
 # narrow one does (a bf16 7B on an H200: 16 tokens 1.34 of one, 5 tokens 1.30) it verifies a
-# long copied span in one round. 16 tokens is the widest lone verify the load measures (`VERIFY_WIDTHS`).
+# long copied span in one round. 16 tokens is the widest lone verify the load measures
+# (`VERIFY_WIDTHS`).
 FREE_DRAFT_TOKENS = 15
 WARM_DRAFT_TOKENS = 8  # the draft lengths whose rounds load runs by default (`warm_up`)
 
