@@ -699,8 +699,8 @@ class RowBatch:
         drafts: list[Draft],
         nexts: list[mx.array],
         on_track: list[bool],
-        kept: list[mx.array],
-        flight: int,
+        kept: Sequence[mx.array] = (),
+        flight: int = 1,
     ) -> bool:
         """Queue the next round as a verify round on guessed drafts, where the batch holds at
         most `GUESS_ROWS` rows, some row's source can guess (`_guess`) and the plan says the
@@ -708,7 +708,7 @@ class RowBatch:
         choice after this round's accepted drafts (`nexts`, on the device; a plain round's
         choice), then its guess. A sampled row's first choice takes the noise of the position
         it lands on, picked on the device by the `kept[i]` tokens this round of `flight`
-        commits (`_choose_unread`); its later ones the noise of the positions they take if
+        commits (`_choose_unread`; a plain round, `flight` 1, commits one); its later ones the noise of the positions they take if
         the guess is on track, the only case in which they count (`_guessed_round`). On
         bucketed caches only, whose rows roll by counts the host has not read."""
         gens = self.gens
@@ -742,8 +742,8 @@ class RowBatch:
             if g.opts.greedy:
                 chosen.append(mx.argmax(logits[i, : 1 + d.count], axis=-1).astype(mx.uint32))
                 continue
-            landed = g.rng.keys(len(g.tokens) + 1, flight)  # where the round in flight leaves it
-            keys = [mx.take(landed, kept[i] - 1, axis=0)[None]]
+            first = g.rng.keys(len(g.tokens) + 1, flight)  # where the round in flight leaves it
+            keys = [mx.take(first, kept[i] - 1, axis=0)[None] if flight > 1 else first]
             if d.count and e is not None:
                 keys.append(g.rng.keys(e[0] + 1, d.count))
             chosen.append(sample_keyed(logits[i, : 1 + d.count], g.opts, mx.concatenate(keys)))
@@ -754,8 +754,7 @@ class RowBatch:
     def _guess_after(self, tokens: mx.array) -> bool:
         """Queue a verify round on guessed drafts after a plain round that chose `tokens`."""
         rows = len(self.gens)
-        one = [mx.array(1, dtype=mx.int32)] * rows
-        return self._queue_guessed([Draft.empty()] * rows, list(tokens), [True] * rows, one, 1)
+        return self._queue_guessed([Draft.empty()] * rows, list(tokens), [True] * rows)
 
     def _guess(self, g: Generation, d: Draft, on_track: bool) -> tuple[list[int], list[int]] | None:
         """Row `g`'s drafts for the round after this one, and what they assume this round

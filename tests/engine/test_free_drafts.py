@@ -179,9 +179,13 @@ def test_a_batch_verifies_long_free_drafts_where_the_measured_curve_stays_flat()
 
 
 def test_load_measures_the_widths_of_a_batchs_verify_rounds() -> None:
-    """What a batch's verify rounds cost (rows x width tokens, up to 8 x 16) is measured at
-    probe-open, not extrapolated from a lone row's widest verify."""
-    costs = measure_costs(tiny_vocab_model(3, 8), None)
+    """Where shapes compile (bucketed caches, a GPU's), what a batch's verify rounds cost
+    (rows x width tokens, up to 8 x 16) is measured at probe-open, not extrapolated from a
+    lone row's widest verify; elsewhere the curve stays about linear and is not."""
+    model = tiny_vocab_model(3, 8)
+    assert set(measure_costs(model, None).verify) == set(VERIFY_WIDTHS)
+    set_bucket(model, 16)
+    costs = measure_costs(model, None)
     assert set(VERIFY_WIDTHS + WIDE_WIDTHS) <= set(costs.verify)
     assert max(WIDE_WIDTHS) >= 8 * (FREE_DRAFT_TOKENS + 1)
     assert all(costs.verify[w] > 0 for w in WIDE_WIDTHS)
