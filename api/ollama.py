@@ -133,6 +133,8 @@ def final_fields(done: Done) -> dict[str, Any]:
             draft_acceptance_rate=round(s.acceptance_rate, 4),
             draft_tokens_per_round=round(s.tokens_per_round, 4),
             draft_acceptance_by_position=s.acceptance_by_position(),
+            draft_filled=s.filled,
+            draft_filled_accepted=s.filled_accepted,
         )
     return out
 

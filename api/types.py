@@ -128,6 +128,8 @@ class GenerateResponse(msgspec.Struct, omit_defaults=True):
     draft_acceptance_rate: float | None = None
     draft_tokens_per_round: float | None = None
     draft_acceptance_by_position: list[float] | None = None
+    draft_filled: int | None = None
+    draft_filled_accepted: int | None = None
     draft_fallback_reason: str | None = None
     draft_disabled_reason: str | None = None
 
@@ -174,6 +176,8 @@ class ChatResponse(msgspec.Struct, omit_defaults=True):
     draft_acceptance_rate: float | None = None
     draft_tokens_per_round: float | None = None
     draft_acceptance_by_position: list[float] | None = None
+    draft_filled: int | None = None
+    draft_filled_accepted: int | None = None
     draft_fallback_reason: str | None = None
     draft_disabled_reason: str | None = None
 

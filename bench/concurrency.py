@@ -204,10 +204,19 @@ def burst(
     }
 
 
+FINAL_COUNTS = (
+    "eval_count",
+    "draft_count",
+    "draft_accepted",
+    "draft_filled",
+    "draft_filled_accepted",
+)
+
+
 def generate_once(
     client: httpx.Client, base: str, model: str, prompt: str, options: dict[str, object]
-) -> tuple[float, int, int, int]:
-    """(seconds, tokens, drafted, accepted) of one streamed `/api/generate`."""
+) -> tuple[float, ...]:
+    """(seconds, then each of `FINAL_COUNTS`) of one streamed `/api/generate`."""
     body = {"model": model, "prompt": prompt, "raw": True, "stream": True, "options": options}
     t0 = time.perf_counter()
     final: dict[str, int] = {}
@@ -218,8 +227,7 @@ def generate_once(
                 if chunk.get("done"):
                     final = chunk
     took = time.perf_counter() - t0
-    counts = [int(final.get(key, 0)) for key in ("eval_count", "draft_count", "draft_accepted")]
-    return took, counts[0], counts[1], counts[2]
+    return (took, *(int(final.get(key) or 0) for key in FINAL_COUNTS))
 
 
 def pairing_burst(
@@ -233,6 +241,8 @@ def pairing_burst(
         "aggregate": sum(r[1] for r in results) / wall,
         "drafted": sum(r[2] for r in results),
         "accepted": sum(r[3] for r in results),
+        "filled": sum(r[4] for r in results),
+        "filled_accepted": sum(r[5] for r in results),
     }
 
 
@@ -292,7 +302,8 @@ def pairing_main(
             pairing_burst(base, prompts, max(counts), {"num_predict": 8, "draft_method": method})
         for temperature in (0.0, 0.7):
             for n in counts:
-                zero = {"aggregate": 0.0, "drafted": 0.0, "accepted": 0.0}
+                zero = {"aggregate": 0.0, "drafted": 0.0, "accepted": 0.0, "filled": 0.0,
+                        "filled_accepted": 0.0}  # fmt: skip
                 specs = {m: dict(zero) for m in methods}
                 plain, again = dict(zero), dict(zero)
                 arms = [*specs.items(), ("off", plain)] + ([("off", again)] if control else [])
@@ -331,7 +342,8 @@ def pairing_main(
         print("  " + line.split("slow round: ", 1)[-1])
     print(f"pairing {pair}  tokens per stream {tokens}  rounds {rounds}")
     print(f"{'temp':>5} {'clients':>8} {'method':>7} | {'spec agg':>9} {'plain agg':>9} | "
-          f"{'spec/plain':>10} {'by round':>12} | {'drafted':>8} {'accepted':>8} {'rate':>6}"
+          f"{'spec/plain':>10} {'by round':>12} | {'drafted':>8} {'accepted':>8} {'rate':>6} "
+          f"{'filled':>7} {'taken':>6}"
           + (f" | {'plain/plain':>11}" if control else ""))  # fmt: skip
     for temperature, n, method, spec, plain, again, per_round in rows:
         rate = spec["accepted"] / spec["drafted"] if spec["drafted"] else 0.0
@@ -341,7 +353,8 @@ def pairing_main(
             f"{temperature:>5} {n:>8} {method:>7} | "
             f"{spec['aggregate']:>9.1f} {plain['aggregate']:>9.1f} | "
             f"{ratio(spec['aggregate'], plain['aggregate']):>10} {spread:>12} | "
-            f"{spec['drafted']:>8.0f} {spec['accepted']:>8.0f} {rate:>6.2f}{aa}"
+            f"{spec['drafted']:>8.0f} {spec['accepted']:>8.0f} {rate:>6.2f} "
+            f"{spec['filled']:>7.0f} {spec['filled_accepted']:>6.0f}{aa}"
         )
 
 

@@ -60,11 +60,19 @@ token: every draft is verified. A sampled row's choices take the noise of the po
 land on (its first one's picked on the device), so a seeded row commits what it does alone.
 Such rounds are priced by their own record, return to return, as plain rounds are
 (`RoundTimes.queued`).
+
+A verify round computes every row's slots up to its width, whatever they hold, so a row with
+fewer drafts than the width fills the rest (`filled`, `Draft.filler`): with the continuation of
+its last token's latest earlier occurrence where no longer match has one (prompt lookup's
+`filler`), or, in a round queued before the one in flight is read, with what followed that
+round's next token, found on the device (`device_fillers`). A filler accepted is a token for
+nothing; no plan counts on them and no controller learns from them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -190,6 +198,66 @@ SLOW_RATIO = 10.0
 # decoding with 2 rows and 1.26-1.34x with 4, but 0.83-0.86x with 8, whose plain rounds
 # serve more rows for the host's encoding of one forward than a wider forward gains
 GUESS_ROWS = 4
+
+
+# whether a verify round fills each row's slots past its drafts, up to the round's width, with
+# its source's weaker guesses (`DraftSource.filler`); `MLXD_FILLERS=0` leaves them padding
+FILLERS = os.environ.get("MLXD_FILLERS", "1") != "0"
+
+
+FILL_WINDOW = 512  # a row's latest tokens its fillers are found in on the device
+
+
+def fills(g: Generation) -> bool:
+    """Whether row `g` fills a round's free slots: it has a source to guess from and its
+    choices need nothing read between forwards."""
+    return FILLERS and g.source is not None and g.plain_only and not g.done
+
+
+def device_fillers(histories: Sequence[Sequence[int]], nexts: mx.array, count: int) -> mx.array:
+    """(rows, count): for each row, the tokens that followed the latest occurrence of its
+    next token (`nexts[i]`, chosen on the device and not yet read) in `histories[i]`, 0 past
+    what is known; all 0 where it does not occur. Prompt lookup's one-token filler for rows
+    whose next token the host does not know yet."""
+    span = max(2, max(len(h) for h in histories))
+    rows = mx.array([[-1] * (span - len(h)) + list(h) for h in histories], dtype=mx.int32)
+    # the last token's successor is what the rounds in flight commit: not known here
+    seen = rows[:, :-1] == nexts.astype(mx.int32)[:, None]
+    last = mx.max(mx.where(seen, mx.arange(span - 1)[None], -1), axis=1)
+    at = last[:, None] + 1 + mx.arange(count)[None]
+    known = (last[:, None] >= 0) & (at < span)
+    found = mx.take_along_axis(rows, mx.minimum(at, span - 1), axis=1)
+    return mx.where(known & (found >= 0), found, 0).astype(mx.uint32)
+
+
+def filled(
+    g: Generation, d: Draft, before: list[int], width: int, drafted: list[int] | None = None
+) -> Draft:
+    """Row `g`'s draft `d` (following `before`, the tokens the round assumes row `g` holds)
+    with the rest of a round of `width` filled from its source's `filler`: the round computes
+    those slots whatever they hold, so a filler accepted is a token for nothing and one
+    rejected costs nothing. Only rows whose drafts are on the host (none, or prompt lookup's)
+    and whose choices need nothing read between forwards; never past the row's limit.
+    `drafted`: `d`'s tokens where the caller has them on the host."""
+    source = g.source
+    if source is None or not fills(g):
+        return d
+    if d.count and d.source not in FREE_SOURCES:
+        return d  # a draft model's tokens are still on the device
+    assumed = len(before) - len(g.tokens)  # what the round before commits first
+    room = min(width - 1 - d.count, g.limit - g.produced - assumed - d.count - 1)
+    if room <= 0:
+        return d
+    if drafted is None:
+        drafted = to_ints(d.tokens) if d.count else []
+    try:
+        fill = source.filler(before + drafted, room)[:room]
+    except Exception:  # a source that fails its drafts is stopped where it drafts
+        return d
+    if not fill:
+        return d
+    tokens = mx.array(drafted + fill, dtype=mx.uint32)
+    return Draft(tokens, d.count + len(fill), d.source or "lookup", d.filler + len(fill))
 
 
 def round_widths(draft_tokens: int, free_tokens: int) -> tuple[int, ...]:
@@ -557,6 +625,7 @@ class RowBatch:
         self.times.flush()  # a verify round follows: the one held ran no fresh plain round
         drafts = self._propose(ks)
         width = padded_width(1 + max(d.count for d in drafts), self.widths)
+        drafts = [filled(g, d, g.tokens, width) for g, d in zip(gens, drafts, strict=True)]
         rows = []
         for g, d in zip(gens, drafts, strict=True):
             pending = mx.array([g.tokens[-1]], dtype=mx.uint32)
@@ -577,7 +646,7 @@ class RowBatch:
         committed = self._read(drafts, chosen, walks, logits, width, unread)
         end = self._ended(gens)
         seconds = end - (since if since is not None else t0)
-        paid = [0 if d.source in FREE_SOURCES else d.count for d in drafts]
+        paid = [0 if d.source in FREE_SOURCES else d.scored for d in drafts]
         drafting = draft_seconds(gens, paid, self.costs)
         self._note_slow(len(gens), width, seconds, drafting)
         self._judge(drafts, committed, seconds - queueing, width, drafting)
@@ -709,8 +778,10 @@ class RowBatch:
         choice), then its guess. A sampled row's first choice takes the noise of the position
         it lands on, picked on the device by the `kept[i]` tokens this round of `flight`
         commits (`_choose_unread`; a plain round, `flight` 1, commits one); its later ones the noise of the positions they take if
-        the guess is on track, the only case in which they count (`_guessed_round`). On
-        bucketed caches only, whose rows roll by counts the host has not read."""
+        the guess is on track, the only case in which they count (`_guessed_round`). A row
+        without a guess fills the round's slots with `device_fillers` after its next token,
+        their noise keyed where they land whatever this round commits. On bucketed caches
+        only, whose rows roll by counts the host has not read."""
         gens = self.gens
         if not (
             len(gens) <= GUESS_ROWS
@@ -727,20 +798,39 @@ class RowBatch:
         if not any(ks):
             return False
         width = padded_width(1 + max(ks), self.widths)
+        blind = [
+            (x is None or not k) and fills(g) for g, x, k in zip(gens, guesses, ks, strict=True)
+        ]
+        found = None
+        if any(blind) and width > 1:
+            windows = [
+                g.tokens[-FILL_WINDOW:] if b else [] for g, b in zip(gens, blind, strict=True)
+            ]
+            found = device_fillers(windows, mx.stack(nexts).reshape(-1), width - 1)
         rows, guessed, expect = [], [], []
-        for g, x, k, nxt in zip(gens, guesses, ks, nexts, strict=True):
-            tokens = x[0][:k] if x is not None else []
-            guessed.append(
-                Draft(mx.array(tokens, dtype=mx.uint32), k, "lookup") if k else Draft.empty()
-            )
+        for i, (g, x, k, nxt) in enumerate(zip(gens, guesses, ks, nexts, strict=True)):
+            d = Draft.empty()
+            if x is not None and k:
+                d = Draft(mx.array(x[0][:k], dtype=mx.uint32), k, "lookup")
+                d = filled(g, d, g.tokens + x[1], width, x[0][:k])
+            elif found is not None and blind[i]:
+                room = min(width - 1, g.limit - g.produced - flight - 1)
+                if room > 0:
+                    d = Draft(found[i, :room], room, "lookup", filler=room)
+            guessed.append(d)
             expect.append((len(g.tokens) + len(x[1]), x[1]) if x is not None and k else None)
-            rest = mx.array(tokens + [0] * (width - 1 - k), dtype=mx.uint32)
-            rows.append(mx.concatenate([nxt.reshape(1), rest]))
+            pad = mx.zeros((width - 1 - d.count,), dtype=mx.uint32)
+            rows.append(mx.concatenate([nxt.reshape(1), d.tokens.astype(mx.uint32), pad]))
         logits = self._logits(mx.stack(rows), queued=True)
         chosen = []
         for i, (g, d, e) in enumerate(zip(gens, guessed, expect, strict=True)):
             if g.opts.greedy:
                 chosen.append(mx.argmax(logits[i, : 1 + d.count], axis=-1).astype(mx.uint32))
+                continue
+            if d.count and e is None:  # fillers after where the round in flight leaves it
+                block = g.rng.keys(len(g.tokens) + 1, flight + d.count)
+                at = mx.arange(1 + d.count) + (kept[i] - 1 if flight > 1 else 0)
+                chosen.append(sample_keyed(logits[i, : 1 + d.count], g.opts, block[at]))
                 continue
             first = g.rng.keys(len(g.tokens) + 1, flight)  # where the round in flight leaves it
             keys = [mx.take(first, kept[i] - 1, axis=0)[None] if flight > 1 else first]
@@ -760,10 +850,14 @@ class RowBatch:
         """Row `g`'s drafts for the round after this one, and what they assume this round
         commits past its tokens now (its drafts, where `on_track`, then the token the source
         predicts after them); None where it has none: speculation not on, drafts from a
-        draft model (not on the host before the round is read) or near its limit."""
+        draft model (not on the host before the round is read), fillers alone (the row's
+        next fillers are found on the device, after the token the round does commit) or
+        near its limit."""
         if not g.spec.on or g.source is None or g.controller is None:
             return None
         if d.count and on_track and d.source not in FREE_SOURCES:
+            return None
+        if d.count and not d.scored:
             return None
         prior = to_ints(d.tokens) if d.count and on_track else []
         k = min(g.spec.draft_length(g.produced), g.limit - g.produced - len(prior) - 2)
@@ -870,9 +964,9 @@ class RowBatch:
         per_token = rows * self.costs.plain / max(self.times.plain_round(rows), 1e-12) / total
         for d, c in zip(drafts, committed, strict=True):
             ctl, n = c.gen.controller, len(c.tokens)
-            if d.count and ctl is not None and c.gen.spec.on:
+            if d.scored and ctl is not None and c.gen.spec.on:
                 share = per_token * n
-                ctl.observe_time(seconds * share, n, d.count, d.source, modelled * share)
+                ctl.observe_time(seconds * share, n, d.scored, d.source, modelled * share)
 
     def _plain_round(self, since: float | None = None) -> list[Committed]:
         """A round where no row drafts, pipelined: the next one is queued before this one's

@@ -520,22 +520,26 @@ class Generation:
         """Commit a verified round (the caller trimmed the target cache to match); with a
         grammar, its matcher keeps only the accepted drafts of the walk. `logits`: the verify
         forward's for this row, read when the request wants logprobs."""
-        if draft.count and self.controller is not None:
-            self.stats.observe(draft.count, verdict.accepted)
-            self.controller.observe(draft.count, verdict.accepted)
+        scored = draft.scored  # a batch's fillers teach no record (`Draft.filler`)
+        if scored and self.controller is not None:
+            self.stats.observe(scored, min(verdict.accepted, scored))
+            self.controller.observe(scored, min(verdict.accepted, scored))
+        if draft.filler:
+            self.stats.filled += draft.filler
+            self.stats.filled_accepted += max(0, verdict.accepted - scored)
         if TRACE:
             log.info(
-                "spec round: source=%s drafted=%d accepted=%d",
-                draft.source, draft.count, verdict.accepted,
+                "spec round: source=%s drafted=%d filler=%d accepted=%d",
+                draft.source, scored, draft.filler, verdict.accepted,
             )  # fmt: skip
         held = 0
         if self.grammar is not None and walked is not None:
             held = settle(self.grammar, walked, verdict.accepted)
         new = self._commit(verdict.tokens, held)
         self._record(logits, new)
-        if not draft.count:
+        if not scored:
             self.spec.committed_plainly(len(new), self._worth_resuming)
-        if self.source is not None and self.finish is None and draft.count:
+        if self.source is not None and self.finish is None and scored:
             try:
                 self.source.accept(self.tokens)
             except Exception as exc:

@@ -96,6 +96,8 @@ class SpecStats:
     fallback_reason: str | None = None
     disabled_reason: str | None = None
     paused: int = 0  # times the clock paused speculation for a while
+    filled: int = 0  # a batch round's free slots filled with weaker guesses (`Draft.filler`)
+    filled_accepted: int = 0
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.rounds += 1

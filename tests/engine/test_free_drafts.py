@@ -36,6 +36,7 @@ from mlxd.engine.pairing import (
 from mlxd.engine.sampling import Rng
 from mlxd.engine.scheduler import make_draft_source
 from mlxd.engine.speculation import Costs, DraftLengthController
+from mlxd.engine.verify import Verdict
 from mlxd.registry.schema import ModelEntry
 from tests.engine.conftest import FLAT, GPU_TEST_BUCKET, PIECES
 from tests.engine.test_speculative import tiny_vocab_model
@@ -274,11 +275,17 @@ def test_lookup_follows_tokens_not_yet_committed_without_learning_them() -> None
     assert auto.follow([*short, 3], 4) == []  # three of four: the draft model's turn
 
 
+@pytest.mark.parametrize("fill", [True, False], ids=["fillers", "no-fillers"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("dear", [False, True], ids=["verify", "dear-verify"])
 @pytest.mark.parametrize("bucket", [GPU_TEST_BUCKET, 16])
 def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
-    copier: Pairing, monkeypatch: pytest.MonkeyPatch, bucket: int, dear: bool, temperature: float
+    copier: Pairing,
+    monkeypatch: pytest.MonkeyPatch,
+    bucket: int,
+    dear: bool,
+    temperature: float,
+    fill: bool,
 ) -> None:
     """Rows drafting by prompt lookup queue each verify round on guessed drafts before
     the round ahead of it is read (bucketed caches, as on a GPU). Rows whose lookup is
@@ -291,7 +298,10 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
     holds. `dear`: the batch has timed verify rounds read before the next is queued at a
     hundred plain rounds, so it runs none: every draft is a guess queued after a plain
     round. Sampled rows (seeded) commit the tokens they commit alone too: each choice takes
-    the noise of the position it lands on, and an off-track guess counts only its first."""
+    the noise of the position it lands on, and an off-track guess counts only its first.
+    `fill`: rows fill their free slots (`batch.FILLERS`), here often with what lookup would
+    have drafted a round later; without, the rows' own drafts are accepted."""
+    monkeypatch.setattr(batch_module, "FILLERS", fill)
     tokenizer, opts = copier.tokenizer, parse_options({"temperature": temperature})
 
     def encode(text: str) -> list[int]:
@@ -361,7 +371,9 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
     assert all(mine == read for mine, read in cuts)
     assert cuts or bucket > 16
     for g in gens[:3]:
-        assert g.stats.accepted > 0
+        assert g.stats.accepted + g.stats.filled_accepted > 0
+        assert g.stats.accepted > 0 or fill
+        assert g.stats.filled == 0 or fill
 
 
 def test_only_batches_of_up_to_guess_rows_queue_rounds_on_guesses(
@@ -454,3 +466,82 @@ def test_sampled_rows_on_guessed_drafts_commit_their_seeded_tokens(
     assert out == alone
     assert True in tracks and False in tracks
     assert sum(g.stats.accepted for g in gens) > 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+@pytest.mark.parametrize("bucket", [None, GPU_TEST_BUCKET])
+def test_rows_fill_a_rounds_free_slots_with_weaker_guesses(
+    copier: Pairing, monkeypatch: pytest.MonkeyPatch, bucket: int | None, temperature: float
+) -> None:
+    """A row copying its prompt sets every verify round's width; a row whose prompt holds its
+    text in pairs of pieces after a letter, so that every other token it writes follows no
+    earlier pair, fills its slots in those rounds with what followed its last token before
+    (`LookupDraftSource.filler`) and commits some of them, and
+    every row commits what it commits alone, greedy or seeded, fresh rounds and (bucketed
+    caches) rounds queued on guesses. The fillers teach the row's controller nothing; a row
+    without a source gets none."""
+    tokenizer, opts = copier.tokenizer, parse_options({"temperature": temperature})
+
+    def encode(text: str) -> list[int]:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    scattered = "".join(f"x{PIECES[i]}{PIECES[i + 1]}" for i in range(0, 30, 2))
+    prompts = [encode("@" + "".join(PIECES) + "@"), encode(scattered + "@"), encode("@")]
+    limits = [24, 30, 20]
+    observed: list[tuple[int, int]] = []
+    observe = DraftLengthController.observe
+
+    def noted(self: DraftLengthController, proposed: int, accepted: int) -> None:
+        if self is gens[1].controller:
+            observed.append((proposed, accepted))
+        observe(self, proposed, accepted)
+
+    monkeypatch.setattr(DraftLengthController, "observe", noted)
+    if bucket is not None:
+        set_bucket(copier.target, bucket)
+    try:
+        alone, gens = [], []
+        for i, (prompt, limit) in enumerate(zip(prompts, limits, strict=True)):
+            solo = Generation(copier.target, prompt, opts, copier.eos_ids, limit, Rng(i))
+            solo.prefill()
+            alone.append([t for new in solo for t in new])
+            solo.close()
+            drafts = i < 2
+            gen = Generation(
+                copier.target, prompt, opts, copier.eos_ids, limit, Rng(i),
+                LookupDraftSource() if drafts else None,
+                DraftLengthController(FLAT, FREE_DRAFT_TOKENS, 0.0) if drafts else None,
+            )  # fmt: skip
+            gen.prefill()
+            gens.append(gen)
+        batch = RowBatch(copier.target, FLAT)
+        batch.widths = round_widths(DEFAULT_DRAFT_TOKENS, FREE_DRAFT_TOKENS)
+        out = decode_together(batch, gens)
+    finally:
+        set_bucket(copier.target, None)
+    assert out == alone
+    assert gens[1].stats.filled_accepted > 0
+    assert gens[1].stats.filled > gens[1].stats.filled_accepted  # the letters after pieces
+    assert all(a <= p for p, a in observed)  # a filler accepted is no draft accepted
+    assert sum(p for p, _ in observed) == gens[1].stats.drafted
+    assert gens[2].stats.filled == 0
+
+
+def test_a_rows_fillers_are_verified_but_teach_its_controller_nothing(copier: Pairing) -> None:
+    """`Generation.absorb` of a round with 1 draft and 3 fillers, 2 accepted: the draft's
+    record counts 1 proposed and accepted, the fillers' their own counts."""
+    prompt = list(copier.tokenizer.encode("@", add_special_tokens=False))
+    controller = DraftLengthController(FLAT, FREE_DRAFT_TOKENS, 0.0)
+    gen = Generation(copier.target, prompt, parse_options({"temperature": 0}), copier.eos_ids,
+                     20, Rng(0), LookupDraftSource(), controller)  # fmt: skip
+    gen.prefill()
+    try:
+        draft = Draft(mx.array([5, 6, 7, 8], dtype=mx.uint32), 4, "lookup", filler=3)
+        assert draft.scored == 1
+        new = gen.absorb(draft, Verdict(2, [5, 6, 9]))
+        assert new == [5, 6, 9]
+        assert (gen.stats.drafted, gen.stats.accepted) == (1, 1)
+        assert (gen.stats.filled, gen.stats.filled_accepted) == (3, 1)
+        assert controller.tries[:2] == [1.0, 0.0] and controller.hits[:1] == [1.0]
+    finally:
+        gen.close()
