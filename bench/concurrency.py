@@ -279,6 +279,11 @@ def pairing_main(
         f"def function_{i}(values, threshold={i}):\n" for i in range(16)
     ]
     home = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
+    # runs on one machine share the pairing's probe (its costs, measured at load): a run after
+    # the first starts in seconds; the probe's own key keeps a changed model or engine apart
+    probes = Path(tempfile.gettempdir()) / "mlxd-bench-probes"
+    probes.mkdir(exist_ok=True)
+    (home / "probes").symlink_to(probes, target_is_directory=True)
     registry = home / "models.yaml"
     registry.write_text(
         f"models:\n  bench:\n    target: {(pair / 'target').resolve()}\n"
