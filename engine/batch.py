@@ -54,19 +54,20 @@ A verify round read before the next is queued keeps the device waiting while the
 it: on an H200, fat 7B pair, 2 rows x 9 tokens took 20.7 ms where a queued 2-row plain round
 took 7.2. Where prompt lookup drafts, the next round is queued as a verify round too, before
 this one is read: each row's first token is its choice after what this round accepted (found
-on the device), its drafts lookup's continuation of what the round would commit if it
-accepted every draft (`DraftSource.follow`). A wrong guess costs the round's drafts, never a
-token: every draft is verified. A sampled row's choices take the noise of the positions they
-land on (its first one's picked on the device), so a seeded row commits what it does alone.
-Such rounds are priced by their own record, return to return, as plain rounds are
-(`RoundTimes.queued`).
+on the device), its drafts prompt lookup's, run on the device after what this round commits
+(`engine.devicelookup`), so they follow the row's text whatever the round accepts. (With
+`MLXD_FILLERS=0` the host guesses them instead: lookup's continuation of what the round would
+commit if it accepted every draft, `DraftSource.follow`; a wrong guess costs the round's
+drafts, never a token.) A sampled row's choices take the noise of the positions they land on
+(picked on the device), so a seeded row commits what it does alone. Such rounds are priced by
+their own record, return to return, as plain rounds are (`RoundTimes.queued`).
 
 A verify round computes every row's slots up to its width, whatever they hold, so a row with
-fewer drafts than the width fills the rest (`filled`, `Draft.filler`): with the continuation of
-its last token's latest earlier occurrence where no longer match has one (prompt lookup's
-`filler`), or, in a round queued before the one in flight is read, with what followed that
-round's next token, found on the device (`device_fillers`). A filler accepted is a token for
-nothing; no plan counts on them and no controller learns from them.
+fewer drafts than the width fills the rest (`Draft.filler`): in a round read before the next
+is queued, with prompt lookup's continuation on the host, down to one token's match (`filled`,
+`DraftSource.filler`); in one queued before, with the device's lookup as far as the round
+reaches. A filler accepted is a token for nothing; no plan counts on them and no controller
+learns from them.
 """
 
 from __future__ import annotations
@@ -85,6 +86,7 @@ import mlx.nn as nn
 
 from mlxd.engine import kvcache, lora_cuda
 from mlxd.engine.adapters import selecting
+from mlxd.engine.devicelookup import WINDOW, device_lookup
 from mlxd.engine.draftbatch import DraftBatch, base_of, cut_padding, trim_rows
 from mlxd.engine.drafting import Draft, ModelDraftSource
 from mlxd.engine.generation import Generation
@@ -205,29 +207,10 @@ GUESS_ROWS = 4
 FILLERS = os.environ.get("MLXD_FILLERS", "1") != "0"
 
 
-FILL_WINDOW = 512  # a row's latest tokens its fillers are found in on the device
-
-
 def fills(g: Generation) -> bool:
     """Whether row `g` fills a round's free slots: it has a source to guess from and its
     choices need nothing read between forwards."""
     return FILLERS and g.source is not None and g.plain_only and not g.done
-
-
-def device_fillers(histories: Sequence[Sequence[int]], nexts: mx.array, count: int) -> mx.array:
-    """(rows, count): for each row, the tokens that followed the latest occurrence of its
-    next token (`nexts[i]`, chosen on the device and not yet read) in `histories[i]`, 0 past
-    what is known; all 0 where it does not occur. Prompt lookup's one-token filler for rows
-    whose next token the host does not know yet."""
-    span = max(2, max(len(h) for h in histories))
-    rows = mx.array([[-1] * (span - len(h)) + list(h) for h in histories], dtype=mx.int32)
-    # the last token's successor is what the rounds in flight commit: not known here
-    seen = rows[:, :-1] == nexts.astype(mx.int32)[:, None]
-    last = mx.max(mx.where(seen, mx.arange(span - 1)[None], -1), axis=1)
-    at = last[:, None] + 1 + mx.arange(count)[None]
-    known = (last[:, None] >= 0) & (at < span)
-    found = mx.take_along_axis(rows, mx.minimum(at, span - 1), axis=1)
-    return mx.where(known & (found >= 0), found, 0).astype(mx.uint32)
 
 
 def filled(
@@ -771,17 +754,19 @@ class RowBatch:
         kept: Sequence[mx.array] = (),
         flight: int = 1,
     ) -> bool:
-        """Queue the next round as a verify round on guessed drafts, where the batch holds at
-        most `GUESS_ROWS` rows, some row's source can guess (`_guess`) and the plan says the
-        guesses pay over a plain round (`plan_widths` with `priors`). Each row's input is its
-        choice after this round's accepted drafts (`nexts`, on the device; a plain round's
-        choice), then its guess. A sampled row's first choice takes the noise of the position
-        it lands on, picked on the device by the `kept[i]` tokens this round of `flight`
-        commits (`_choose_unread`; a plain round, `flight` 1, commits one); its later ones the noise of the positions they take if
-        the guess is on track, the only case in which they count (`_guessed_round`). A row
-        without a guess fills the round's slots with `device_fillers` after its next token,
-        their noise keyed where they land whatever this round commits. On bucketed caches
-        only, whose rows roll by counts the host has not read."""
+        """Queue the next round as a verify round before this one (of `flight` tokens a row)
+        is read, where the batch holds at most `GUESS_ROWS` rows, some row's text is being
+        copied and the plan says its drafts pay over a plain round (`plan_widths` with
+        `priors`). Each row's input is its choice after this round's accepted drafts
+        (`nexts`, on the device; a plain round's choice), then its drafts: with `FILLERS`,
+        prompt lookup's on the device after what this round commits (`_looked_up`), filling
+        the round; else the host's guess of lookup's continuation of what this round commits
+        if it accepts every draft (`_guess`). A sampled row's choices take the noise of the
+        positions they land on, picked on the device by the `kept[i]` tokens this round
+        commits (`_choose_unread`; a plain round, `flight` 1, commits one); a host guess's
+        later choices take the keys of the positions they take if the guess is on track, the
+        only case in which they count (`_guessed_round`). On bucketed caches only, whose
+        rows roll by counts the host has not read."""
         gens = self.gens
         if not (
             len(gens) <= GUESS_ROWS
@@ -789,36 +774,33 @@ class RowBatch:
             and all(g.plain_only for g in gens)
         ):
             return False
-        guesses = [self._guess(g, d, on) for g, d, on in zip(gens, drafts, on_track, strict=True)]
-        wants = [len(x[0]) if x is not None else 0 for x in guesses]
+        guesses = None
+        if FILLERS:  # drafts looked up on the device, after what the round in flight commits
+            wants = [self._forecast(g, flight) for g in gens]
+            priors = [0] * len(gens)
+        else:
+            guesses = [
+                self._guess(g, d, on) for g, d, on in zip(gens, drafts, on_track, strict=True)
+            ]
+            wants = [len(x[0]) if x is not None else 0 for x in guesses]
+            priors = [len(x[1]) - 1 if x is not None else 0 for x in guesses]
         if not any(wants):
             return False
-        priors = [len(x[1]) - 1 if x is not None else 0 for x in guesses]
         ks = plan_widths(gens, wants, self.costs, self.times, self.widths, priors)
         if not any(ks):
             return False
         width = padded_width(1 + max(ks), self.widths)
-        blind = [
-            (x is None or not k) and fills(g) for g, x, k in zip(gens, guesses, ks, strict=True)
-        ]
-        found = None
-        if any(blind) and width > 1:
-            windows = [
-                g.tokens[-FILL_WINDOW:] if b else [] for g, b in zip(gens, blind, strict=True)
-            ]
-            found = device_fillers(windows, mx.stack(nexts).reshape(-1), width - 1)
-        rows, guessed, expect = [], [], []
-        for i, (g, x, k, nxt) in enumerate(zip(gens, guesses, ks, nexts, strict=True)):
-            d = Draft.empty()
-            if x is not None and k:
-                d = Draft(mx.array(x[0][:k], dtype=mx.uint32), k, "lookup")
-                d = filled(g, d, g.tokens + x[1], width, x[0][:k])
-            elif found is not None and blind[i]:
-                room = min(width - 1, g.limit - g.produced - flight - 1)
-                if room > 0:
-                    d = Draft(found[i, :room], room, "lookup", filler=room)
-            guessed.append(d)
-            expect.append((len(g.tokens) + len(x[1]), x[1]) if x is not None and k else None)
+        expect: list[tuple[int, list[int]] | None] = [None] * len(gens)
+        if guesses is None:
+            guessed = self._looked_up(drafts, nexts, kept, flight, width, ks)
+        else:
+            guessed = [Draft.empty()] * len(gens)
+            for i, (g, x, k) in enumerate(zip(gens, guesses, ks, strict=True)):
+                if x is not None and k:
+                    guessed[i] = Draft(mx.array(x[0][:k], dtype=mx.uint32), k, "lookup")
+                    expect[i] = (len(g.tokens) + len(x[1]), x[1])
+        rows = []
+        for d, nxt in zip(guessed, nexts, strict=True):
             pad = mx.zeros((width - 1 - d.count,), dtype=mx.uint32)
             rows.append(mx.concatenate([nxt.reshape(1), d.tokens.astype(mx.uint32), pad]))
         logits = self._logits(mx.stack(rows), queued=True)
@@ -827,7 +809,7 @@ class RowBatch:
             if g.opts.greedy:
                 chosen.append(mx.argmax(logits[i, : 1 + d.count], axis=-1).astype(mx.uint32))
                 continue
-            if d.count and e is None:  # fillers after where the round in flight leaves it
+            if d.count and e is None:  # looked up after where the round in flight leaves it
                 block = g.rng.keys(len(g.tokens) + 1, flight + d.count)
                 at = mx.arange(1 + d.count) + (kept[i] - 1 if flight > 1 else 0)
                 chosen.append(sample_keyed(logits[i, : 1 + d.count], g.opts, block[at]))
@@ -841,6 +823,52 @@ class RowBatch:
         self.ahead = Ahead(list(gens), None, False, True, guessed, chosen, width, expect)
         return True
 
+    def _forecast(self, g: Generation, flight: int) -> int:
+        """Drafts row `g` asks for in a round queued before the one in flight (of `flight`
+        tokens) is read, its drafts looked up on the device: what its controller wants where
+        lookup continues its text now (a copy goes on past the round in flight), else none."""
+        if not g.spec.on or g.source is None or g.controller is None:
+            return 0
+        k = min(g.spec.draft_length(g.produced), g.limit - g.produced - flight - 1)
+        return len(g.source.follow(g.tokens, k)) if k > 0 else 0
+
+    def _looked_up(
+        self,
+        drafts: list[Draft],
+        nexts: list[mx.array],
+        kept: Sequence[mx.array],
+        flight: int,
+        width: int,
+        ks: list[int],
+    ) -> list[Draft]:
+        """Each row's drafts for a round of `width` queued before the round in flight is
+        read (`drafts`, committing `kept[i]` tokens, the last `nexts[i]`), looked up on the
+        device after what it commits (`device_lookup`): as many as the round holds, never
+        past the row's limit, the first `ks[i]` the plan's and the rest fillers."""
+        gens = self.gens
+        on = [fills(g) for g in gens]
+        if not any(on):
+            return [Draft.empty() for _ in gens]
+        m = flight - 1
+        inflight = mx.zeros((len(gens), 0), dtype=mx.uint32)
+        counts = mx.ones((len(gens),), dtype=mx.int32)
+        if m:
+            inflight = mx.stack([
+                mx.concatenate([d.tokens.astype(mx.uint32), mx.zeros((m - d.count,), mx.uint32)])
+                for d in drafts
+            ])  # fmt: skip
+            counts = mx.stack(list(kept))
+        windows = [g.tokens[-WINDOW:] if o else [] for g, o in zip(gens, on, strict=True)]
+        found = device_lookup(windows, inflight, counts, mx.stack(nexts).reshape(-1), width - 1)
+        out = []
+        for i, (g, o, k) in enumerate(zip(gens, on, ks, strict=True)):
+            room = min(width - 1, g.limit - g.produced - flight - 1) if o else 0
+            if room <= 0:
+                out.append(Draft.empty())
+                continue
+            out.append(Draft(found[i, :room], room, "lookup", filler=room - min(k, room)))
+        return out
+
     def _guess_after(self, tokens: mx.array) -> bool:
         """Queue a verify round on guessed drafts after a plain round that chose `tokens`."""
         rows = len(self.gens)
@@ -850,14 +878,11 @@ class RowBatch:
         """Row `g`'s drafts for the round after this one, and what they assume this round
         commits past its tokens now (its drafts, where `on_track`, then the token the source
         predicts after them); None where it has none: speculation not on, drafts from a
-        draft model (not on the host before the round is read), fillers alone (the row's
-        next fillers are found on the device, after the token the round does commit) or
-        near its limit."""
+        draft model (not on the host before the round is read) or near its limit. (With
+        `FILLERS`, rows look their drafts up on the device instead: `_looked_up`.)"""
         if not g.spec.on or g.source is None or g.controller is None:
             return None
         if d.count and on_track and d.source not in FREE_SOURCES:
-            return None
-        if d.count and not d.scored:
             return None
         prior = to_ints(d.tokens) if d.count and on_track else []
         k = min(g.spec.draft_length(g.produced), g.limit - g.produced - len(prior) - 2)

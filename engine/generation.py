@@ -539,7 +539,7 @@ class Generation:
         self._record(logits, new)
         if not scored:
             self.spec.committed_plainly(len(new), self._worth_resuming)
-        if self.source is not None and self.finish is None and scored:
+        if self.source is not None and self.finish is None and draft.count:
             try:
                 self.source.accept(self.tokens)
             except Exception as exc:

@@ -299,8 +299,9 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
     hundred plain rounds, so it runs none: every draft is a guess queued after a plain
     round. Sampled rows (seeded) commit the tokens they commit alone too: each choice takes
     the noise of the position it lands on, and an off-track guess counts only its first.
-    `fill`: rows fill their free slots (`batch.FILLERS`), here often with what lookup would
-    have drafted a round later; without, the rows' own drafts are accepted."""
+    `fill` (`batch.FILLERS`): rows look the drafts of rounds queued before the one ahead is
+    read up on the device, after what that round commits, and fill their free slots; the
+    rows commit what they commit alone, here often on fillers."""
     monkeypatch.setattr(batch_module, "FILLERS", fill)
     tokenizer, opts = copier.tokenizer, parse_options({"temperature": temperature})
 
@@ -322,12 +323,15 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
     guessed_round = RowBatch._guessed_round
     on_track: list[bool] = []
 
+    queued: list[int] = []  # rows' drafts in each round queued before the one ahead was read
+
     def noted(self: RowBatch, since: float | None) -> Any:
         ahead = self.ahead
-        assert ahead is not None and ahead.expect is not None
+        assert ahead is not None and ahead.expect is not None and ahead.drafts is not None
         for g, e in zip(self.gens, ahead.expect, strict=True):
             if e is not None:
                 on_track.append(len(g.tokens) == e[0] and g.tokens[-len(e[1]) :] == e[1])
+        queued.append(sum(d.count for d in ahead.drafts))
         return guessed_round(self, since)
 
     try:
@@ -367,7 +371,10 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
     finally:
         set_bucket(copier.target, None)
     assert out == alone
-    assert True in on_track and False in on_track
+    if fill:  # looked up on the device after what the round ahead commits: no track to miss
+        assert any(queued) and not on_track
+    else:
+        assert True in on_track and False in on_track
     assert all(mine == read for mine, read in cuts)
     assert cuts or bucket > 16
     for g in gens[:3]:
@@ -406,17 +413,20 @@ def test_only_batches_of_up_to_guess_rows_queue_rounds_on_guesses(
     assert sizes and max(sizes) <= batch_module.GUESS_ROWS
 
 
+@pytest.mark.parametrize("fill", [True, False], ids=["fillers", "no-fillers"])
 @pytest.mark.parametrize("seed", [100, 5])
 @pytest.mark.parametrize("bucket", [GPU_TEST_BUCKET, 16])
 def test_sampled_rows_on_guessed_drafts_commit_their_seeded_tokens(
-    monkeypatch: pytest.MonkeyPatch, bucket: int, seed: int
+    monkeypatch: pytest.MonkeyPatch, bucket: int, seed: int, fill: bool
 ) -> None:
     """Seeded rows at temperature 1 on a model whose choices the noise decides (a random
     one over 8 tokens) queue verify rounds on lookup's guesses, right and wrong, and commit
     what each commits alone: every choice takes the noise of the position it lands on, and a
     guess off its track counts only its first choice. Keys come as arrays of their own, as
     they do across a block's edge (`Rng.keys`), so a key picked past the positions asked for
-    is never a neighbour's by chance."""
+    is never a neighbour's by chance. `fill`: drafts looked up on the device after what the
+    round ahead commits, each choice's key picked there too."""
+    monkeypatch.setattr(batch_module, "FILLERS", fill)
     keys = Rng.keys
     monkeypatch.setattr(Rng, "keys", lambda self, position, count: keys(self, position, count) + 0)
     target = tiny_vocab_model(7, 8)
@@ -429,6 +439,7 @@ def test_sampled_rows_on_guessed_drafts_commit_their_seeded_tokens(
     ]
     guessed_round = RowBatch._guessed_round
     tracks: list[bool] = []
+    queued: list[int] = []
 
     def noted(self: RowBatch, since: float | None) -> Any:
         ahead = self.ahead
@@ -436,6 +447,7 @@ def test_sampled_rows_on_guessed_drafts_commit_their_seeded_tokens(
         for g, e, d in zip(self.gens, ahead.expect, ahead.drafts, strict=True):
             if e is not None and d.count:
                 tracks.append(len(g.tokens) == e[0] and g.tokens[-len(e[1]) :] == e[1])
+            queued.append(d.count)
         return guessed_round(self, since)
 
     set_bucket(target, bucket)
@@ -464,8 +476,12 @@ def test_sampled_rows_on_guessed_drafts_commit_their_seeded_tokens(
     finally:
         set_bucket(target, None)
     assert out == alone
-    assert True in tracks and False in tracks
-    assert sum(g.stats.accepted for g in gens) > 0
+    if fill:
+        assert any(queued) and not tracks
+        assert sum(g.stats.accepted + g.stats.filled_accepted for g in gens) > 0
+    else:
+        assert True in tracks and False in tracks
+        assert sum(g.stats.accepted for g in gens) > 0
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
