@@ -66,8 +66,8 @@ A verify round computes every row's slots up to its width, whatever they hold, s
 fewer drafts than the width fills the rest (`Draft.filler`): in a round read before the next
 is queued, with prompt lookup's continuation on the host, down to one token's match (`filled`,
 `DraftSource.filler`); in one queued before, with the device's lookup as far as the round
-reaches. A filler accepted is a token for nothing; no plan counts on them and no controller
-learns from them.
+reaches. A filler accepted is a token for nothing; no plan counts on them and no acceptance
+estimate learns from them.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import mlx.core as mx
@@ -117,6 +117,9 @@ class Ahead:
     chosen: list[mx.array] | None = None
     width: int = 1
     expect: list[tuple[int, list[int]] | None] | None = None
+    # drafts looked up on the device: how many of each row's a lookup match of two tokens
+    # or more found (`device_lookup`), which its plan's drafts are cut to once read
+    found: mx.array | None = None
 
 
 @dataclass
@@ -684,6 +687,11 @@ class RowBatch:
         assert ahead.expect is not None and _same(ahead.gens, self.gens)
         gens, drafts, width = self.gens, ahead.drafts, ahead.width
         t0 = time.perf_counter()
+        if ahead.found is not None:  # the plan's drafts the lookup did not find are fillers
+            drafts = [
+                replace(d, filler=d.count - min(d.scored, n))
+                for d, n in zip(drafts, to_ints(ahead.found), strict=True)
+            ]
         self.times.flush()  # the verify round before this one queued it: recorded as it is
         on_track = [
             e is None or (len(g.tokens) == e[0] and g.tokens[-len(e[1]) :] == e[1])
@@ -791,8 +799,9 @@ class RowBatch:
             return False
         width = padded_width(1 + max(ks), self.widths)
         expect: list[tuple[int, list[int]] | None] = [None] * len(gens)
+        found = None
         if guesses is None:
-            guessed = self._looked_up(drafts, nexts, kept, flight, width, ks)
+            guessed, found = self._looked_up(drafts, nexts, kept, flight, width, ks)
         else:
             guessed = [Draft.empty()] * len(gens)
             for i, (g, x, k) in enumerate(zip(gens, guesses, ks, strict=True)):
@@ -820,7 +829,7 @@ class RowBatch:
                 keys.append(g.rng.keys(e[0] + 1, d.count))
             chosen.append(sample_keyed(logits[i, : 1 + d.count], g.opts, mx.concatenate(keys)))
         mx.async_eval(chosen)
-        self.ahead = Ahead(list(gens), None, False, True, guessed, chosen, width, expect)
+        self.ahead = Ahead(list(gens), None, False, True, guessed, chosen, width, expect, found)
         return True
 
     def _forecast(self, g: Generation, flight: int) -> int:
@@ -840,15 +849,17 @@ class RowBatch:
         flight: int,
         width: int,
         ks: list[int],
-    ) -> list[Draft]:
+    ) -> tuple[list[Draft], mx.array | None]:
         """Each row's drafts for a round of `width` queued before the round in flight is
         read (`drafts`, committing `kept[i]` tokens, the last `nexts[i]`), looked up on the
         device after what it commits (`device_lookup`): as many as the round holds, never
-        past the row's limit, the first `ks[i]` the plan's and the rest fillers."""
+        past the row's limit, the first `ks[i]` the plan's and the rest fillers (the plan's
+        cut, once read, to what a lookup match of two tokens or more found: the second
+        value, on the device)."""
         gens = self.gens
         on = [fills(g) for g in gens]
         if not any(on):
-            return [Draft.empty() for _ in gens]
+            return [Draft.empty() for _ in gens], None
         m = flight - 1
         inflight = mx.zeros((len(gens), 0), dtype=mx.uint32)
         counts = mx.ones((len(gens),), dtype=mx.int32)
@@ -859,7 +870,9 @@ class RowBatch:
             ])  # fmt: skip
             counts = mx.stack(list(kept))
         windows = [g.tokens[-WINDOW:] if o else [] for g, o in zip(gens, on, strict=True)]
-        found = device_lookup(windows, inflight, counts, mx.stack(nexts).reshape(-1), width - 1)
+        found, drafted = device_lookup(
+            windows, inflight, counts, mx.stack(nexts).reshape(-1), width - 1
+        )
         out = []
         for i, (g, o, k) in enumerate(zip(gens, on, ks, strict=True)):
             room = min(width - 1, g.limit - g.produced - flight - 1) if o else 0
@@ -867,7 +880,7 @@ class RowBatch:
                 out.append(Draft.empty())
                 continue
             out.append(Draft(found[i, :room], room, "lookup", filler=room - min(k, room)))
-        return out
+        return out, drafted
 
     def _guess_after(self, tokens: mx.array) -> bool:
         """Queue a verify round on guessed drafts after a plain round that chose `tokens`."""

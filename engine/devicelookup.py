@@ -39,12 +39,14 @@ def device_lookup(
     kept: mx.array,
     nexts: mx.array,
     count: int,
-) -> mx.array:
+) -> tuple[mx.array, mx.array]:
     """(rows, count) uint32 drafts: for row i, what followed the latest earlier occurrence of
     the longest trailing n-gram of its committed tokens, which are `windows[i]` (committed, on
     the host), then the first `kept[i] - 1` of `inflight[i]` (the round in flight's drafts,
     (rows, m)) and `nexts[i]` (its next token). 0 where nothing is known: no occurrence, or a
-    continuation that reaches past the last committed token."""
+    continuation that reaches past the last committed token. And (rows,) int32: how many of
+    row i's drafts a match of two tokens or more found, what prompt lookup itself drafts on
+    (`LookupDraftSource.propose`; a one-token match is a filler's)."""
     rows = len(windows)
     seq = mx.concatenate(
         [_windows(windows), inflight.astype(mx.int32), mx.full((rows, 1), NONE, mx.int32)], axis=1
@@ -55,6 +57,7 @@ def device_lookup(
     seq = mx.where(pos == last, nexts.astype(mx.int32).reshape(rows, 1), seq)
     seq = mx.where(pos > last, NONE, seq)
     best = mx.full((rows,), NONE, mx.int32)
+    length = mx.zeros((rows,), mx.int32)  # the n of the match found
     ends = pos < last  # an occurrence ends before the last token: its continuation is known
     match = ends
     for j in range(MAX_NGRAM):
@@ -63,7 +66,9 @@ def device_lookup(
         match = match & (before == tail) & (tail >= 0)
         found = mx.max(mx.where(match, pos, NONE), axis=1)
         best = mx.where(found >= 0, found, best)  # a longer match wins
+        length = mx.where(found >= 0, j + 1, length)
     at = best[:, None] + 1 + mx.arange(count)[None]
     known = (best[:, None] >= 0) & (at <= last)
     drafts = mx.take_along_axis(seq, mx.clip(at, 0, span - 1), axis=1)
-    return mx.where(known, drafts, 0).astype(mx.uint32)
+    drafted = mx.where(length >= 2, known.sum(axis=1), 0).astype(mx.int32)
+    return mx.where(known, drafts, 0).astype(mx.uint32), drafted

@@ -28,8 +28,9 @@ class Draft:
     """Proposed tokens (possibly still lazy) and, for sampled drafts, their distributions q.
 
     The last `filler` of the `count` tokens fill slots of a batch round that its width pays for
-    anyway (`DraftSource.filler`): verified like any draft, but no controller learns from them,
-    since no plan asked for them."""
+    anyway (`DraftSource.filler`): verified like any draft, but no acceptance estimate learns
+    from them, since no plan asked for them (a round's time is still judged by every token it
+    committed, fillers included)."""
 
     tokens: mx.array
     count: int

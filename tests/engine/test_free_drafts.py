@@ -561,3 +561,44 @@ def test_a_rows_fillers_are_verified_but_teach_its_controller_nothing(copier: Pa
         assert controller.tries[:2] == [1.0, 0.0] and controller.hits[:1] == [1.0]
     finally:
         gen.close()
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_rows_learn_only_from_drafts_their_lookup_made(
+    monkeypatch: pytest.MonkeyPatch, temperature: float
+) -> None:
+    """A round queued before the one ahead is read takes each row's drafts from the device's
+    lookup after what that round commits, the plan's share asked for beforehand: once read,
+    a row's controller learns only from drafts a lookup match of two tokens or more made
+    there (the host's own lookup after the same tokens, checked at every commit); the rest
+    count as fillers."""
+    monkeypatch.setattr(batch_module, "FILLERS", True)
+    target = tiny_vocab_model(7, 8)
+    opts = parse_options({"temperature": temperature})
+    prompts = [[1, 2, 3, 4, 5, 6, 7] * 3, [2, 3, 4, 2, 3, 4, 2, 3], [5, 6, 5, 6, 5], [7, 1, 7]]
+    seen: list[tuple[int, int]] = []  # (drafts learned from, drafts the lookup makes there)
+    absorb = Generation.absorb
+
+    def noted(self: Generation, draft: Draft, *args: Any, **kwargs: Any) -> list[int]:
+        lookup = LookupDraftSource()
+        lookup.prefill(self.tokens)
+        seen.append((draft.scored, len(lookup.follow(self.tokens, draft.count))))
+        return absorb(self, draft, *args, **kwargs)
+
+    monkeypatch.setattr(Generation, "absorb", noted)
+    set_bucket(target, 16)
+    try:
+        gens = []
+        for i, prompt in enumerate(prompts):
+            gen = Generation(target, prompt, opts, set(), 120, Rng(i), LookupDraftSource(),
+                             DraftLengthController(FLAT, FREE_DRAFT_TOKENS, 0.0))  # fmt: skip
+            gen.prefill()
+            gens.append(gen)
+        batch = RowBatch(target, FLAT)
+        batch.widths = round_widths(DEFAULT_DRAFT_TOKENS, FREE_DRAFT_TOKENS)
+        decode_together(batch, gens)
+    finally:
+        set_bucket(target, None)
+    assert all(learned <= made for learned, made in seen)
+    assert any(learned for learned, _ in seen)
+    assert sum(g.stats.filled_accepted for g in gens) > 0
