@@ -206,7 +206,9 @@ GUESS_ROWS = 4
 
 
 # whether a verify round fills each row's slots past its drafts, up to the round's width, with
-# its source's weaker guesses (`DraftSource.filler`); `MLXD_FILLERS=0` leaves them padding
+# its source's weaker guesses (`DraftSource.filler`), and a round queued before the one in
+# flight is read looks its drafts up on the device (`_looked_up`); `MLXD_FILLERS=0`: neither
+# (slots left padding, the host's guesses)
 FILLERS = os.environ.get("MLXD_FILLERS", "1") != "0"
 
 
@@ -216,28 +218,23 @@ def fills(g: Generation) -> bool:
     return FILLERS and g.source is not None and g.plain_only and not g.done
 
 
-def filled(
-    g: Generation, d: Draft, before: list[int], width: int, drafted: list[int] | None = None
-) -> Draft:
-    """Row `g`'s draft `d` (following `before`, the tokens the round assumes row `g` holds)
-    with the rest of a round of `width` filled from its source's `filler`: the round computes
-    those slots whatever they hold, so a filler accepted is a token for nothing and one
-    rejected costs nothing. Only rows whose drafts are on the host (none, or prompt lookup's)
-    and whose choices need nothing read between forwards; never past the row's limit.
-    `drafted`: `d`'s tokens where the caller has them on the host."""
+def filled(g: Generation, d: Draft, width: int) -> Draft:
+    """Row `g`'s draft `d` with the rest of a round of `width` filled from its source's
+    `filler`: the round computes those slots whatever they hold, so a filler accepted is a
+    token for nothing and one rejected costs nothing. Only rows whose drafts are on the host
+    (none, or prompt lookup's) and whose choices need nothing read between forwards; never
+    past the row's limit."""
     source = g.source
     if source is None or not fills(g):
         return d
     if d.count and d.source not in FREE_SOURCES:
         return d  # a draft model's tokens are still on the device
-    assumed = len(before) - len(g.tokens)  # what the round before commits first
-    room = min(width - 1 - d.count, g.limit - g.produced - assumed - d.count - 1)
+    room = min(width - 1 - d.count, g.limit - g.produced - d.count - 1)
     if room <= 0:
         return d
-    if drafted is None:
-        drafted = to_ints(d.tokens) if d.count else []
+    drafted = to_ints(d.tokens) if d.count else []
     try:
-        fill = source.filler(before + drafted, room)[:room]
+        fill = source.filler(g.tokens + drafted, room)[:room]
     except Exception:  # a source that fails its drafts is stopped where it drafts
         return d
     if not fill:
@@ -611,7 +608,7 @@ class RowBatch:
         self.times.flush()  # a verify round follows: the one held ran no fresh plain round
         drafts = self._propose(ks)
         width = padded_width(1 + max(d.count for d in drafts), self.widths)
-        drafts = [filled(g, d, g.tokens, width) for g, d in zip(gens, drafts, strict=True)]
+        drafts = [filled(g, d, width) for g, d in zip(gens, drafts, strict=True)]
         rows = []
         for g, d in zip(gens, drafts, strict=True):
             pending = mx.array([g.tokens[-1]], dtype=mx.uint32)
