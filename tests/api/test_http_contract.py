@@ -25,6 +25,8 @@ SPEC_FIELDS = (
     "draft_acceptance_rate",
     "draft_tokens_per_round",
     "draft_acceptance_by_position",
+    "draft_filled",
+    "draft_filled_accepted",
 )
 
 
@@ -430,6 +432,7 @@ def test_speculation_fields_on_final_object(http: httpx.Client, model: str) -> N
     assert final["draft_method"] in ("auto", "model", "lookup")
     assert 0.0 <= final["draft_acceptance_rate"] <= 1.0
     assert isinstance(final["draft_acceptance_by_position"], list)
+    assert 0 <= final["draft_filled_accepted"] <= final["draft_filled"]
     for o in objects[:-1]:
         assert not any(key in o for key in SPEC_FIELDS)
     whole = gen(http, **body)
