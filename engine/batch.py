@@ -684,11 +684,6 @@ class RowBatch:
         assert ahead.expect is not None and _same(ahead.gens, self.gens)
         gens, drafts, width = self.gens, ahead.drafts, ahead.width
         t0 = time.perf_counter()
-        if ahead.found is not None:  # the plan's drafts the lookup did not find are fillers
-            drafts = [
-                replace(d, filler=d.count - min(d.scored, n))
-                for d, n in zip(drafts, to_ints(ahead.found), strict=True)
-            ]
         self.times.flush()  # the verify round before this one queued it: recorded as it is
         on_track = [
             e is None or (len(g.tokens) == e[0] and g.tokens[-len(e[1]) :] == e[1])
@@ -701,6 +696,12 @@ class RowBatch:
             for g, d, on in zip(gens, drafts, on_track, strict=True)
         ]
         unread = self._queue_unread(drafts, ahead.chosen, width, on_track)
+        if ahead.found is not None:  # the plan's drafts the lookup did not find are fillers
+            # read once the next round is queued: the host never waits on the device first
+            drafts = [
+                replace(d, filler=d.count - min(d.scored, n))
+                for d, n in zip(drafts, to_ints(ahead.found), strict=True)
+            ]
         walks = [None] * len(gens)
         committed = self._read(drafts, ahead.chosen, walks, None, width, unread, on_track)
         end = self._ended(gens)
@@ -825,7 +826,9 @@ class RowBatch:
             if d.count and e is not None:
                 keys.append(g.rng.keys(e[0] + 1, d.count))
             chosen.append(sample_keyed(logits[i, : 1 + d.count], g.opts, mx.concatenate(keys)))
-        mx.async_eval(chosen)
+        # the lookup's counts with the round (before its forward), so reading them waits for
+        # nothing the next round queues behind
+        mx.async_eval(*([found] if found is not None else []), chosen)
         self.ahead = Ahead(list(gens), None, False, True, guessed, chosen, width, expect, found)
         return True
 
