@@ -29,6 +29,7 @@ from mlxd.registry.schema import ModelEntry
 MAX_BATCH = 64  # inputs per forward
 MAX_BATCH_TOKENS = 8192  # padded tokens per forward: bounds its memory and its time
 MAX_PADDING = 0.25  # pads per real token a batch may carry before the next one starts
+TOKENIZE_SLICE = 1024  # inputs tokenized between checks that someone still waits
 
 
 def _batches(lengths: Sequence[int]) -> list[range]:
@@ -171,21 +172,41 @@ class Embedder:
             ids = [*ids, eos]
         return ids
 
-    def tokenize(self, request: EmbedRequest) -> list[list[int]]:
-        """Each input's ids (prefix applied), cut to the limit unless `truncate` is off."""
+    def tokenize(
+        self, request: EmbedRequest, stop: Callable[[], bool] = lambda: False
+    ) -> list[list[int]]:
+        """Each input's ids (prefix applied), cut to the limit unless `truncate` is off.
+        `stop()` true between slices of `TOKENIZE_SLICE` inputs ends it with EmbeddingStopped:
+        thousands of long inputs take seconds to tokenize for a client that may have left."""
         limit = self.limit(request.num_ctx)
         if request.token_ids is not None:
             return [self._given(ids, limit, request.truncate) for ids in request.token_ids]
         prefix = self.spec.prefix(request.prefix)
         texts = [prefix + text for text in request.texts]
-        out = [self._finish(list(e.ids)) for e in self.tokenizer.encode_batch(texts)]
+        out = [self._finish(ids) for ids in self._encode(texts, stop)]
+        long: list[int] = []
         for i, ids in enumerate(out):
             if not ids:
                 raise EmptyInput(f"input at index {i} has no tokens")
             if len(ids) > limit:
                 if not request.truncate:
                     raise InputTooLong()
-                out[i] = self._cut(texts[i], limit)
+                long.append(i)
+        if long:
+            cut = self._cut([texts[i] for i in long], limit, stop)
+            for i, ids in zip(long, cut, strict=True):
+                out[i] = ids
+        return out
+
+    def _encode(self, texts: Sequence[str], stop: Callable[[], bool]) -> list[list[int]]:
+        """`encode_batch` a slice at a time (it lets go of the GIL; `encode` held it for
+        seconds on a long text)."""
+        out: list[list[int]] = []
+        for start in range(0, len(texts), TOKENIZE_SLICE):
+            if stop():
+                raise EmbeddingStopped()
+            batch = self.tokenizer.encode_batch(list(texts[start : start + TOKENIZE_SLICE]))
+            out += [list(e.ids) for e in batch]
         return out
 
     def _given(self, ids: tuple[int, ...], limit: int, truncate: bool) -> list[int]:
@@ -200,16 +221,15 @@ class Embedder:
             raise InputTooLong()
         return list(ids[:limit])
 
-    def _cut(self, text: str, limit: int) -> list[int]:
-        """`text`'s ids within `limit`, the special tokens kept (the tokenizer's truncation
+    def _cut(self, texts: Sequence[str], limit: int, stop: Callable[[], bool]) -> list[list[int]]:
+        """`texts`' ids within `limit`, the special tokens kept (the tokenizer's truncation
         makes room for them; a decoder's end token is put back last)."""
         room = limit - (1 if self.spec.append_eos is not None else 0)
         self.tokenizer.enable_truncation(max_length=max(1, room))
-        try:  # `encode_batch` lets go of the GIL (`encode` held it for seconds on a long text)
-            ids = list(self.tokenizer.encode_batch([text])[0].ids)
+        try:
+            return [self._finish(ids)[:limit] for ids in self._encode(texts, stop)]
         finally:
             self.tokenizer.no_truncation()
-        return self._finish(ids)[:limit]
 
     # -- forwards ------------------------------------------------------------------------------
 

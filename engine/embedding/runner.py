@@ -124,8 +124,8 @@ class EmbeddingRunner:
             except RuntimeError:  # answered meanwhile (the daemon stopping, the runner abandoned)
                 continue
             try:
-                tokenized.append((job, embedder.tokenize(job.request)))
-            except Exception as exc:  # this request's input: it alone fails
+                tokenized.append((job, embedder.tokenize(job.request, job.gone.is_set)))
+            except Exception as exc:  # its input, or its client left: it alone ends
                 _settle(job, exc)
         if not tokenized:
             return

@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from mlxd.engine.backend import Backend, configure_backend
-from mlxd.engine.embedding.model import Embedder, EmbedRequest, InputTooLong, load_embedder
+from mlxd.engine.embedding.model import (
+    TOKENIZE_SLICE,
+    Embedder,
+    EmbeddingStopped,
+    EmbedRequest,
+    InputTooLong,
+    load_embedder,
+)
 from mlxd.engine.embedding.runner import EmbeddingRunner, EmbedJob
 from mlxd.engine.embedding.spec import spec_from_dir
 from mlxd.registry.schema import ModelEntry
@@ -74,6 +81,28 @@ def test_truncation_keeps_the_special_tokens(
     np.testing.assert_allclose(out.vectors[0], ref.embed_ids(cut), atol=2e-5)
     short = model.embed(EmbedRequest((long,), num_ctx=10))
     assert short.token_counts == (10,)
+
+
+def test_many_inputs_are_cut_as_each_alone_and_stop_between_slices(
+    loaded: dict[str, Embedder],
+) -> None:
+    """Thousands of inputs are tokenized (and the long ones cut) in slices, each input as it
+    is alone; a stop between slices (the client left) ends the work."""
+    model = loaded["minilm"]
+    texts = tuple("sky " * (i % 90) + f"line {i}" for i in range(TOKENIZE_SLICE + 5))
+    together = model.tokenize(EmbedRequest(texts))
+    alone = [model.tokenize(EmbedRequest((t,)))[0] for t in texts[::37]]
+    assert together[::37] == alone
+    assert {len(ids) for ids in together} >= {64, 6}  # cut ones and short ones
+    asked: list[int] = []
+
+    def stop() -> bool:
+        asked.append(1)
+        return len(asked) > 1
+
+    with pytest.raises(EmbeddingStopped):
+        model.tokenize(EmbedRequest(texts), stop)
+    assert len(asked) == 2  # one slice done, then stopped
 
 
 def test_decoder_truncation_ends_with_eos(
