@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -31,8 +33,9 @@ def tiny_pair(tmp_path_factory: pytest.TempPathFactory) -> TinyPair:
 
 # -- a real server on a free loopback port -------------------------------------------------------
 
-# Every test runs with its own mlxd home and no hub access.
+# Every test runs with its own mlxd home and no hub access; the home goes with the process.
 os.environ["MLXD_HOME"] = tempfile.mkdtemp(prefix="mlxd-home-")
+atexit.register(shutil.rmtree, os.environ["MLXD_HOME"], ignore_errors=True)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.pop("OLLAMA_HOST", None)
 os.environ.pop("MLXD_HOST", None)

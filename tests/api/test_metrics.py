@@ -142,7 +142,11 @@ def test_a_stream_the_client_leaves_midway_counts_as_499(served: ServerThread) -
     base = served.info.base_url
     requests = "mlxd_http_requests_total"
     before = scrape(base)
-    body = {"model": "tiny", "prompt": "count", "options": {"num_predict": 200, "temperature": 0}}
+    # an answer that cannot end before the client leaves (the grammar holds the end of
+    # sequence back): one that could would race the departure to a 200
+    letters = {"regex": "([a-z]{100}){3000}"}
+    options = {"num_predict": 100000, "temperature": 0, "grammar": letters}
+    body = {"model": "tiny", "prompt": "count", "options": options}
     with (
         httpx.Client(base_url=base, timeout=120) as http,
         http.stream("POST", "/api/generate", json=body) as r,

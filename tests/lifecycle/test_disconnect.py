@@ -253,7 +253,15 @@ def test_one_load_evicts_one_model(registry: Path, tmp_path: Path, tiny_pair: Ti
         with streaming(base, "slow"):
             with streaming(base, "other"):
                 waiter, done = in_background(base, "third")
-                assert wait_for(lambda: stats(base)["queue"]["waiting"] == 1, 60)
+
+                def chosen() -> bool:
+                    """`third` waits, and `slow` was chosen to make room for it (`third`
+                    may wait for its probe first: `other` idle by then would go instead)."""
+                    now = stats(base)
+                    slow = [m for m in now["models"] if m["name"] == "slow:latest"]
+                    return now["queue"]["waiting"] == 1 and bool(slow) and slow[0]["stopping"]
+
+                assert wait_for(chosen, 60)
 
             # `other` is idle now, `slow` (chosen, the least recently used) still streams
             def active() -> dict[str, int]:
