@@ -92,7 +92,7 @@ from mlxd.engine.drafting import Draft, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import Walk
 from mlxd.engine.options import parse_options
-from mlxd.engine.sampling import Rng, choose, sample_keyed, to_ints
+from mlxd.engine.sampling import Rng, choose_rows, sample_keyed, to_ints
 from mlxd.engine.speculation import FREE_SOURCES, Costs
 from mlxd.engine.verify import Verdict, choices, decide
 
@@ -912,16 +912,12 @@ class RowBatch:
         has not read: a sampled row's noise is the key of the position it lands on, picked on
         the device from the keys of every position the round could have left it at."""
         gens = self.gens
-        if all(g.opts.greedy for g in gens):
-            return mx.argmax(logits, axis=-1).astype(mx.uint32)
-        rows = []
-        for i, (g, k) in enumerate(zip(gens, kept, strict=True)):
-            if g.opts.greedy:
-                rows.append(mx.argmax(logits[i : i + 1], axis=-1).astype(mx.uint32))
-                continue
-            keys = mx.take(g.rng.keys(len(g.tokens) + 1, width), k - 1, axis=0)
-            rows.append(sample_keyed(logits[i : i + 1], g.opts, keys[None]))
-        return mx.concatenate(rows)
+
+        def key_of(i: int) -> mx.array:
+            g = gens[i]
+            return mx.take(g.rng.keys(len(g.tokens) + 1, width), kept[i] - 1, axis=0)[None]
+
+        return choose_rows(logits, [g.opts for g in gens], key_of)
 
     def _settle_unread(self, kept: list[int], accepted: list[int], width: int) -> None:
         """After `_queue_unread`, once the verdicts are read: where a row committed less than
@@ -1077,13 +1073,10 @@ class RowBatch:
     def _choose(self, logits: mx.array, ahead: list[int]) -> mx.array:
         """Each row's token (B,), row i `ahead[i]` positions past its committed tokens."""
         gens = self.gens
-        if all(g.opts.greedy for g in gens):
-            return mx.argmax(logits, axis=-1).astype(mx.uint32)
-        return mx.concatenate(
-            [
-                choose(logits[i : i + 1], g.opts, g.rng, len(g.tokens) + k)
-                for i, (g, k) in enumerate(zip(gens, ahead, strict=True))
-            ]
+        return choose_rows(
+            logits,
+            [g.opts for g in gens],
+            lambda i: gens[i].rng.keys(len(gens[i].tokens) + ahead[i], 1),
         )
 
     def drop_ahead(self) -> None:

@@ -29,7 +29,7 @@ from mlxd.engine import kvcache
 from mlxd.engine.adapters import AdaptedModel, selecting
 from mlxd.engine.drafting import Draft, ModelDraftSource, confidence
 from mlxd.engine.options import parse_options
-from mlxd.engine.sampling import Rng, choose, to_floats, to_ints
+from mlxd.engine.sampling import Rng, choose_rows, to_floats, to_ints
 
 COMPACT = 64  # positions of left padding shared by every row before the cache cuts them
 
@@ -232,13 +232,12 @@ class DraftBatch:
 
     def _sample(self, logits: mx.array, tokens: Sequence[Sequence[int]], step: int) -> mx.array:
         """Each row's draft at its position, as it would be chosen alone (no penalties here)."""
-        if all(s.opts.greedy for s in self.sources):
-            return mx.argmax(logits, axis=-1).astype(mx.uint32)
-        picks = [
-            choose(logits[i : i + 1], s.opts, s.rng, len(tokens[i]) + step)
-            for i, s in enumerate(self.sources)
-        ]
-        return mx.concatenate(picks).astype(mx.uint32)
+        sources = self.sources
+        return choose_rows(
+            logits,
+            [s.opts for s in sources],
+            lambda i: sources[i].rng.keys(len(tokens[i]) + step, 1),
+        )
 
 
 WARM_CATCH_UP = 64  # catch-up widths warmed at load: a row benched longer than this is rare

@@ -7,7 +7,16 @@ import pytest
 
 from mlxd.engine import sampling
 from mlxd.engine.options import parse_options
-from mlxd.engine.sampling import Rng, choose, gumbel_rows, sample, sampler, shaped, shaping
+from mlxd.engine.sampling import (
+    Rng,
+    choose,
+    choose_rows,
+    gumbel_rows,
+    sample,
+    sampler,
+    shaped,
+    shaping,
+)
 
 SHAPINGS = [
     {"temperature": 0.7},
@@ -130,3 +139,40 @@ def test_vanishing_values_sample_the_most_likely_token(options: dict[str, float]
         logits = mx.random.normal((2, 97)) * 3
         got = choose(logits, opts, rng, position)
         assert got.tolist() == mx.argmax(logits, axis=-1).tolist()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_batchs_rows_take_the_tokens_each_takes_alone(
+    monkeypatch: pytest.MonkeyPatch, compiled: bool
+) -> None:
+    """Rows of greedy and mixed shapings, each at its own position with its own seed: each
+    row's token is the one it draws alone, and rows of one shaping take one sampler call."""
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu if compiled else mx.cpu))
+    calls: list[int] = []
+    real = sampling.sampler
+
+    def counted(how: sampling.Shaping, on_gpu: bool):  # type: ignore[no-untyped-def]
+        run = real(how, on_gpu)
+
+        def call(logits: mx.array, keys: mx.array) -> mx.array:
+            calls.append(int(logits.shape[0]))
+            return run(logits, keys)
+
+        return call
+
+    monkeypatch.setattr(sampling, "sampler", counted)
+    kinds = [{"temperature": 0}, *SHAPINGS, {"temperature": 0.7}, {"temperature": 0.7}]
+    opts = [parse_options(k) for k in kinds]
+    rngs = [Rng(100 + i) for i in range(len(opts))]
+    positions = [3 + 5 * i for i in range(len(opts))]
+    mx.random.seed(9)
+    for trial in range(12):
+        logits = mx.random.normal((len(opts), 97)) * 3
+        calls.clear()
+        got = choose_rows(logits, opts, lambda i, t=trial: rngs[i].keys(positions[i] + t, 1))
+        assert sorted(calls) == [1, 1, 1, 3]  # the three rows of {"temperature": 0.7} in one
+        alone = [
+            choose(logits[i : i + 1], o, r, p + trial).item()
+            for i, (o, r, p) in enumerate(zip(opts, rngs, positions, strict=True))
+        ]
+        assert got.tolist() == alone
