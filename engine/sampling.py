@@ -259,6 +259,11 @@ def sample_keyed(logits: mx.array, opts: SamplingOptions, keys: mx.array) -> mx.
     return sampler(shaping(opts), on_gpu)(logits, keys)
 
 
+# rows of one shaping sampled in one call at most: load warms the sampler for a verify
+# round's shapes, up to 16 positions (`pairing.warm_up`), which a call of as many rows reuses
+ROWS_PER_CALL = 16
+
+
 def choose_rows(
     logits: mx.array, opts: Sequence[SamplingOptions], key_of: Callable[[int], mx.array]
 ) -> mx.array:
@@ -267,9 +272,14 @@ def choose_rows(
     as a verify round's rows are: the same arithmetic row by row (so the same tokens), and on
     a GPU, where each operation is a kernel the host encodes, 8 rows of Ollama's default
     shaping took 34 kernels where one call a row took 129."""
-    groups: dict[Shaping | None, list[int]] = {}
+    by_shaping: dict[Shaping | None, list[int]] = {}
     for i, o in enumerate(opts):
-        groups.setdefault(None if o.greedy else shaping(o), []).append(i)
+        by_shaping.setdefault(None if o.greedy else shaping(o), []).append(i)
+    groups = [
+        (how, rows[j : j + ROWS_PER_CALL])
+        for how, rows in by_shaping.items()
+        for j in range(0, len(rows), ROWS_PER_CALL)
+    ]
     on_gpu = mx.default_device().type == mx.DeviceType.gpu
 
     def pick(how: Shaping | None, rows: list[int], x: mx.array) -> mx.array:
@@ -278,10 +288,10 @@ def choose_rows(
         return sampler(how, on_gpu)(x, mx.concatenate([key_of(i) for i in rows]))
 
     if len(groups) == 1:
-        how, rows = next(iter(groups.items()))
+        how, rows = groups[0]
         return pick(how, rows, logits)
     parts, order = [], []
-    for how, rows in groups.items():
+    for how, rows in groups:
         parts.append(pick(how, rows, logits[mx.array(rows)]))
         order += rows
     back = sorted(range(len(order)), key=order.__getitem__)  # where each row's token landed
