@@ -799,23 +799,32 @@ class RowBatch:
         width = padded_width(1 + max(ks), self.widths)
         expect: list[tuple[int, list[int]] | None] = [None] * len(gens)
         found = None
+        firsts = mx.stack(nexts).reshape(-1, 1)
         if guesses is None:
-            guessed, found = self._looked_up(drafts, nexts, kept, flight, width, ks)
+            guessed, grid, found = self._looked_up(drafts, nexts, kept, flight, width, ks)
+            # a row's slots past its drafts hold what its lookup found there (or 0): the
+            # round reads no choice from them, and each row keeps only what it commits
+            inputs = mx.concatenate([firsts, grid], axis=1)
         else:
             guessed = [Draft.empty()] * len(gens)
             for i, (g, x, k) in enumerate(zip(gens, guesses, ks, strict=True)):
                 if x is not None and k:
                     guessed[i] = Draft(mx.array(x[0][:k], dtype=mx.uint32), k, "lookup")
                     expect[i] = (len(g.tokens) + len(x[1]), x[1])
-        rows = []
-        for d, nxt in zip(guessed, nexts, strict=True):
-            pad = mx.zeros((width - 1 - d.count,), dtype=mx.uint32)
-            rows.append(mx.concatenate([nxt.reshape(1), d.tokens.astype(mx.uint32), pad]))
-        logits = self._logits(mx.stack(rows), queued=True)
+            pads = [mx.zeros((width - 1 - d.count,), dtype=mx.uint32) for d in guessed]
+            padded = [
+                mx.concatenate([d.tokens.astype(mx.uint32), p])
+                for d, p in zip(guessed, pads, strict=True)
+            ]
+            inputs = mx.concatenate([firsts, mx.stack(padded)], axis=1)
+        logits = self._logits(inputs, queued=True)
+        greedy = None  # the greedy rows' choices, one argmax for all
+        if any(g.opts.greedy for g in gens):
+            greedy = mx.argmax(logits, axis=-1).astype(mx.uint32)
         chosen = []
         for i, (g, d, e) in enumerate(zip(gens, guessed, expect, strict=True)):
-            if g.opts.greedy:
-                chosen.append(mx.argmax(logits[i, : 1 + d.count], axis=-1).astype(mx.uint32))
+            if greedy is not None and g.opts.greedy:
+                chosen.append(greedy[i, : 1 + d.count])
                 continue
             if d.count and e is None:  # looked up after where the round in flight leaves it
                 block = g.rng.keys(len(g.tokens) + 1, flight + d.count)
@@ -850,17 +859,18 @@ class RowBatch:
         flight: int,
         width: int,
         ks: list[int],
-    ) -> tuple[list[Draft], mx.array | None]:
+    ) -> tuple[list[Draft], mx.array, mx.array | None]:
         """Each row's drafts for a round of `width` queued before the round in flight is
         read (`drafts`, committing `kept[i]` tokens, the last `nexts[i]`), looked up on the
         device after what it commits (`device_lookup`): as many as the round holds, never
         past the row's limit, the first `ks[i]` the plan's and the rest fillers (the plan's
-        cut, once read, to what a lookup match of two tokens or more found: the second
-        value, on the device)."""
+        cut, once read, to what a lookup match of two tokens or more found: the third
+        value, on the device). The second is every row's lookup, (rows, width - 1)."""
         gens = self.gens
         on = [fills(g) for g in gens]
         if not any(on):
-            return [Draft.empty() for _ in gens], None
+            empty = mx.zeros((len(gens), width - 1), dtype=mx.uint32)
+            return [Draft.empty() for _ in gens], empty, None
         m = flight - 1
         inflight = mx.zeros((len(gens), 0), dtype=mx.uint32)
         counts = mx.ones((len(gens),), dtype=mx.int32)
@@ -881,7 +891,7 @@ class RowBatch:
                 out.append(Draft.empty())
                 continue
             out.append(Draft(found[i, :room], room, "lookup", filler=room - min(k, room)))
-        return out, drafted
+        return out, found, drafted
 
     def _guess_after(self, tokens: mx.array) -> bool:
         """Queue a verify round on guessed drafts after a plain round that chose `tokens`."""
