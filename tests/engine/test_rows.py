@@ -16,7 +16,7 @@ from mlxd.engine import batch as batch_module
 from mlxd.engine.backend import Backend, configure_backend
 from mlxd.engine.batch import Committed, RowBatch
 from mlxd.engine.cache_use import namespace_for, restore
-from mlxd.engine.drafting import DraftSource, LookupDraftSource, ModelDraftSource
+from mlxd.engine.drafting import Draft, DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.events import Done, Event, Failed, GenerationRequest
 from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import GrammarSpec
@@ -367,6 +367,33 @@ def test_accepted_drafts_counted_on_the_device_are_the_hosts_count() -> None:
         chosen = [rng.randint(0, 2) for _ in range(n + 1)]
         on_device = batch_module._accepted(mx.array(drafts), mx.array(chosen)).item()
         assert on_device == decide(drafts, chosen).accepted
+
+
+def test_verdicts_counted_for_all_rows_at_once_are_each_rows_own() -> None:
+    """A round's inputs and choices as grids (greedy rows): each row's kept count and next
+    token are what its own count on the device and `decide` on the host give, whatever its
+    slots past its drafts hold."""
+    rng = random.Random(1)
+    for _ in range(100):
+        rows, width = rng.randint(1, 8), rng.randint(2, 17)
+        counts = [rng.randint(0, width - 1) for _ in range(rows)]
+        inputs = [[rng.randint(0, 2) for _ in range(width)] for _ in range(rows)]
+        picks = [[rng.randint(0, 2) for _ in range(width)] for _ in range(rows)]
+        drafts = [
+            Draft(mx.array(r[1 : 1 + c], dtype=mx.uint32), c, "lookup")
+            for r, c in zip(inputs, counts, strict=True)
+        ]
+        grid = mx.array(picks, dtype=mx.uint32)
+        chosen = [grid[i, : 1 + c] for i, c in enumerate(counts)]
+        grids = (mx.array(inputs, dtype=mx.uint32), grid)
+        together = batch_module._unread_verdicts(drafts, chosen, width, grids)
+        alone = batch_module._unread_verdicts(drafts, chosen, width, None)
+        assert together[0].tolist() == alone[0].tolist()
+        assert together[1].tolist() == alone[1].tolist()
+        for i, c in enumerate(counts):
+            verdict = decide(inputs[i][1 : 1 + c], picks[i])
+            assert together[0].tolist()[i] == verdict.accepted + 1
+            assert together[1].tolist()[i] == verdict.tokens[-1]
 
 
 def test_rows_cut_shared_padding_after_rounds_queued_unread(
