@@ -104,6 +104,10 @@ def serve(
 
     def finished(i: int) -> None:
         ended.add(i)
+        for k, (j, _) in list(pending.items()):
+            if j == i:  # it ended before the event the request waited for: that one starts now
+                del pending[k]
+                jobs.put(job(k))
         if len(ended) == len(specs) and not pending:
             jobs.put(None)
 
