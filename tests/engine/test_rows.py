@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache
 
 from mlxd.engine import batch as batch_module
+from mlxd.engine import scheduler as scheduler_module
 from mlxd.engine.backend import Backend, configure_backend
 from mlxd.engine.batch import Committed, RowBatch
 from mlxd.engine.cache_use import namespace_for, restore
@@ -622,8 +623,6 @@ def test_a_lone_row_decoding_as_a_batch_of_one_gives_its_solo_tokens(
 ) -> None:
     """`MLXD_LONE_ROW=batch`: a lone request decodes in batch rounds (pipelined where the
     caches are bucketed) and commits what plain decoding does, greedy and seeded."""
-    from mlxd.engine import scheduler as scheduler_module
-
     monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
     monkeypatch.setattr(scheduler_module, "LONE_BATCH", True)
     backend = request.getfixturevalue("gpu_layout") if bucketed else configure_backend()
