@@ -100,11 +100,6 @@ from mlxd.engine.verify import Verdict, choices, decide
 log = logging.getLogger(__name__)
 
 
-# a verify round's inputs (rows, width) and choices (rows, width), where each row's drafts and
-# choices are its row of them (greedy rows): its verdicts are then counted for all rows at once
-Grids = tuple[mx.array, mx.array]
-
-
 @dataclass
 class Ahead:
     """The next round, queued: its rows and (a plain round) their chosen tokens, still lazy.
@@ -126,7 +121,8 @@ class Ahead:
     # drafts looked up on the device: how many of each row's a lookup match of two tokens
     # or more found (`device_lookup`), which its plan's drafts are cut to once read
     found: mx.array | None = None
-    grids: Grids | None = None  # its inputs and choices, where every row's are their rows
+    inputs: mx.array | None = None  # (rows, width): each row's next token, then its drafts
+    picks: mx.array | None = None  # (rows, width): the choices, where every row is greedy
 
 
 @dataclass
@@ -639,9 +635,9 @@ class RowBatch:
             w = walks[i]
             bias = w.bias if w is not None else None
             chosen.append(choices(logits[i, : 1 + d.count], host, g.tokens, g.opts, g.rng, bias))
-        grids = (inputs, greedy) if greedy is not None and all(argmaxed) else None
+        picks = greedy if all(argmaxed) else None
         q0 = time.perf_counter()
-        unread = self._queue_unread(drafts, chosen, width, [True] * len(gens), grids)
+        unread = self._queue_unread(drafts, chosen, width, [True] * len(gens), inputs, picks)
         queueing = time.perf_counter() - q0  # the next round's work (its time is charged here)
         committed = self._read(drafts, chosen, walks, logits, width, unread)
         end = self._ended(gens)
@@ -698,7 +694,8 @@ class RowBatch:
         queueing the next one on it; timed return to return, as a queued plain round is."""
         ahead, self.ahead = self.ahead, None
         assert ahead is not None and ahead.drafts is not None and ahead.chosen is not None
-        assert ahead.expect is not None and _same(ahead.gens, self.gens)
+        assert ahead.expect is not None and ahead.inputs is not None
+        assert _same(ahead.gens, self.gens)
         gens, drafts, width = self.gens, ahead.drafts, ahead.width
         t0 = time.perf_counter()
         self.times.flush()  # the verify round before this one queued it: recorded as it is
@@ -712,7 +709,9 @@ class RowBatch:
             d if on or g.opts.greedy else Draft.empty(d.source)
             for g, d, on in zip(gens, drafts, on_track, strict=True)
         ]
-        unread = self._queue_unread(drafts, ahead.chosen, width, on_track, ahead.grids)
+        unread = self._queue_unread(
+            drafts, ahead.chosen, width, on_track, ahead.inputs, ahead.picks
+        )
         if ahead.found is not None:  # the plan's drafts the lookup did not find are fillers
             # read once the next round is queued: the host never waits on the device first
             drafts = [
@@ -738,7 +737,8 @@ class RowBatch:
         chosen: list[mx.array],
         width: int,
         on_track: list[bool],
-        grids: Grids | None = None,
+        inputs: mx.array,
+        picks: mx.array | None = None,
     ) -> bool:
         """Where shapes compile (a GPU, whose decode steps are bound by the host's encoding),
         keep each row's accepted K/V and queue the plain round after this verify round before
@@ -751,7 +751,9 @@ class RowBatch:
         next choice takes the noise of the position it lands on (`_choose_unread`). Where the
         rows' sources can guess their next drafts, that round is a verify round on them
         (`_queue_guessed`; `on_track[i]`: row i's `drafts` follow what it has committed).
-        Whether the round qualifies (nothing queued where it does not)."""
+        `inputs`: the round's (rows, width); `picks`: its choices as one grid, where every
+        row's are its row of it (greedy rows). Whether the round qualifies (nothing queued
+        where it does not)."""
         gens = self.gens
         if not (
             isinstance(self.cache[0], kvcache.BucketedBatchKVCache)
@@ -759,9 +761,8 @@ class RowBatch:
             and any(g.produced + 1 < g.limit for g in gens)
         ):
             return False
-        kept, nexts = _unread_verdicts(drafts, chosen, width, grids)
+        kept, nexts = _unread_verdicts(drafts, chosen, width, inputs, picks)
         kvcache.BucketedBatchKVCache.drop_unread(self.cache, width - kept)
-        inputs = grids[0] if grids is not None else None
         if self._queue_guessed(drafts, nexts, on_track, kept, width, inputs):
             return True
         logits = self._forward(nexts[:, None], queued=True)
@@ -819,7 +820,7 @@ class RowBatch:
         found = None
         firsts = nexts.reshape(-1, 1)
         if guesses is None:
-            guessed, grid, found = self._looked_up(drafts, nexts, kept, flight, width, ks, inflight)
+            guessed, grid, found = self._looked_up(nexts, kept, flight, width, ks, inflight)
             # a row's slots past its drafts hold what its lookup found there (or 0): the
             # round reads no choice from them, and each row keeps only what it commits
             inputs = mx.concatenate([firsts, grid], axis=1)
@@ -857,11 +858,9 @@ class RowBatch:
         # the lookup's counts with the round (before its forward), so reading them waits for
         # nothing the next round queues behind
         mx.async_eval(*([found] if found is not None else []), chosen)
-        grids = (
-            (inputs, greedy) if greedy is not None and all(g.opts.greedy for g in gens) else None
-        )
+        picks = greedy if all(g.opts.greedy for g in gens) else None
         self.ahead = Ahead(
-            list(gens), None, False, True, guessed, chosen, width, expect, found, grids
+            list(gens), None, False, True, guessed, chosen, width, expect, found, inputs, picks
         )
         return True
 
@@ -876,38 +875,33 @@ class RowBatch:
 
     def _looked_up(
         self,
-        drafts: list[Draft],
         nexts: mx.array,
         kept: mx.array | None,
         flight: int,
         width: int,
         ks: list[int],
-        inputs: mx.array | None = None,
+        inflight: mx.array | None,
     ) -> tuple[list[Draft], mx.array, mx.array | None]:
         """Each row's drafts for a round of `width` queued before the round in flight is
-        read (`drafts`, committing `kept[i]` tokens, the last `nexts[i]`), looked up on the
-        device after what it commits (`device_lookup`): as many as the round holds, never
-        past the row's limit, the first `ks[i]` the plan's and the rest fillers (the plan's
-        cut, once read, to what a lookup match of two tokens or more found: the third
-        value, on the device). The second is every row's lookup, (rows, width - 1). `inputs`:
-        the round in flight's (rows, flight), where each row's drafts follow its first input
-        (else they are gathered from `drafts`)."""
+        read (its inputs `inflight`, (rows, flight), each row's drafts after its first input;
+        it commits `kept[i]` tokens, the last `nexts[i]`), looked up on the device after what
+        it commits (`device_lookup`): as many as the round holds, never past the row's limit,
+        the first `ks[i]` the plan's and the rest fillers (the plan's cut, once read, to what
+        a lookup match of two tokens or more found: the third value, on the device). The
+        second is every row's lookup, (rows, width - 1)."""
         gens = self.gens
         on = [fills(g) for g in gens]
         if not any(on):
             empty = mx.zeros((len(gens), width - 1), dtype=mx.uint32)
             return [Draft.empty() for _ in gens], empty, None
-        m = flight - 1
-        inflight = mx.zeros((len(gens), 0), dtype=mx.uint32)
+        drafted_before = mx.zeros((len(gens), 0), dtype=mx.uint32)
         counts = mx.ones((len(gens),), dtype=mx.int32)
-        if m and kept is not None:
-            inflight = mx.stack([
-                mx.concatenate([d.tokens.astype(mx.uint32), mx.zeros((m - d.count,), mx.uint32)])
-                for d in drafts
-            ]) if inputs is None else inputs[:, 1:]  # fmt: skip
-            counts = kept
+        if inflight is not None and kept is not None:  # a verify round in flight
+            drafted_before, counts = inflight[:, 1:], kept
         windows = [g.tokens[-WINDOW:] if o else [] for g, o in zip(gens, on, strict=True)]
-        found, drafted = device_lookup(windows, inflight, counts, nexts.reshape(-1), width - 1)
+        found, drafted = device_lookup(
+            windows, drafted_before, counts, nexts.reshape(-1), width - 1
+        )
         out = []
         for i, (g, o, k) in enumerate(zip(gens, on, ks, strict=True)):
             room = min(width - 1, g.limit - g.produced - flight - 1) if o else 0
@@ -1192,14 +1186,18 @@ def _accepted(drafts: mx.array, chosen: mx.array) -> mx.array:
 
 
 def _unread_verdicts(
-    drafts: list[Draft], chosen: list[mx.array], width: int, grids: Grids | None
+    drafts: list[Draft],
+    chosen: list[mx.array],
+    width: int,
+    inputs: mx.array,
+    picks: mx.array | None,
 ) -> tuple[mx.array, mx.array]:
     """Each row's count of positions kept after a verify round of `width` (its accepted drafts
     and its next token), (rows,) int32, and that next token, (rows,) uint32, on the device.
-    With `grids`, for all rows in a few operations (each a kernel the host encodes on a GPU)
-    where each row's own took six or seven: at 4 rows, 7 against 26 (8 rows: 50)."""
-    if grids is not None and width > 1:
-        inputs, picks = grids
+    Where every row's choices are its row of `picks` (its drafts are its row of `inputs`
+    after the first), for all rows in a few operations (each a kernel the host encodes on a
+    GPU) where each row's own took six or seven: at 4 rows, 7 against 26 (8 rows: 50)."""
+    if picks is not None and width > 1:
         at = mx.array(np.arange(width - 1, dtype=np.int32))[None]
         counts = mx.array(np.array([d.count for d in drafts], dtype=np.int32))[:, None]
         differs = (inputs[:, 1:] != picks[:, :-1]) | (at >= counts)

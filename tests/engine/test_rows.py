@@ -375,7 +375,7 @@ def test_accepted_drafts_counted_on_the_device_are_the_hosts_count() -> None:
 
 
 def test_verdicts_counted_for_all_rows_at_once_are_each_rows_own() -> None:
-    """A round's inputs and choices as grids (greedy rows): each row's kept count and next
+    """A round's choices as one grid (greedy rows): each row's kept count and next
     token are what its own count on the device and `decide` on the host give, whatever its
     slots past its drafts hold."""
     rng = random.Random(1)
@@ -388,11 +388,10 @@ def test_verdicts_counted_for_all_rows_at_once_are_each_rows_own() -> None:
             Draft(mx.array(r[1 : 1 + c], dtype=mx.uint32), c, "lookup")
             for r, c in zip(inputs, counts, strict=True)
         ]
-        grid = mx.array(picks, dtype=mx.uint32)
+        grid, given = mx.array(picks, dtype=mx.uint32), mx.array(inputs, dtype=mx.uint32)
         chosen = [grid[i, : 1 + c] for i, c in enumerate(counts)]
-        grids = (mx.array(inputs, dtype=mx.uint32), grid)
-        together = batch_module._unread_verdicts(drafts, chosen, width, grids)
-        alone = batch_module._unread_verdicts(drafts, chosen, width, None)
+        together = batch_module._unread_verdicts(drafts, chosen, width, given, grid)
+        alone = batch_module._unread_verdicts(drafts, chosen, width, given, None)
         assert together[0].tolist() == alone[0].tolist()
         assert together[1].tolist() == alone[1].tolist()
         for i, c in enumerate(counts):
