@@ -21,6 +21,10 @@ once). For each client count it prints the burst's aggregate and per-stream rate
 - the first steps of the burst (when requests arrived, prompts were read, rounds ran);
 - every busy thread's CPU share (the event loop is the main thread).
 A part whose wall time exceeds its CPU time waited (for the GIL, the device or a lock).
+
+`--native DIR` also samples each measured burst with `py-spy --native` (on PATH; it pauses the
+process to read native stacks, so rates fall) into `DIR/<clients>.txt`, collapsed stacks, and
+prints where the runner's `mx.async_eval` and `mx.eval` calls spend their time inside MLX.
 """
 
 # ruff: noqa: E402  (the backend is configured before MLX is imported)
@@ -237,7 +241,69 @@ class _Shim:
         return self._replaced.get(name) or getattr(self._module, name)
 
 
+class Native:
+    """py-spy sampling this process's native stacks during a burst (`--native`)."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.folder = folder
+        self.spy: subprocess.Popen[bytes] | None = None
+
+    def start(self, name: str) -> None:
+        if self.folder is None:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.path = self.folder / f"{name}.txt"
+        cmd = ["py-spy", "record", "--pid", str(os.getpid()), "--native", "--format", "raw",
+               "--rate", "100", "--threads", "--output", str(self.path)]  # fmt: skip
+        self.spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def stop(self) -> None:
+        if self.spy is None:
+            return
+        self.spy.send_signal(signal.SIGINT)
+        self.spy.wait(60)
+        self.spy = None
+        if self.path.exists():
+            print_native(self.path)
+
+
+def print_native(path: Path, top: int = 25) -> None:
+    """The runner's samples: by its innermost Python frame, and inside MLX's evaluation by the
+    frames below the call (collapsed stacks: `frame;frame;... count`)."""
+    python: Counter[str] = Counter()
+    inside: Counter[str] = Counter()
+    leaves: Counter[str] = Counter()
+    runner = 0
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit() or "runner" not in stack.split(";", 1)[0]:
+            continue
+        runner += int(n)
+        frames = [f.rsplit(" (", 1)[0] for f in stack.split(";")]
+        python[
+            next(
+                (f for f in reversed(stack.split(";")) if ".py:" in f and "served_rounds" not in f),
+                "?",
+            )
+        ] += int(n)
+        at = next((i for i, f in enumerate(frames) if f in EVALS), None)
+        if at is not None:
+            inside[";".join(frames[at + 1 : at + 4])] += int(n)
+            leaves[";".join(frames[-3:])] += int(n)
+    print(f"  native samples of the runner: {runner}, in MLX's eval {sum(inside.values())}")
+    for title, counts in (("innermost Python", python), ("eval's calls", inside),
+                          ("eval's innermost", leaves)):  # fmt: skip
+        print(f"  {title}:")
+        for k, v in counts.most_common(top):
+            print(f"    {v:6}  {k[:200]}")
+
+
+EVALS = ("mlx::core::eval", "mlx::core::async_eval")
+NATIVE = Native(None)
+
+
 def report(*_: Any) -> None:
+    NATIVE.stop()
     span = time.perf_counter() - T.start
     per = max(T.steps, 1)
     print(f"  {T.steps} steps ({sum(T.kind_n.values())} of them batch rounds) in {span:.2f} s")
@@ -307,6 +373,7 @@ def main() -> None:
         "--heldout", action="store_true",
         help="the code pair's held-out code prompts (as `bench/concurrency.py --pairing` sends)",
     )  # fmt: skip
+    ap.add_argument("--native", type=Path, default=None, help="py-spy --native profiles here")
     args = ap.parse_args()
     model = args.model
     if args.shape:
@@ -329,7 +396,9 @@ def main() -> None:
     os.environ.update(HF_HUB_OFFLINE="1", MLXD_HOME=str(home), MLXD_HOST=f"127.0.0.1:{port}",
                       MLXD_NUM_PARALLEL="16")  # fmt: skip
     install()
-    signal.signal(signal.SIGUSR1, lambda *_: T.reset())
+    NATIVE.folder = args.native
+    names = iter(args.clients.split(","))
+    signal.signal(signal.SIGUSR1, lambda *_: (T.reset(), NATIVE.start(next(names, "burst"))))
     signal.signal(signal.SIGUSR2, report)
     clients = [int(c) for c in args.clients.split(",")]
     prompts = [
