@@ -79,12 +79,14 @@ def prompts_for(rows: int, vocab: int) -> list[list[int]]:
     return [[(7 * i + 13 * j) % (vocab - 3) + 3 for j in range(40 + 9 * i)] for i in range(rows)]
 
 
-def mlxd_rate(model: Any, prompts: list[list[int]], tokens: int, temp: float) -> float:
+def mlxd_rate(
+    model: Any, prompts: list[list[int]], tokens: int, temp: float, batch_of_one: bool = False
+) -> float:
     opts = parse_options({"temperature": temp, "top_k": 0, "top_p": 1.0, "seed": 1})
     gens = [Generation(model, p, opts, set(), tokens, Rng(i)) for i, p in enumerate(prompts)]
     for g in gens:
         g.prefill()
-    if len(gens) == 1:
+    if len(gens) == 1 and not batch_of_one:
         g = gens[0]
         g.step()  # the first token (and the first queued forward) comes before the clock
         t0, made = time.perf_counter(), 1
@@ -130,15 +132,17 @@ def mlxlm_rate(model: Any, prompts: list[list[int]], tokens: int, temp: float) -
         gen.close()
 
 
-def threaded(model: Any, prompts: list[list[int]], tokens: int, temp: float) -> float:
+def threaded(
+    model: Any, prompts: list[list[int]], tokens: int, temp: float, batch_of_one: bool
+) -> float:
     """mlxd's rows on a thread of their own, as a pairing's runner decodes. The thread first
     decodes a few untimed tokens: MLX's CUDA build keeps compiled kernels per thread, and a
     runner warms its shapes on its own thread too."""
     box: list[float] = []
 
     def run() -> None:
-        mlxd_rate(model, prompts, 8, temp)
-        box.append(mlxd_rate(model, prompts, tokens, temp))
+        mlxd_rate(model, prompts, 8, temp, batch_of_one)
+        box.append(mlxd_rate(model, prompts, tokens, temp, batch_of_one))
 
     start_mlx_thread(run, "bench-rows").join()
     if not box:
@@ -162,7 +166,9 @@ def main() -> None:
     )
     ap.add_argument("--model", type=Path, default=ROOT.parent / "shared/models/code-pair/target")
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
-    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument(
+        "--rows", default="1,2,4,8", help="row counts; 1b: one row decoding as a batch of one"
+    )
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--temps", default="0,0.7")
     args = ap.parse_args()
@@ -174,7 +180,7 @@ def main() -> None:
     padded = as_served(model)
     theirs_padded = padded if plain is model else {}  # a copy stays as loaded
     vocab = model.args.vocab_size
-    counts = [int(r) for r in args.rows.split(",")]
+    counts = args.rows.split(",")
     temps = [float(t) for t in args.temps.split(",")]
     mlxd_rate(model, prompts_for(2, vocab), 8, 0.0)  # warm both sides' shapes
     with unpadded(plain, theirs_padded):
@@ -184,14 +190,15 @@ def main() -> None:
           f"{'mlx-lm tok/s':>12} {'ms/round':>9} | {'mlxd/mlx-lm':>11} | "
           f"{'on a thread':>11} {'thread/main':>11}")  # fmt: skip
     for temp in temps:
-        for b in counts:
+        for count in counts:
+            b, one = int(count.rstrip("b")), count.endswith("b")
             prompts = prompts_for(b, vocab)
-            ours = mlxd_rate(model, prompts, args.tokens, temp)
+            ours = mlxd_rate(model, prompts, args.tokens, temp, one)
             with unpadded(plain, theirs_padded):
                 theirs = mlxlm_rate(plain, prompts, args.tokens, temp)
-            served = threaded(model, prompts, args.tokens, temp)
+            served = threaded(model, prompts, args.tokens, temp, one)
             print(
-                f"{temp:>5} {b:>5} | {ours:>10.1f} {1e3 * b / ours:>9.2f} | "
+                f"{temp:>5} {count:>5} | {ours:>10.1f} {1e3 * b / ours:>9.2f} | "
                 f"{theirs:>12.1f} {1e3 * b / theirs:>9.2f} | {ours / theirs:>10.2f}x | "
                 f"{served:>11.1f} {served / ours:>10.2f}x",
                 flush=True,
