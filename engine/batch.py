@@ -204,18 +204,9 @@ SLOW_RATIO = 10.0
 # rows up to which a batch queues verify rounds on guessed drafts: on an H200 (fat 7B pair,
 # greedy, 128 tokens a stream, `bench/concurrency.py --pairing`) they ran at 1.41x plain
 # decoding with 2 rows and 1.26-1.34x with 4, but 0.83-0.86x with 8, whose plain rounds
-# serve more rows for the host's encoding of one forward than a wider forward gains (with
-# the host's guesses). With drafts looked up on the device, on an H100 at 8 clients, greedy
-# rows ran at 1.09x queueing them (546 -> 616 tok/s) and sampled ones at 0.94x (drafts at
-# 0.60 against 0.72 greedy), so a batch of greedy rows guesses up to `GREEDY_GUESS_ROWS`
-# and one with a sampled row up to `GUESS_ROWS` (`MLXD_GUESS_ROWS`, `MLXD_GREEDY_GUESS_ROWS`)
+# serve more rows for the host's encoding of one forward than a wider forward gains (measured
+# before their drafts were looked up on the device; `MLXD_GUESS_ROWS` sets it)
 GUESS_ROWS = int(os.environ.get("MLXD_GUESS_ROWS", "4"))
-GREEDY_GUESS_ROWS = int(os.environ.get("MLXD_GREEDY_GUESS_ROWS", "8"))
-
-
-def guess_rows(gens: Sequence[Generation]) -> int:
-    """The rows up to which a batch of `gens` queues verify rounds on guessed drafts."""
-    return GREEDY_GUESS_ROWS if all(g.opts.greedy for g in gens) else GUESS_ROWS
 
 
 # whether a verify round fills each row's slots past its drafts, up to the round's width, with
@@ -790,7 +781,7 @@ class RowBatch:
         inflight: mx.array | None = None,
     ) -> bool:
         """Queue the next round as a verify round before this one (of `flight` tokens a row)
-        is read, where the batch holds at most `guess_rows` rows, some row's text is being
+        is read, where the batch holds at most `GUESS_ROWS` rows, some row's text is being
         copied and the plan says its drafts pay over a plain round (`plan_widths` with
         `priors`). Each row's input is its choice after this round's accepted drafts
         (`nexts`, on the device; a plain round's choice), then its drafts: with `FILLERS`,
@@ -804,7 +795,7 @@ class RowBatch:
         rows roll by counts the host has not read."""
         gens = self.gens
         if not (
-            len(gens) <= guess_rows(gens)
+            len(gens) <= GUESS_ROWS
             and isinstance(self.cache[0], kvcache.BucketedBatchKVCache)
             and all(g.plain_only for g in gens)
         ):

@@ -383,29 +383,15 @@ def test_verify_rounds_queued_on_guessed_drafts_commit_what_rows_commit_alone(
         assert g.stats.filled == 0 or fill
 
 
-def test_a_batch_of_greedy_rows_guesses_at_more_rows_than_one_with_a_sampled_row(
-    copier: Pairing,
-) -> None:
-    def row(temperature: float) -> Generation:
-        opts = parse_options({"temperature": temperature, "seed": 1})
-        return Generation(copier.target, [1, 2, 3], opts, set(), 4, Rng(0), LookupDraftSource())
-
-    assert batch_module.guess_rows([row(0.0), row(0.0)]) == batch_module.GREEDY_GUESS_ROWS
-    assert batch_module.guess_rows([row(0.0), row(0.7)]) == batch_module.GUESS_ROWS
-    assert batch_module.GREEDY_GUESS_ROWS > batch_module.GUESS_ROWS
-
-
 def test_only_batches_of_up_to_guess_rows_queue_rounds_on_guesses(
     copier: Pairing, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A batch of more than `guess_rows` rows (greedy here) queues no verify round on guessed
-    drafts; once rows leave and it holds no more, it does. The rows commit what they commit
-    alone. (The floor off: rows a batch declines to verify would pause, and not draft when it
-    shrinks.)"""
+    """A batch of more than `GUESS_ROWS` rows queues no verify round on guessed drafts; once
+    rows leave and it holds no more, it does. The rows commit what they commit alone. (The
+    floor off: rows a batch declines to verify would pause, and not draft when it shrinks.)"""
     monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
-    monkeypatch.setattr(batch_module, "GREEDY_GUESS_ROWS", 4)
     prompt = list(copier.tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
-    rows = batch_module.GREEDY_GUESS_ROWS + 2
+    rows = batch_module.GUESS_ROWS + 2
     limits = [8 + 3 * i for i in range(rows)]  # the first rows leave early
     sizes: list[int] = []  # the batch's rows at each guessed round
     guessed_round = RowBatch._guessed_round
@@ -424,7 +410,7 @@ def test_only_batches_of_up_to_guess_rows_queue_rounds_on_guesses(
     finally:
         set_bucket(copier.target, None)
     assert out == [list(prompt[1 : 1 + n]) for n in limits]
-    assert sizes and max(sizes) <= batch_module.GREEDY_GUESS_ROWS
+    assert sizes and max(sizes) <= batch_module.GUESS_ROWS
 
 
 @pytest.mark.parametrize("fill", [True, False], ids=["fillers", "no-fillers"])
