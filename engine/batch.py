@@ -204,8 +204,9 @@ SLOW_RATIO = 10.0
 # rows up to which a batch queues verify rounds on guessed drafts: on an H200 (fat 7B pair,
 # greedy, 128 tokens a stream, `bench/concurrency.py --pairing`) they ran at 1.41x plain
 # decoding with 2 rows and 1.26-1.34x with 4, but 0.83-0.86x with 8, whose plain rounds
-# serve more rows for the host's encoding of one forward than a wider forward gains (measured
-# before their drafts were looked up on the device; `MLXD_GUESS_ROWS` sets it)
+# serve more rows for the host's encoding of one forward than a wider forward gains (with the
+# host's guesses; with drafts looked up on the device an H100 read 1.09x and 0.61x greedy at 8
+# rows on two machine starts, 0.94x sampled; `MLXD_GUESS_ROWS` sets it)
 GUESS_ROWS = int(os.environ.get("MLXD_GUESS_ROWS", "4"))
 
 
