@@ -15,9 +15,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import BatchKVCache, KVCache, make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, KVCache, dynamic_roll, make_prompt_cache
 
 from mlxd.engine.sampling import to_ints
+from mlxd.engine.smallarrays import MIN_BYTES
 
 # Which layout a model's caches get is the backend's choice (`Backend.kv_bucket`): on a GPU a
 # new attention shape costs a compile, so buckets are wide; on the CPU nothing compiles and
@@ -102,6 +103,46 @@ class BucketedKVCache(KVCache):
         return cls.batch.merge(caches)
 
 
+def _roomy(values: mx.array, length: int = 0) -> mx.array:
+    """`values` (rows,) in an array of at least `length` entries and MIN_BYTES, zeros after
+    them: itself where it is that long already."""
+    room = max(length, -(-MIN_BYTES // values.dtype.size))
+    rows = int(values.shape[0])
+    if rows >= room:
+        return values
+    return mx.concatenate([values, mx.zeros((room - rows,), values.dtype)])
+
+
+class _RowValues:
+    """A batch cache's per-row array (`offset`, `left_padding`), kept as a view of the first
+    rows of a buffer of at least MIN_BYTES. MLX's CUDA allocator places every array of 8
+    bytes or less, a kernel's output included, in one pool of managed memory (see
+    `engine.smallarrays`): with one or two rows, each layer's offset update wrote there and
+    its RoPE and attention read from there, every round."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, cache: Any, owner: type | None = None) -> Any:
+        if cache is None:
+            return self
+        return cache.__dict__[self.name][1]
+
+    def __set__(self, cache: Any, values: mx.array) -> None:
+        _keep(cache, self.name, _roomy(values), int(values.shape[0]))
+
+
+def _keep(cache: Any, name: str, buffer: mx.array, rows: int) -> None:
+    cache.__dict__[name] = (buffer, buffer if buffer.shape[0] == rows else buffer[:rows])
+
+
+def _shift(cache: Any, name: str, by: int | mx.array) -> None:
+    """Add `by` (a number, or an array as long as the buffer) to per-row array `name` on its
+    buffer: the sum is as large as the buffer, so it stays out of the pool too."""
+    buffer, view = cache.__dict__[name]
+    _keep(cache, name, buffer + by, int(view.shape[0]))
+
+
 class BucketedBatchKVCache(BatchKVCache):
     """The batch cache, handing attention its whole allocated buffer with a (B, 1, N, capacity)
     mask: batched decoding otherwise masks over a key length that changes every step.
@@ -116,6 +157,15 @@ class BucketedBatchKVCache(BatchKVCache):
     see the lengths warm-up ran."""
 
     step = GPU_BUCKET
+    offset = _RowValues()
+    left_padding = _RowValues()
+
+    def _along(self, values: Sequence[int] | mx.array) -> mx.array:
+        """Per-row `values` as long as the per-row buffers (zeros past the rows)."""
+        length = int(self.__dict__["offset"][0].shape[0])
+        if isinstance(values, mx.array):
+            return _roomy(values, length)
+        return mx.array([*values, *([0] * (length - len(values)))], dtype=mx.int32)
 
     def _whole(self, n: int) -> int:
         return -(-n // self.step) * self.step
@@ -153,7 +203,7 @@ class BucketedBatchKVCache(BatchKVCache):
         else:
             self._pad_to(capacity)
         assert self.keys is not None and self.values is not None
-        self.offset = self.offset + n
+        _shift(self, "offset", n)
         self._idx += n
         self.keys[..., prev : self._idx, :] = keys
         self.values[..., prev : self._idx, :] = values
@@ -185,12 +235,13 @@ class BucketedBatchKVCache(BatchKVCache):
         assert first.keys is not None
         n = int(first.keys.shape[2])
         order = (mx.arange(n)[:, None] - dropped[:, None, None, None]) % n
+        along = first._along(dropped)
         for layer in layers:
             assert layer.keys is not None and layer.values is not None
             layer.keys = mx.take_along_axis(layer.keys, order, axis=2)
             layer.values = mx.take_along_axis(layer.values, order, axis=2)
-            layer.offset = layer.offset - dropped
-            layer.left_padding = layer.left_padding + dropped
+            _shift(layer, "offset", -along)
+            _shift(layer, "left_padding", along)
 
     def may_cut(self) -> bool:
         """Whether a whole bucket of left padding could be cut: the buffer holds more than one
@@ -216,7 +267,32 @@ class BucketedBatchKVCache(BatchKVCache):
                 self.keys = self.keys[..., cut:, :]
                 self.values = self.values[..., cut:, :]
             self._idx -= cut
-            self.left_padding = self.left_padding - cut
+            _shift(self, "left_padding", -cut)
+
+    def trim(self, n: int) -> int:
+        n = min(self._idx, n)
+        self._idx -= n
+        _shift(self, "offset", -n)
+        return n
+
+    def prepare(self, *, right_padding: Sequence[int] | None = None, **kwargs: Any) -> None:
+        """mlx-lm's, with right padding held as long as the per-row buffers (`finalize`)."""
+        if kwargs:
+            super().prepare(**kwargs)
+        if right_padding is not None and max(right_padding) > 0:
+            self._right_padding = self._along(right_padding)  # type: ignore[assignment]
+
+    def finalize(self) -> None:
+        padding = self._right_padding
+        if padding is None:
+            return
+        rows = int(self.offset.shape[0])
+        shift = padding[:rows, None]
+        self.keys = dynamic_roll(self.keys, shift, axis=2)
+        self.values = dynamic_roll(self.values, shift, axis=2)
+        _shift(self, "offset", -padding)
+        _shift(self, "left_padding", padding)
+        self._right_padding = None
 
     def make_mask(self, N: int, return_array: bool = False, **kwargs: Any) -> mx.array:
         n = N

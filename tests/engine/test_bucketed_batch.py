@@ -9,7 +9,8 @@ import mlx.nn as nn
 from mlx_lm.models import llama
 
 from mlxd.engine.draftbatch import trim_rows
-from mlxd.engine.kvcache import BucketedKVCache, bucketed_type
+from mlxd.engine.kvcache import BucketedBatchKVCache, BucketedKVCache, bucketed_type
+from mlxd.engine.smallarrays import MIN_BYTES
 
 STEP = 8
 CONFIG = {
@@ -103,3 +104,41 @@ def test_rows_with_nothing_cached_merge_into_a_bucketed_batch() -> None:
     k = mx.zeros((2, 2, 3, 8))
     keys, _ = merged.update_and_fetch(k, k)
     assert keys.shape[2] == STEP
+
+
+def test_one_or_two_rows_keep_their_offsets_and_padding_out_of_the_scalar_pool() -> None:
+    """MLX's CUDA allocator puts every array of 8 bytes or less, a kernel's output too, in one
+    pool of managed memory. A batch's offsets and left padding (every layer's RoPE and
+    attention read them, every layer's update rewrites them) are views of buffers of at
+    least MIN_BYTES through each change a round makes, with 1 and 2 rows as well, where
+    (rows,) int32 takes 4 or 8 bytes; each row still computes what it computes alone."""
+    m = model()
+    for prompts in ([[1, 2, 3]], [[1, 2, 3], [4] * 9]):
+        rows = Rows(m, prompts)
+        n = len(prompts)
+
+        def held(rows: Rows = rows, n: int = n) -> None:
+            for c in rows.batch:
+                for name in ("offset", "left_padding"):
+                    buffer, view = c.__dict__[name]  # the per-row array's buffer and view
+                    assert buffer.nbytes >= MIN_BYTES, (name, buffer.shape)
+                    assert getattr(c, name) is view and view.shape == (n,)
+
+        held()
+        rows.step([[5, 6, 7]] * n)
+        held()
+        amounts = [1, 2][:n]  # with two rows: one trimmed off the end, one rolled
+        trim_rows(rows.batch, amounts, n)
+        for cache, k in zip(rows.solo, amounts, strict=True):
+            for c in cache:
+                c.trim(k)
+        held()
+        rows.step([[8]] * n)
+        dropped = [1, 0][:n]  # counts the host has not read (a verify round's rejections)
+        BucketedBatchKVCache.drop_unread(rows.batch, mx.array(dropped))
+        for cache, k in zip(rows.solo, dropped, strict=True):
+            for c in cache:
+                c.trim(k)
+        held()
+        rows.step([[9, 10]] * n)
+        held()
