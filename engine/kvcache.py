@@ -136,11 +136,12 @@ def _keep(cache: Any, name: str, buffer: mx.array, rows: int) -> None:
     cache.__dict__[name] = (buffer, buffer if buffer.shape[0] == rows else buffer[:rows])
 
 
-def _shift(cache: Any, name: str, by: int | mx.array) -> None:
-    """Add `by` (a number, or an array as long as the buffer) to per-row array `name` on its
-    buffer: the sum is as large as the buffer, so it stays out of the pool too."""
+def _shift(cache: Any, name: str, by: int | mx.array, down: bool = False) -> None:
+    """Add `by` (a number, or an array as long as the buffer) to per-row array `name`, or
+    subtract it (`down`), on its buffer: the result is as large as the buffer, so it stays
+    out of the pool too."""
     buffer, view = cache.__dict__[name]
-    _keep(cache, name, buffer + by, int(view.shape[0]))
+    _keep(cache, name, buffer - by if down else buffer + by, int(view.shape[0]))
 
 
 class BucketedBatchKVCache(BatchKVCache):
@@ -240,7 +241,7 @@ class BucketedBatchKVCache(BatchKVCache):
             assert layer.keys is not None and layer.values is not None
             layer.keys = mx.take_along_axis(layer.keys, order, axis=2)
             layer.values = mx.take_along_axis(layer.values, order, axis=2)
-            _shift(layer, "offset", -along)
+            _shift(layer, "offset", along, down=True)
             _shift(layer, "left_padding", along)
 
     def may_cut(self) -> bool:
@@ -267,12 +268,12 @@ class BucketedBatchKVCache(BatchKVCache):
                 self.keys = self.keys[..., cut:, :]
                 self.values = self.values[..., cut:, :]
             self._idx -= cut
-            _shift(self, "left_padding", -cut)
+            _shift(self, "left_padding", cut, down=True)
 
     def trim(self, n: int) -> int:
         n = min(self._idx, n)
         self._idx -= n
-        _shift(self, "offset", -n)
+        _shift(self, "offset", n, down=True)
         return n
 
     def prepare(self, *, right_padding: Sequence[int] | None = None, **kwargs: Any) -> None:
@@ -290,7 +291,7 @@ class BucketedBatchKVCache(BatchKVCache):
         shift = padding[:rows, None]
         self.keys = dynamic_roll(self.keys, shift, axis=2)
         self.values = dynamic_roll(self.values, shift, axis=2)
-        _shift(self, "offset", -padding)
+        _shift(self, "offset", padding, down=True)
         _shift(self, "left_padding", padding)
         self._right_padding = None
 

@@ -441,8 +441,8 @@ class Scheduler:
     # -- decoding ------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        """One round: a lone row steps alone; several step as one batch (rows whose caches cannot share a batch cache, e.g. quantized K/V,
-        take their own round beside it)."""
+        """One round: a lone row steps alone; several step as one batch (rows whose caches
+        cannot share a batch cache, e.g. quantized K/V, take their own round beside it)."""
         for row in [r for r in self.rows if r.cancelled]:
             self._retire(row, "cancel")
         if len(self.rows) == 1:
