@@ -4,10 +4,10 @@
 
 Separates the engine from the server. For each row count B, B prompts of different lengths are
 read (not timed), then every row decodes `--tokens` tokens with EOS ignored: mlxd's lone row
-(`Generation.step`, B = 1) or its batch (`RowBatch.round`), against mlx-lm's `generate_step`
-(B = 1) and `BatchGenerator` (every B), greedy and at temperature 0.7. Prints aggregate tokens/s,
-milliseconds per round and mlxd / mlx-lm. `--shape` builds a random-weight Llama in memory
-(bf16), as `bench/batch_step.py` does. The last columns run mlxd's rows again on a thread of
+(`Generation.step`, B = 1) or its batch (`RowBatch.round`; `1b`: one row as a batch of one),
+against mlx-lm's `generate_step` (B = 1) and `BatchGenerator` (every other B), greedy and at
+temperature 0.7. Prints aggregate tokens/s, milliseconds per round and mlxd / mlx-lm. `--shape`
+builds a random-weight Llama in memory (bf16), as `bench/batch_step.py` does. The last columns run mlxd's rows again on a thread of
 their own, as `mlxd serve` decodes (one runner thread per pairing, with that thread's streams):
 a served stream that decodes slower than the in-process one shows here first if the thread is
 the cause. With `MLXD_FUSE_MLP=1` on a GPU, mlxd's rows run on fused MLPs (`engine.fusedproj`)
