@@ -12,6 +12,7 @@ prompts waiting together are read as rows of one forward and join together.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -51,6 +52,13 @@ log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 256  # prompt tokens per step while other rows decode
 MIN_FORWARD = 32  # what a short prompt's forward costs of that budget: a forward is never free
+# `MLXD_LONE_ROW=batch`: a lone row decodes as a batch of one once its prompt is read, so its
+# verify rounds pipeline as a batch's do (the next round queued on drafts looked up on the
+# device before this one is read, fillers in its free slots) where its own rounds wait for
+# the host between rounds. Opt-in: on an H100 its plain rounds took 9.23 ms in-process against
+# the lone step's 6.33 while a batch's per-row arrays sat in MLX's scalar pool (`kvcache`),
+# and `auto` served 222 tok/s against 339; not yet measured without that
+LONE_BATCH = os.environ.get("MLXD_LONE_ROW", "") == "batch"
 
 __all__ = ["Job", "Joining", "Scheduler", "generation_limit", "make_draft_source"]
 
@@ -162,7 +170,7 @@ class Scheduler:
             widths = round_widths(pairing.default_draft_tokens, FREE_DRAFT_TOKENS)
             self.batch.widths = widths
             warm_accepts(widths)
-            for rows in range(2, self.num_parallel + 1):
+            for rows in range(1 if LONE_BATCH else 2, self.num_parallel + 1):
                 warm_rounds(self.pairing.target, rows, widths)
                 if pairing.draft is not None:
                     warm_drafts(pairing.draft, rows, self.pairing.default_draft_tokens + 1)
@@ -441,11 +449,12 @@ class Scheduler:
     # -- decoding ------------------------------------------------------------------------------
 
     def _step(self) -> None:
-        """One round: a lone row steps alone; several step as one batch (rows whose caches
-        cannot share a batch cache, e.g. quantized K/V, take their own round beside it)."""
+        """One round: a lone row steps alone (with `LONE_BATCH`, as a batch of one); several
+        step as one batch (rows whose caches cannot share a batch cache, e.g. quantized K/V,
+        take their own round beside it)."""
         for row in [r for r in self.rows if r.cancelled]:
             self._retire(row, "cancel")
-        if len(self.rows) == 1:
+        if len(self.rows) == 1 and not (LONE_BATCH and self._batchable(self.rows[0])):
             row = self.rows[0]
             try:
                 if row.batched:
@@ -478,6 +487,11 @@ class Scheduler:
                 self._push(row, row.gen.step())
             except Exception as exc:
                 self._fail(row, exc)
+
+    @staticmethod
+    def _batchable(row: Row) -> bool:
+        """In the batch, or its cache can join it (a batched row's cache is the batch's)."""
+        return row.batched or row.gen.batchable
 
     def _batch_round(self) -> None:
         batched = [r for r in self.rows if r.batched]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import queue
 import random
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import mlx.core as mx
@@ -13,6 +13,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache
 
 from mlxd.engine import batch as batch_module
+from mlxd.engine import scheduler as scheduler_module
 from mlxd.engine.backend import Backend, configure_backend
 from mlxd.engine.batch import Committed, RowBatch
 from mlxd.engine.cache_use import namespace_for, restore
@@ -608,3 +609,50 @@ def test_a_row_joining_rides_the_round_after_the_queued_one(
             assert g.tokens[len(prompt) :] == [t for new in solo for t in new]
     finally:
         set_bucket(model, None)
+
+
+@pytest.mark.parametrize("bucketed", [False, True], ids=["exact", "bucketed"])
+@pytest.mark.parametrize("method", ["lookup", "model"])
+def test_a_lone_row_decoding_as_a_batch_of_one_gives_its_solo_tokens(
+    tiny_pair: TinyPair,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    method: str,
+    bucketed: bool,
+) -> None:
+    """`MLXD_LONE_ROW=batch`: a lone request decodes in batch rounds (pipelined where the
+    caches are bucketed) and commits what plain decoding does, greedy and seeded."""
+    monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
+    monkeypatch.setattr(scheduler_module, "LONE_BATCH", True)
+    backend = request.getfixturevalue("gpu_layout") if bucketed else configure_backend()
+    entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.target))
+    pairing = load_pairing(entry, backend, costs=FLAT)
+    rounds: list[int] = []  # rows of each batch round
+    joins: list[int] = []
+    unread: list[bool] = []
+    batch_round, queue_unread, join = RowBatch.round, RowBatch._queue_unread, RowBatch.join
+
+    def counted(self: RowBatch) -> list[Committed]:
+        rounds.append(len(self))
+        return batch_round(self)
+
+    def joined(self: RowBatch, gens: Sequence[Generation]) -> None:
+        joins.append(len(gens))
+        join(self, gens)
+
+    def noted(self: RowBatch, *args: object) -> bool:
+        unread.append(queue_unread(self, *args))  # type: ignore[arg-type]
+        return unread[-1]
+
+    monkeypatch.setattr(RowBatch, "round", counted)
+    monkeypatch.setattr(RowBatch, "_queue_unread", noted)
+    monkeypatch.setattr(RowBatch, "join", joined)
+    for temperature in (0.0, 0.9):
+        opts = opts_of(temperature=temperature, seed=7, num_predict=24, draft_method=method)
+        final = serve(pairing, [(PROMPTS[1], opts)])[0]
+        assert final.output_tokens == solo_plain(pairing, PROMPTS[1], opts, 24)
+        assert final.speculation.rounds > 0
+        assert final.speculation.accepted > 0 or method == "lookup"  # the draft is the target
+    assert rounds and set(rounds) == {1}
+    assert joins == [1, 1]  # each request joins once and stays (its cache is the batch's)
+    assert (True in unread) == (backend.kv_bucket is not None)  # a GPU's backend buckets
