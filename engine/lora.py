@@ -163,7 +163,9 @@ class Selection:
                 kernel_array(picked, mx.uint32),
                 kernel_array(range(rows), mx.uint32),
                 kernel_array([max(p - 1, 0) for p in picked], mx.uint32),
-                mx.array([p == 0 for p in picked])[:, None, None] if 0 in picked else None,
+                kernel_array([p == 0 for p in picked], mx.bool_)[:, None, None]
+                if 0 in picked
+                else None,
             )
         self._plans[key] = plan
         return plan

@@ -47,6 +47,7 @@ from typing import Any, NamedTuple
 import mlx.core as mx
 
 from mlxd.engine import mma_cuda
+from mlxd.engine.smallarrays import kernel_array
 
 __all__ = [
     "MAX_ROWS", "Part", "batches_take_kernels", "bound", "fits", "pays", "project", "queued",
@@ -563,7 +564,7 @@ def terms_call(
     ranks up to MAX_TERM_RANK), its arguments fixed once (a decoding batch's steps replay it)."""
     key = tuple(offsets)
     if key not in _offsets:
-        _offsets[key] = mx.array(key, dtype=mx.int32)
+        _offsets[key] = kernel_array(key, mx.int32)  # two parts' offsets: 8 bytes
     rest = (_offsets[key], *(a for p in parts for a in (p.at, p.bt) if a is not None))
     return lambda x, y: list(_compiled_terms(x, idx, y, *rest))
 

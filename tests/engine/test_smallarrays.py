@@ -11,7 +11,13 @@ from mlxd.engine.smallarrays import kernel_array
 
 @pytest.mark.parametrize(
     ("values", "dtype"),
-    [([3], mx.uint32), ([1, 2], mx.int32), ([0.125], mx.float32), ([7, 8, 9, 10, 11], mx.uint32)],
+    [
+        ([3], mx.uint32),
+        ([1, 2], mx.int32),
+        ([0.125], mx.float32),
+        ([7, 8, 9, 10, 11], mx.uint32),
+        ([True, False], mx.bool_),
+    ],
 )
 def test_values_dtype_and_shape_are_those_asked_for(values: list, dtype: mx.Dtype) -> None:
     got = kernel_array(values, dtype)
