@@ -103,7 +103,8 @@ _constants: dict[tuple[float, mx.Dtype], mx.array] = {}
 
 def _constant(value: float, dtype: mx.Dtype) -> mx.array:
     """A one-element array of `value`, made once for every layer of a step (and every step of
-    a model's scale) rather than once per layer: each is a host-to-device upload."""
+    a model's scale) rather than once per layer: each is a host-to-device upload, and a
+    scalar made with `mx.array` would sit in MLX's CUDA scalar pool (`smallarrays`)."""
     key = (value, dtype)
     found = _constants.get(key)
     if found is None:
@@ -210,7 +211,7 @@ def attend_with_ops(
     if groups > 1:
         mask = mx.tile(mask, (1, 1, groups, 1))
     scores = q @ k.swapaxes(-1, -2)
-    scores = mx.where(mask, scores, mx.array(mx.finfo(scores.dtype).min, scores.dtype))
+    scores = mx.where(mask, scores, _constant(mx.finfo(scores.dtype).min, scores.dtype))
     out = mx.softmax(scores, axis=-1, precise=True) @ v
     return out.reshape(b, heads, length, v.shape[-1])
 
@@ -245,7 +246,7 @@ def additive(mask: mx.array, dtype: mx.Dtype) -> mx.array:
     memo = _additive
     if memo.mask is mask and memo.dtype == dtype and memo.out is not None:
         return memo.out
-    out = mx.where(mask, mx.array(0, dtype), mx.array(-mx.inf, dtype))
+    out = mx.where(mask, _constant(0.0, dtype), _constant(-mx.inf, dtype))
     memo.mask, memo.dtype, memo.out = mask, dtype, out
     return out
 
