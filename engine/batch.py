@@ -637,6 +637,9 @@ class RowBatch:
             bias = w.bias if w is not None else None
             chosen.append(choices(logits[i, : 1 + d.count], host, g.tokens, g.opts, g.rng, bias))
         picks = greedy if all(argmaxed) else None
+        # issued before the next round is queued: read after it, they would otherwise be
+        # evaluated inside it, and reading them would wait for the whole of it
+        mx.async_eval(chosen, [d.tokens for d in drafts])
         q0 = time.perf_counter()
         unread = self._queue_unread(drafts, chosen, width, [True] * len(gens), inputs, picks)
         queueing = time.perf_counter() - q0  # the next round's work (its time is charged here)
@@ -856,9 +859,9 @@ class RowBatch:
             if d.count and e is not None:
                 keys.append(g.rng.keys(e[0] + 1, d.count))
             chosen.append(sample_keyed(logits[i, : 1 + d.count], g.opts, mx.concatenate(keys)))
-        # the lookup's counts with the round (before its forward), so reading them waits for
-        # nothing the next round queues behind
-        mx.async_eval(*([found] if found is not None else []), chosen)
+        # the lookup's counts and drafts with the round (before its forward), so reading them
+        # waits for nothing the next round queues behind
+        mx.async_eval(*([found] if found is not None else []), chosen, [d.tokens for d in guessed])
         picks = greedy if all(g.opts.greedy for g in gens) else None
         self.ahead = Ahead(
             list(gens), None, False, True, guessed, chosen, width, expect, found, inputs, picks

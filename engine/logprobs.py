@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlxd.engine.sampling import to_floats
+
 MAX_TOP_LOGPROBS = 20  # Ollama's and OpenAI's bound on top_logprobs
 
 
@@ -39,10 +41,6 @@ class Logprob:
     top: tuple[Logprob, ...] = ()
 
 
-def _floats(a: mx.array) -> list[float]:
-    return [float(x) for x in a.reshape(-1).tolist()]  # type: ignore[union-attr, arg-type]
-
-
 def position_logprobs(logits: mx.array, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
     """Row i of `logits` (L, V) is the distribution `tokens[i]` was committed from; one host
     sync for all of them."""
@@ -55,14 +53,14 @@ def position_logprobs(logits: mx.array, tokens: Sequence[int], k: int) -> list[T
     k = min(max(k, 0), int(rows.shape[-1]))
     if k == 0:
         mx.eval(chosen)
-        return [TokenLogprob(t, v) for t, v in zip(tokens, _floats(chosen), strict=True)]
+        return [TokenLogprob(t, v) for t, v in zip(tokens, to_floats(chosen), strict=True)]
     top_ids = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
     top_values = mx.take_along_axis(rows, top_ids, axis=-1)
     mx.eval(chosen, top_ids, top_values)
-    all_ids = [int(x) for x in _floats(top_ids)]
-    all_values = _floats(top_values)
+    all_ids = [int(x) for x in to_floats(top_ids)]
+    all_values = to_floats(top_values)
     out = []
-    for n, (t, v) in enumerate(zip(tokens, _floats(chosen), strict=True)):
+    for n, (t, v) in enumerate(zip(tokens, to_floats(chosen), strict=True)):
         pairs = zip(all_ids[n * k : (n + 1) * k], all_values[n * k : (n + 1) * k], strict=True)
         out.append(TokenLogprob(t, v, tuple(sorted(pairs, key=lambda p: -p[1]))))
     return out

@@ -19,6 +19,7 @@ import functools
 import random
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import mlx.core as mx
 
@@ -85,14 +86,28 @@ def gumbel_rows(keys: mx.array, vocab: int) -> mx.array:
     return mx.stack([mx.random.gumbel(shape=(vocab,), key=k) for k in keys])
 
 
+def host_values(a: mx.array) -> list[Any]:
+    """`a`'s values on the host, flat, read from `a` itself. A view of it (`reshape`,
+    `flatten`) would be a new operation, evaluated behind whatever the device has been given
+    since `a` was: a batch reads a round's tokens after queueing the next round, and reading
+    them through a reshape waited for that next round too (on an H100, a batch of one's
+    pipelined plain round took 9.7 ms against its bare forward's 6.1)."""
+    values = a.tolist()
+    if not isinstance(values, list):
+        return [values]
+    while values and isinstance(values[0], list):
+        values = [v for row in values for v in row]  # type: ignore[union-attr]
+    return values
+
+
 def to_ints(a: mx.array) -> list[int]:
-    """Token ids on the host (mlx's tolist is typed for any nesting)."""
-    return [int(t) for t in a.reshape(-1).tolist()]  # type: ignore[union-attr, arg-type]
+    """Token ids on the host (`host_values`)."""
+    return [int(t) for t in host_values(a)]
 
 
 def to_floats(a: mx.array) -> list[float]:
-    """An array's values on the host, flat."""
-    return [float(t) for t in a.reshape(-1).tolist()]  # type: ignore[union-attr, arg-type]
+    """An array's values on the host, flat (`host_values`)."""
+    return [float(t) for t in host_values(a)]
 
 
 def to_int(a: mx.array) -> int:

@@ -602,3 +602,67 @@ def test_rows_learn_only_from_drafts_their_lookup_made(
     assert all(learned <= made for learned, made in seen)
     assert any(learned for learned, _ in seen)
     assert sum(g.stats.filled_accepted for g in gens) > 0
+
+
+@pytest.mark.parametrize("fill", [True, False], ids=["fillers", "no-fillers"])
+def test_a_verify_round_read_after_the_next_is_queued_reads_only_what_was_issued_before_it(
+    copier: Pairing, monkeypatch: pytest.MonkeyPatch, fill: bool
+) -> None:
+    """A verify round's choices and drafts, read once the round after it is queued, were
+    issued to the device before that round: an array first evaluated inside the queued
+    round's evaluation is ready only when all of it is, and reading it would wait for the
+    round the queueing was meant to overlap. Both kinds of verify round: one planned and
+    verified now (`round`), one queued on guessed drafts (`_guessed_round`)."""
+    monkeypatch.setattr(batch_module, "FILLERS", fill)
+    issued: dict[int, int] = {}  # id of each array given to mx.async_eval -> that call's index
+    kept: list[mx.array] = []  # held, so that no id is reused
+    calls = [0]
+    async_eval = mx.async_eval
+
+    def issuing(*arrays: Any) -> None:
+        calls[0] += 1
+        stack: list[Any] = list(arrays)
+        while stack:
+            a = stack.pop()
+            if isinstance(a, mx.array):
+                issued.setdefault(id(a), calls[0])
+                kept.append(a)
+            elif isinstance(a, list | tuple):
+                stack.extend(a)
+        async_eval(*arrays)
+
+    read = RowBatch._read
+    checked: dict[bool, int] = {True: 0, False: 0}  # reads checked, by whether a guessed round's
+    guessing = [False]
+
+    def reading(self: RowBatch, drafts: list[Draft], chosen: list[mx.array], *rest: Any) -> Any:
+        unread = rest[3]
+        if unread:  # the next round was queued: the latest call
+            for a in [*chosen, *(d.tokens for d in drafts if d.count)]:
+                assert id(a) in issued and issued[id(a)] < calls[0]
+            checked[guessing[0]] += 1
+        return read(self, drafts, chosen, *rest)
+
+    guessed_round = RowBatch._guessed_round
+
+    def guessed(self: RowBatch, since: float | None) -> Any:
+        guessing[0] = True
+        try:
+            return guessed_round(self, since)
+        finally:
+            guessing[0] = False
+
+    monkeypatch.setattr(mx, "async_eval", issuing)
+    monkeypatch.setattr(RowBatch, "_read", reading)
+    monkeypatch.setattr(RowBatch, "_guessed_round", guessed)
+    prompt = list(copier.tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
+    set_bucket(copier.target, GPU_TEST_BUCKET)
+    try:
+        gens = lookup_rows(copier, prompt, [24, 30, 36])
+        batch = RowBatch(copier.target, FLAT)
+        batch.widths = round_widths(DEFAULT_DRAFT_TOKENS, FREE_DRAFT_TOKENS)
+        out = decode_together(batch, gens)
+    finally:
+        set_bucket(copier.target, None)
+    assert out == [list(prompt[1 : 1 + n]) for n in (24, 30, 36)]
+    assert checked[True] and checked[False]

@@ -16,6 +16,8 @@ from mlxd.engine.sampling import (
     sampler,
     shaped,
     shaping,
+    to_floats,
+    to_ints,
 )
 
 SHAPINGS = [
@@ -179,3 +181,12 @@ def test_a_batchs_rows_take_the_tokens_each_takes_alone(
             for i, (o, r, p) in enumerate(zip(opts, rngs, positions, strict=True))
         ]
         assert got.tolist() == alone
+
+
+def test_host_values_read_any_shape_flat() -> None:
+    grid = mx.array([[[1, 2], [3, 4]], [[5, 6], [7, 8]]], dtype=mx.uint32)
+    assert to_ints(grid) == list(range(1, 9))
+    assert to_ints(mx.array(7, dtype=mx.int32)) == [7]
+    assert to_ints(mx.array([], dtype=mx.uint32)) == []
+    assert to_ints(mx.zeros((2, 0), dtype=mx.uint32)) == []
+    assert to_floats(mx.array([[0.5], [1.5]])) == [0.5, 1.5]
