@@ -230,7 +230,8 @@ class ModelDraftSource(DraftSource):
         return Draft(self._drafts, len(drafted), self.name)
 
     def accept(self, tokens: Sequence[int]) -> None:
-        fed = to_ints(self._drafts[: self._fed]) if self._drafts is not None and self._fed else []
+        # the drafts read whole (a slice would be evaluated behind what was queued since)
+        fed = to_ints(self._drafts)[: self._fed] if self._drafts is not None and self._fed else []
         have = self.cached + fed
         keep = len(self.cached)
         if list(tokens[:keep]) != self.cached:  # it read drafts ahead (forced tokens) refused
