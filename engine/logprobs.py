@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from mlxd.engine.sampling import to_floats
+from mlxd.engine.sampling import to_floats, to_ints
 
 MAX_TOP_LOGPROBS = 20  # Ollama's and OpenAI's bound on top_logprobs
 
@@ -57,7 +57,7 @@ def position_logprobs(logits: mx.array, tokens: Sequence[int], k: int) -> list[T
     top_ids = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
     top_values = mx.take_along_axis(rows, top_ids, axis=-1)
     mx.eval(chosen, top_ids, top_values)
-    all_ids = [int(x) for x in to_floats(top_ids)]
+    all_ids = to_ints(top_ids)
     all_values = to_floats(top_values)
     out = []
     for n, (t, v) in enumerate(zip(tokens, to_floats(chosen), strict=True)):

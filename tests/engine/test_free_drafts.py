@@ -632,7 +632,7 @@ def test_a_verify_round_read_after_the_next_is_queued_reads_only_what_was_issued
         async_eval(*arrays)
 
     read = RowBatch._read
-    checked: dict[bool, int] = {True: 0, False: 0}  # reads checked, by whether a guessed round's
+    checked: dict[bool, int] = {True: 0, False: 0}  # reads checked: guessed rounds', others'
     guessing = [False]
 
     def reading(self: RowBatch, drafts: list[Draft], chosen: list[mx.array], *rest: Any) -> Any:
