@@ -56,8 +56,10 @@ MIN_FORWARD = 32  # what a short prompt's forward costs of that budget: a forwar
 # verify rounds pipeline as a batch's do (the next round queued on drafts looked up on the
 # device before this one is read, fillers in its free slots) where its own rounds wait for
 # the host between rounds. Opt-in: on an H100 its plain rounds took 9.23 ms in-process against
-# the lone step's 6.33 while a batch's per-row arrays sat in MLX's scalar pool (`kvcache`),
-# and `auto` served 222 tok/s against 339; not yet measured without that
+# the lone step's 6.33 while a batch's per-row arrays sat in MLX's scalar pool (`kvcache`) and
+# its reads waited for the round it had queued (`sampling.host_values`), and `auto` served 222
+# tok/s against 339; with both gone, a batch of one's round took 8.21 ms against a lone step's
+# 6.89 on another start (`bench/batch_parts.py`), not yet measured served
 LONE_BATCH = os.environ.get("MLXD_LONE_ROW", "") == "batch"
 
 __all__ = ["Job", "Joining", "Scheduler", "generation_limit", "make_draft_source"]
