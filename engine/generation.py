@@ -34,7 +34,13 @@ from mlxd.engine.branches import Grid, branchable, grid_of, keep_branch, laid_ou
 from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
 from mlxd.engine.grammar import GrammarFailed, Matcher, Walk, settle, walk
 from mlxd.engine.kvcache import make_cache, plain_kv
-from mlxd.engine.logprobs import TokenLogprob, position_logprobs
+from mlxd.engine.logprobs import (
+    LogprobArrays,
+    TokenLogprob,
+    logprob_arrays,
+    position_logprobs,
+    read_logprobs,
+)
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.prefill import feed
 from mlxd.engine.sampling import Rng, choose, next_tokens, to_int, to_ints
@@ -316,16 +322,13 @@ class Generation:
                 mx.async_eval(y)  # read below, once the next forward is queued behind it
             else:
                 mx.eval(y)
-        if self.produced + 1 < self.limit and ahead():
-            if self.opts.top_logprobs is not None:
-                # the choice waits for y's logprobs to be read first
-                self._queued = self._feed(y)
-                mx.async_eval(self._queued)
-            elif not self.opts.has_penalties:  # penalties need y on the host first
-                self._inflight = self._forward_one(y, len(self.tokens) + 1)
-                mx.async_eval(self._inflight)
+        found = self._issue_logprobs(y)  # before the next choice takes over `_step_logits`
+        # penalties need y on the host first
+        if self.produced + 1 < self.limit and ahead() and not self.opts.has_penalties:
+            self._inflight = self._forward_one(y, len(self.tokens) + 1)
+            mx.async_eval(self._inflight)
         new = self._commit([to_int(y)])
-        self._record(self._step_logits, new)
+        self._take_logprobs(found, new)
         if self.done:
             self._inflight = self._queued = None  # queued past the end: never committed
         self.spec.committed_plainly(len(new), self._worth_resuming)
@@ -368,11 +371,12 @@ class Generation:
             # next forward: one evaluation for both ran grammar decoding at 0.85x plain on an
             # H200 start (0.94-0.95x this way, on another)
             mx.async_eval(y)
+            found = self._issue_logprobs(y)
             if self.produced + 1 < self.limit and ahead():
                 self._queued = self._feed(y)
                 mx.async_eval(self._queued)
             new = self._commit([to_int(y)])
-            self._record(self._step_logits, new)
+            self._take_logprobs(found, new)
         if self.done:
             self._queued = None  # queued past the end: never committed
         self.spec.committed_plainly(len(new))
@@ -467,6 +471,21 @@ class Generation:
         k = self.opts.top_logprobs
         if k is not None and logits is not None:
             self.logprobs += position_logprobs(logits, new, k)
+
+    def _issue_logprobs(self, y: mx.array) -> LogprobArrays | None:
+        """The log-probabilities of this step's token `y` (chosen from `_step_logits`) where
+        the request wants them, issued to the device now: built once the next forward is
+        queued, they would be evaluated behind it, and reading them would wait for it."""
+        k, logits = self.opts.top_logprobs, self._step_logits
+        if k is None or logits is None:
+            return None
+        found = logprob_arrays(logits, y.reshape(-1), k)
+        mx.async_eval(found.arrays)
+        return found
+
+    def _take_logprobs(self, found: LogprobArrays | None, new: list[int]) -> None:
+        if found is not None:
+            self.logprobs += read_logprobs(found, new)
 
     def take_logprobs(self) -> list[TokenLogprob]:
         taken, self.logprobs = self.logprobs, []

@@ -41,29 +41,57 @@ class Logprob:
     top: tuple[Logprob, ...] = ()
 
 
+@dataclass(frozen=True)
+class LogprobArrays:
+    """Positions' log-probabilities on the device, not yet read: each position's chosen
+    token's value (L,) and, with k > 0, its k most likely ids and their values (L, k)."""
+
+    chosen: mx.array
+    top_ids: mx.array | None = None
+    top_values: mx.array | None = None
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [a for a in (self.chosen, self.top_ids, self.top_values) if a is not None]
+
+
+def logprob_arrays(logits: mx.array, ids: mx.array, k: int) -> LogprobArrays:
+    """Row i of `logits` (L, V) is the distribution token `ids[i]` ((n,) on the device, n <= L)
+    was chosen from. Lazy: a decoding step issues them with its token, before it queues the
+    next forward (read after it, they would be evaluated behind it)."""
+    rows = logits[: ids.shape[0]].astype(mx.float32)
+    rows = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(rows, ids.astype(mx.uint32)[:, None], axis=-1)[:, 0]
+    k = min(max(k, 0), int(rows.shape[-1]))
+    if k == 0:
+        return LogprobArrays(chosen)
+    top_ids = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
+    return LogprobArrays(chosen, top_ids, mx.take_along_axis(rows, top_ids, axis=-1))
+
+
+def read_logprobs(found: LogprobArrays, tokens: Sequence[int]) -> list[TokenLogprob]:
+    """The first len(`tokens`) positions of `found`, committed as `tokens`: one host sync."""
+    if not tokens:
+        return []
+    mx.eval(found.arrays)
+    values = to_floats(found.chosen)
+    if found.top_ids is None or found.top_values is None:
+        return [TokenLogprob(t, v) for t, v in zip(tokens, values, strict=False)]
+    k = int(found.top_ids.shape[-1])
+    all_ids, all_values = to_ints(found.top_ids), to_floats(found.top_values)
+    out = []
+    for n, (t, v) in enumerate(zip(tokens, values, strict=False)):
+        pairs = zip(all_ids[n * k : (n + 1) * k], all_values[n * k : (n + 1) * k], strict=True)
+        out.append(TokenLogprob(t, v, tuple(sorted(pairs, key=lambda p: -p[1]))))
+    return out
+
+
 def position_logprobs(logits: mx.array, tokens: Sequence[int], k: int) -> list[TokenLogprob]:
     """Row i of `logits` (L, V) is the distribution `tokens[i]` was committed from; one host
     sync for all of them."""
     if not tokens:
         return []
-    rows = logits[: len(tokens)].astype(mx.float32)
-    rows = rows - mx.logsumexp(rows, axis=-1, keepdims=True)
-    ids = mx.array(list(tokens), dtype=mx.uint32)[:, None]
-    chosen = mx.take_along_axis(rows, ids, axis=-1)[:, 0]
-    k = min(max(k, 0), int(rows.shape[-1]))
-    if k == 0:
-        mx.eval(chosen)
-        return [TokenLogprob(t, v) for t, v in zip(tokens, to_floats(chosen), strict=True)]
-    top_ids = mx.argpartition(-rows, kth=k - 1, axis=-1)[:, :k]
-    top_values = mx.take_along_axis(rows, top_ids, axis=-1)
-    mx.eval(chosen, top_ids, top_values)
-    all_ids = to_ints(top_ids)
-    all_values = to_floats(top_values)
-    out = []
-    for n, (t, v) in enumerate(zip(tokens, to_floats(chosen), strict=True)):
-        pairs = zip(all_ids[n * k : (n + 1) * k], all_values[n * k : (n + 1) * k], strict=True)
-        out.append(TokenLogprob(t, v, tuple(sorted(pairs, key=lambda p: -p[1]))))
-    return out
+    return read_logprobs(logprob_arrays(logits, mx.array(list(tokens), dtype=mx.uint32), k), tokens)
 
 
 def readable(
