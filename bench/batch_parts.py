@@ -5,13 +5,13 @@
 A lone row's step and a batch of one run the same matmuls, yet on a GPU the batch's round
 cost more (fat 7B-shaped target, H100: 9.74 ms against its bare forward's 6.12, until a
 batch's reads stopped waiting for the round it queued after them; 8.21 against 7.69 after,
-on another start). Pipelined steps (each queued
-before the previous one's token is read) are built ever closer to a batch's plain round: bare
-forwards over a lone row's cache, over a batch cache of that row, over the cache of a
-`RowBatch` its `Generation` joined; then through the batch's own forward and choice; then its
-whole rounds; the same at 8 rows. Each step's host time is split into building the graph,
-encoding it (`mx.async_eval`) and waiting for the token before it: where the wait is near
-zero the host is the bound.
+on another start). Pipelined steps (each queued before the previous one's token is read) are
+built ever closer to a batch's plain round: bare forwards over a lone row's cache, over a
+batch cache of that row, over the cache of a `RowBatch` its `Generation` joined; then
+through the batch's own forward and choice; then its whole rounds; the same at 8 rows. Each
+step's host time is split into building the graph, encoding it (`mx.async_eval`) and
+waiting for the token before it: where the wait is near zero the host is the bound. (A lone
+row's steps read their token inside `Generation._lean_step`: their wait counts as building.)
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.concurrency import SHAPES
 from bench.rows import ROOT, as_served, build, mlxd_rate, prompts_for
 
 # isort: split
@@ -151,7 +152,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", type=Path, default=ROOT.parent / "shared/models/code-pair/target")
-    ap.add_argument("--shape", default=None)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None)
     ap.add_argument("--tokens", type=int, default=128)
     args = ap.parse_args()
     model = build(args)
