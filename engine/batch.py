@@ -470,6 +470,7 @@ class RowBatch:
         self.times = RoundTimes(costs, compiles=kvcache.bucket_of(target) is not None)
         self.widths: tuple[int, ...] | None = None  # the verify widths run (`round_widths`)
         self._returned: tuple[float, list[Generation]] | None = None  # last round's end, rows
+        self._waited = 0.0  # this round's wait for the device, in its read (`_note_slow`)
 
     def __len__(self) -> int:
         return len(self.gens)
@@ -585,6 +586,7 @@ class RowBatch:
         """One round for every row: drafts, one verify forward, per-row acceptance and trim."""
         gens = self.gens
         since = self._since()
+        self._waited = 0.0
         if self.ahead is not None and self.ahead.drafts is not None:
             return self._guessed_round(since)
         if self.ahead is not None and _leads(self.ahead.gens, gens):
@@ -673,7 +675,9 @@ class RowBatch:
         row's verdict and keep its K/V (`unread`: the next round was queued before this read).
         A row whose guessed drafts followed a commit that did not happen (`on_track` False)
         commits its tokens as a plain round's: its drafts teach its controller nothing."""
+        w0 = time.perf_counter()
         mx.eval(chosen, [d.tokens for d in drafts])
+        self._waited = time.perf_counter() - w0
         verdicts = [
             decide(to_ints(d.tokens) if d.count else [], to_ints(c))
             for d, c in zip(drafts, chosen, strict=True)
@@ -984,14 +988,17 @@ class RowBatch:
 
     def _note_slow(self, rows: int, width: int, seconds: float, drafting: float = 0.0) -> None:
         """Log a round far slower than its shape costs (a stall: a shape compiled inside the
-        round, another thread's work), with its shape, so a slow spell can be traced."""
+        round, another thread's work), with its shape and how long its read waited for the
+        device (the rest passed on the host: building, encoding, the scheduler's work since the
+        last round), so a slow spell can be traced."""
         if seconds <= SLOW_ROUND:
             return
         modelled = self.costs.v(rows * width) + drafting
         if seconds > SLOW_RATIO * modelled:
             log.warning(
-                "slow round: %d rows x %d tokens took %.0f ms (its shape costs %.1f ms)",
-                rows, width, seconds * 1e3, modelled * 1e3,
+                "slow round: %d rows x %d tokens took %.0f ms (its shape costs %.1f ms; its read"
+                " waited %.0f ms for the device)",
+                rows, width, seconds * 1e3, modelled * 1e3, self._waited * 1e3,
             )  # fmt: skip
 
     def untimed(self) -> None:
@@ -1073,7 +1080,9 @@ class RowBatch:
             queued = self._choose(self._forward(tokens[:, None], queued=True), [1] * len(gens))
             mx.async_eval(queued)
             self.ahead = Ahead(list(gens), queued)
+        w0 = time.perf_counter()
         chosen = to_ints(tokens)
+        self._waited = time.perf_counter() - w0
         committed = [
             _absorbed(g, Draft.empty(), Verdict(0, [t]))
             for g, t in zip(gens, chosen, strict=False)  # late rows: nothing yet

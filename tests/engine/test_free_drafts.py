@@ -4,6 +4,7 @@ picks how far, up to `FREE_DRAFT_TOKENS` unless the request or the entry caps it
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -226,8 +227,10 @@ def test_rounds_far_slower_than_their_shape_are_logged_with_it(
     copier: Pairing, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A round over `SLOW_ROUND` and `SLOW_RATIO` times what its shape costs is a stall worth
-    tracing: it is logged with its rows and width. Here every round is, against costs of a
-    microsecond a forward."""
+    tracing: it is logged with its rows and width, and the part of it its read waited for the
+    device (a device that stalls shows there; a kernel compiled while the round is encoded, or
+    the host's own stall, in the rest). Here every
+    round is, against costs of a microsecond a forward."""
     monkeypatch.setattr(batch_module, "SLOW_ROUND", 0.0)
     tiny = Costs(verify=dict.fromkeys(range(1, 80), 1e-6))
     greedy = parse_options({"temperature": 0})
@@ -245,6 +248,9 @@ def test_rounds_far_slower_than_their_shape_are_logged_with_it(
         g.close()
     slow = [r.getMessage() for r in caplog.records if "slow round" in r.getMessage()]
     assert slow and all(m.startswith("slow round: 2 rows x ") for m in slow), slow
+    for m in slow:  # with the part of it its read spent waiting for the device
+        took, waited = re.search(r"took (\d+) ms .* waited (\d+) ms for the device", m).groups()
+        assert int(waited) <= int(took)
 
 
 def test_lookup_follows_tokens_not_yet_committed_without_learning_them() -> None:
