@@ -42,6 +42,7 @@ from mlxd.registry.schema import ModelEntry
 from tests.engine.conftest import FLAT, GPU_TEST_BUCKET, PIECES
 from tests.engine.test_speculative import tiny_vocab_model
 from tests.fixtures.batches import decode_together, record_cuts
+from tests.fixtures.issued import record_issued
 from tests.fixtures.tiny_models import TinyPair
 
 
@@ -620,23 +621,6 @@ def test_a_verify_round_read_after_the_next_is_queued_reads_only_what_was_issued
     round the queueing was meant to overlap. Both kinds of verify round: one planned and
     verified now (`round`), one queued on guessed drafts (`_guessed_round`)."""
     monkeypatch.setattr(batch_module, "FILLERS", fill)
-    issued: dict[int, int] = {}  # id of each array given to mx.async_eval -> that call's index
-    kept: list[mx.array] = []  # held, so that no id is reused
-    calls = [0]
-    async_eval = mx.async_eval
-
-    def issuing(*arrays: Any) -> None:
-        calls[0] += 1
-        stack: list[Any] = list(arrays)
-        while stack:
-            a = stack.pop()
-            if isinstance(a, mx.array):
-                issued.setdefault(id(a), calls[0])
-                kept.append(a)
-            elif isinstance(a, list | tuple):
-                stack.extend(a)
-        async_eval(*arrays)
-
     read = RowBatch._read
     checked: dict[bool, int] = {True: 0, False: 0}  # reads checked: guessed rounds', others'
     guessing = [False]
@@ -645,7 +629,7 @@ def test_a_verify_round_read_after_the_next_is_queued_reads_only_what_was_issued
         unread = rest[3]
         if unread:  # the next round was queued: the latest call
             for a in [*chosen, *(d.tokens for d in drafts if d.count)]:
-                assert id(a) in issued and issued[id(a)] < calls[0]
+                assert issued.before_latest(a)
             checked[guessing[0]] += 1
         return read(self, drafts, chosen, *rest)
 
@@ -658,7 +642,7 @@ def test_a_verify_round_read_after_the_next_is_queued_reads_only_what_was_issued
         finally:
             guessing[0] = False
 
-    monkeypatch.setattr(mx, "async_eval", issuing)
+    issued = record_issued(monkeypatch)
     monkeypatch.setattr(RowBatch, "_read", reading)
     monkeypatch.setattr(RowBatch, "_guessed_round", guessed)
     prompt = list(copier.tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))

@@ -14,6 +14,7 @@ from mlxd.engine.logprobs import LogprobArrays, position_logprobs
 from mlxd.engine.options import parse_options
 from mlxd.engine.sampling import Rng
 from tests.engine.test_speculative import tiny_vocab_model
+from tests.fixtures.issued import record_issued
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
@@ -30,35 +31,18 @@ def test_a_steps_logprobs_are_issued_before_the_next_forward_and_are_the_models(
     model = tiny_vocab_model(3, 12)
     prompt = [1, 4, 2, 7]
     opts = parse_options({"temperature": temperature, "seed": 5})
-    issued: dict[int, int] = {}
-    kept: list[mx.array] = []  # held, so that no id is reused
-    calls = [0]
-    async_eval = mx.async_eval
-
-    def issuing(*arrays: Any) -> None:
-        calls[0] += 1
-        stack: list[Any] = list(arrays)
-        while stack:
-            a = stack.pop()
-            if isinstance(a, mx.array):
-                issued.setdefault(id(a), calls[0])
-                kept.append(a)
-            elif isinstance(a, list | tuple):
-                stack.extend(a)
-        async_eval(*arrays)
-
     read = generation_module.read_logprobs
     reads: list[bool] = []  # per read: the next forward was queued after its arrays
 
     def reading(found: LogprobArrays, tokens: list[int]) -> Any:
-        assert all(id(a) in issued for a in found.arrays)
-        reads.append(all(issued[id(a)] < calls[0] for a in found.arrays))
+        assert all(id(a) in issued.at for a in found.arrays)
+        reads.append(all(issued.before_latest(a) for a in found.arrays))
         return read(found, tokens)
 
     plain = Generation(model, prompt, opts, set(), 12, Rng(9))
     plain.prefill()
     alone = [t for new in plain for t in new]
-    monkeypatch.setattr(mx, "async_eval", issuing)
+    issued = record_issued(monkeypatch)
     monkeypatch.setattr(generation_module, "read_logprobs", reading)
     gen = Generation(model, prompt, dataclasses.replace(opts, top_logprobs=k), set(), 12, Rng(9))
     gen.prefill()
