@@ -21,7 +21,11 @@ decode rate and the median time to first token, then mlxd's ratios: aggregate at
 its own single stream, and vs mlx_lm.server at the same N. `--shape 8b` writes a random-weight
 Llama with 8B-class shapes (bf16) beside the code-pair tokenizer first. mlxd serves the model
 with its defaults (prompt lookup speculates on repetitive output); `--draft-method off` serves
-it plainly, as mlx_lm.server and the in-process rows of `bench/rows.py` decode.
+it plainly, as mlx_lm.server and the in-process rows of `bench/rows.py` decode. Every burst
+sends prompts no earlier one sent (distinct users: neither server's prompt cache helps), and
+each server reports the kernel modules MLX's CUDA build compiled after its model loaded (a
+module compiled mid-stream stalls every row for seconds); `--cold-kernels` starts both from
+an empty kernel cache, as on a machine's first start.
 """
 
 from __future__ import annotations
@@ -402,6 +406,10 @@ def main() -> None:
         help="the mlxd entry's draft_method (default: the entry's own, auto); off decodes as "
         "mlx_lm.server does, without speculation",
     )
+    ap.add_argument(
+        "--cold-kernels", action="store_true",
+        help="serve from an empty cache of MLX's compiled kernel modules (a GPU's first start)",
+    )  # fmt: skip
     args = ap.parse_args()
     if args.pairing is not None:
         counts = [int(c) for c in args.clients.split(",")]
@@ -417,10 +425,6 @@ def main() -> None:
     model = args.model
     if args.shape:
         model = random_model(args.workdir / f"random-{args.shape}", args.model, SHAPES[args.shape])
-    prompts = [
-        f'def function_{i}(values, threshold={i}):\n    """Return the values above the threshold."""\n'
-        for i in range(16)
-    ]
     counts = [int(c) for c in args.clients.split(",")]
     home = Path(tempfile.mkdtemp(prefix="mlxd-bench-"))
     registry = home / "models.yaml"
@@ -429,6 +433,11 @@ def main() -> None:
         entry += f'    options: {{draft_method: "{args.draft_method}"}}\n'
     registry.write_text(entry, encoding="utf-8")
     servers = [s for s in ("mlxd", "mlx_lm.server") if s in args.servers.split(",")]
+    from mlxd.engine.backend import kernel_cache_dir
+
+    kernels = kernel_cache_dir()  # where both servers keep MLX's compiled kernels
+    if args.cold_kernels:  # as on a machine that never ran MLX's CUDA build
+        kernels = Path(tempfile.mkdtemp(prefix="mlx-kernels-"))
 
     table: dict[str, dict[int, dict[str, float]]] = {}
     for name in servers:
@@ -454,15 +463,19 @@ def main() -> None:
                 str(port),
             ]
             served = str(model)
-        proc = subprocess.Popen(
-            cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
+        env["MLX_PTX_CACHE_DIR"] = str(kernels)
+        log = home / f"{name}.log"
+        with log.open("wb") as err:
+            proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
         try:
             wait_up(f"{base}/v1/models", proc)
-            burst(base, served, prompts, 2, 16)  # warm-up
+            if name == "mlxd":  # an empty prompt loads the model (and warms it)
+                httpx.post(f"{base}/api/generate", json={"model": served}, timeout=3600)
+            loaded = modules(kernels)
+            burst(base, served, fresh_prompts(0), 2, 16)  # warm-up
             table[name] = {}
             for i, n in enumerate(counts):  # by burst: a client count may be run again
-                table[name][i] = r = burst(base, served, prompts, n, args.tokens)
+                table[name][i] = r = burst(base, served, fresh_prompts(i + 1), n, args.tokens)
                 print(f"{name} {n} clients: {r}", flush=True)
         finally:
             proc.terminate()
@@ -470,6 +483,14 @@ def main() -> None:
                 proc.wait(30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        compiled = sorted(modules(kernels) - loaded)
+        print(f"{name}: kernel modules compiled after load: {len(compiled)}", *compiled,
+              sep="\n  ")  # fmt: skip
+        slow = [
+            line for line in log.read_text(errors="replace").splitlines() if "slow round" in line
+        ]
+        if slow:
+            print(f"{name} rounds logged as slow: {len(slow)}", *slow[:8], sep="\n  ")
 
     print(f"model {model}  tokens per stream {args.tokens}  mlxd draft_method "
           f"{args.draft_method or 'auto'}")  # fmt: skip
@@ -486,6 +507,22 @@ def main() -> None:
             f"{b['aggregate']:>10.1f} {b['per_stream']:>8.1f} {b['ttft'] * 1e3:>8.0f} | "
             f"{ratio(a['aggregate'], single):>8} {ratio(a['aggregate'], b['aggregate']):>9}"
         )
+
+
+def modules(kernels: Path) -> set[str]:
+    """The kernel modules MLX's CUDA build compiled into `kernels` (none on other backends)."""
+    return {p.stem for p in kernels.glob("*.ptx")}
+
+
+def fresh_prompts(burst: int) -> list[str]:
+    """Sixteen code prompts no other burst sends: every request reads its prompt cold, as
+    distinct users' requests do, on both servers (a burst resending earlier prompts finds
+    them in mlxd's prefix cache and in mlx_lm.server's prompt cache)."""
+    return [
+        f"def function_{burst}_{i}(values, threshold={i}):\n"
+        f'    """Return the values above the threshold."""\n'
+        for i in range(16)
+    ]
 
 
 def ratio(ours: float, theirs: float) -> str:

@@ -9,11 +9,13 @@ hands down to whatever needs its choices; importing any mlxd module changes noth
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import os
 import sys
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from mlxd.engine import cpu_blas
 
@@ -32,6 +34,13 @@ SDPA_CACHE_ENV = "MLX_CUDA_SDPA_CACHE_SIZE"
 # ones), and every longer context a request brings adds more: evicted, a warmed shape is built
 # again inside someone's round.
 SDPA_CACHE_SIZE = 4096
+PTX_CACHE_ENV = "MLX_PTX_CACHE_DIR"
+# MLX's CUDA build compiles a kernel module with NVRTC the first time a process meets a gather,
+# scatter or fused operation of a new kind (3-20 s each on an H100 host) and keeps it on disk,
+# by default under the temporary directory, which a reboot empties: the next start would
+# compile them all again (a cold start's probe took 110 s, most of it compiling). mlxd keeps
+# them in the user's cache directory instead (`~/.cache/mlx/<version>/ptx`, MLX's own layout),
+# shared by every daemon and home on the machine: compiled once per machine and MLX version.
 GRAPHS_ENV = "MLX_USE_CUDA_GRAPHS"
 FUSE_MLP_ENV = "MLXD_FUSE_MLP"  # "1": an MLP's gate and up projections as one matmul (GPU)
 # "0": a lone row's few-token forwards keep cuBLAS (CUDA); "batches": a batch's take the kernel too
@@ -110,6 +119,16 @@ def _cache_size(env: MutableMapping[str, str], name: str, size: int) -> int | No
         return None
 
 
+def kernel_cache_dir(env: Mapping[str, str] = os.environ) -> Path:
+    """Where MLX keeps its compiled kernel modules unless `MLX_PTX_CACHE_DIR` says."""
+    root = Path(env.get("XDG_CACHE_HOME") or "~/.cache").expanduser()
+    try:
+        version = importlib.metadata.version("mlx")
+    except importlib.metadata.PackageNotFoundError:
+        version = "unknown"
+    return root / "mlx" / version / "ptx"
+
+
 def _cuda_graphs(env: MutableMapping[str, str]) -> bool:
     """Turn MLX's CUDA graphs off unless the user chose: whether they stay on."""
     env.setdefault(GRAPHS_ENV, "0")
@@ -134,6 +153,7 @@ def configure_backend(env: MutableMapping[str, str] = os.environ) -> Backend:
     graph_cache = _cache_size(env, GRAPH_CACHE_ENV, GRAPH_CACHE_SIZE)  # before MLX's GPU work
     _cache_size(env, SDPA_CACHE_ENV, SDPA_CACHE_SIZE)  # read at the first attention
     graphs = _cuda_graphs(env)  # read at MLX's first GPU work
+    env.setdefault(PTX_CACHE_ENV, str(kernel_cache_dir(env)))  # read at MLX's first compile
 
     import mlx.core as mx  # after the BLAS: MLX binds what is in the global scope now
 

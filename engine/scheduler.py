@@ -37,6 +37,7 @@ from mlxd.engine.events import Failed
 from mlxd.engine.forced import ForcedDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import GrammarError, Matcher, row_grammar
+from mlxd.engine.jitwarm import warm_model_kernels
 from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions, parse_options
 from mlxd.engine.pairing import FREE_DRAFT_TOKENS, Pairing, draft_cap, warm_up
@@ -157,14 +158,18 @@ class Scheduler:
         cold (a first request paid 1.5-3.9x a later one). The solo round shapes and every
         prompt chunk within the row context (`warm_up`), prompts read together, then for
         every row count up to `num_parallel` each round width a batch verifies (`round_widths`),
-        and a round whose rows keep different lengths (the roll). Multi-token attention at
-        shapes not run here then takes MLX's plain operations (`attention.unwarmed`) rather
-        than build a graph inside a round. Where nothing compiles (the CPU) there is nothing
+        and a round whose rows keep different lengths (the roll); first, every gather and
+        scatter kernel serving uses (`jitwarm`: a module each, compiled once per machine).
+        Multi-token attention at shapes not run here then takes MLX's plain operations
+        (`attention.unwarmed`) rather than build a graph inside a round. Where nothing compiles (the CPU) there is nothing
         to warm."""
         pairing = self.pairing
         if not bucketed(pairing.target):
             return
         with mx.stream(self.stream), warming():
+            for model in (pairing.target, pairing.draft):
+                if model is not None:
+                    warm_model_kernels(model)
             context = pairing.row_context(parse_options({}))
             warm_up(pairing.target, pairing.draft, pairing.costs, context=context)
             self._warm_row_groups()
