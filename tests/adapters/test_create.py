@@ -73,6 +73,14 @@ def answer(server: RunningServer, model: str) -> str:
     return client(server).generate(model=model, prompt=PROMPT, options=GREEDY, raw=True).response
 
 
+def scored(server: RunningServer, model: str) -> tuple[str, list[float]]:
+    """A greedy answer and its tokens' log-probabilities."""
+    body = {"model": model, "prompt": PROMPT, "options": GREEDY, "raw": True, "stream": False,
+            "logprobs": True}  # fmt: skip
+    reply = httpx.post(f"{server.base_url}/api/generate", json=body, timeout=60).json()
+    return reply["response"], [entry["logprob"] for entry in reply["logprobs"]]
+
+
 def loads(thread: ServerThread) -> int:
     return sum(thread.state.manager.counts.snapshot()[LOAD].values())
 
@@ -159,7 +167,12 @@ def test_the_shown_modelfile_creates_the_model_again_with_its_adapters_scales(
     )
     assert again.adapters == scaled.adapters and again.adapters[0].scale == 2.5
     assert again.draft_adapters == scaled.draft_adapters
-    assert answer(server, "again") == answer(server, "coder-scaled") != answer(server, "coder-sql")
+    # the scale shows in the target's probabilities, whether or not it changes a greedy token
+    text, values = scored(server, "again")
+    scaled_text, scaled_values = scored(server, "coder-scaled")
+    assert text == scaled_text and values == pytest.approx(scaled_values, abs=1e-4)
+    at_one = scored(server, "coder-sql")[1]
+    assert max(abs(a - b) for a, b in zip(values, at_one, strict=False)) > 1e-3
 
 
 def test_a_hub_adapter_is_shown_by_its_directory_and_the_modelfile_creates_the_model_again(
