@@ -94,6 +94,7 @@ from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import Walk
 from mlxd.engine.options import parse_options
 from mlxd.engine.sampling import Rng, choose_rows, sample_keyed, to_ints
+from mlxd.engine.specgate import SpecGate
 from mlxd.engine.speculation import FREE_SOURCES, Costs
 from mlxd.engine.verify import Verdict, choices, decide
 
@@ -468,6 +469,7 @@ class RowBatch:
         self.ahead: Ahead | None = None  # the next plain round, queued (its position written)
         self.drafts: DraftBatch | None = None  # the rows' draft-model K/V, drafting together
         self.times = RoundTimes(costs, compiles=kvcache.bucket_of(target) is not None)
+        self.gate = SpecGate()  # whether rows may draft, by row count, as measured
         self.widths: tuple[int, ...] | None = None  # the verify widths run (`round_widths`)
         self._returned: tuple[float, list[Generation]] | None = None  # last round's end, rows
         self._waited = 0.0  # this round's wait for the device, in its read (`_note_slow`)
@@ -530,7 +532,7 @@ class RowBatch:
         batch will not let draft do not stop it pipelining, nor does a pause that ends into a
         round the plan declines (on a CPU, 4 clients of the code pair ran such a round
         unpipelined, at twice a pipelined round's time, each time a row's pause ended)."""
-        maybe = [not g.plain_next() for g in gens]
+        maybe = [d and not g.plain_next() for g, d in zip(gens, self._drafting(gens), strict=True)]
         if not any(maybe):
             return True
         wants = [g.next_want() if m else 0 for g, m in zip(gens, maybe, strict=True)]
@@ -583,7 +585,24 @@ class RowBatch:
             self.ahead = Ahead(list(self.gens), ahead.tokens[rows], ahead.steady, ahead.unread)
 
     def round(self) -> list[Committed]:
-        """One round for every row: drafts, one verify forward, per-row acceptance and trim."""
+        """One round for every row: drafts, one verify forward, per-row acceptance and trim;
+        scored for the gate on drafting (`SpecGate`) where it follows a round of the same
+        rows."""
+        since, rows = self._since(), len(self.gens)
+        committed = self._round()
+        returned = self._returned
+        if since is not None and returned is not None and returned[0] > since:
+            self.gate.record(rows, sum(len(c.tokens) for c in committed), returned[0] - since)
+        return committed
+
+    def _drafting(self, gens: Sequence[Generation]) -> list[bool]:
+        """Which rows may draft: all where the gate allows it at this row count, else only
+        rows whose drafts a grammar forces (free and certain: no gamble to gate)."""
+        if self.gate.allows(len(gens)):
+            return [True] * len(gens)
+        return [g.source is not None and g.source.name.startswith("forced") for g in gens]
+
+    def _round(self) -> list[Committed]:
         gens = self.gens
         since = self._since()
         self._waited = 0.0
@@ -591,7 +610,8 @@ class RowBatch:
             return self._guessed_round(since)
         if self.ahead is not None and _leads(self.ahead.gens, gens):
             return self._plain_round(since)  # computed already: a draft found since waits a round
-        wants = [g.draft_length(ready=False) for g in gens]
+        may = self._drafting(gens)
+        wants = [g.draft_length(ready=False) if m else 0 for g, m in zip(gens, may, strict=True)]
         t0 = time.perf_counter()
         ks = list(wants)
         if any(wants):
@@ -804,6 +824,7 @@ class RowBatch:
         gens = self.gens
         if not (
             len(gens) <= GUESS_ROWS
+            and self.gate.allows(len(gens))
             and isinstance(self.cache[0], kvcache.BucketedBatchKVCache)
             and all(g.plain_only for g in gens)
         ):

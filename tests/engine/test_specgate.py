@@ -1,0 +1,112 @@
+"""A batch drafts only at row counts where drafting measured faster than not drafting."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+from mlxd.engine import specgate
+from mlxd.engine.backend import configure_backend
+from mlxd.engine.batch import RoundTimes, RowBatch
+from mlxd.engine.options import parse_options
+from mlxd.engine.pairing import load_pairing
+from mlxd.engine.specgate import EPOCH_ROUNDS, MAX_RETRY_EPOCHS, RETRY_EPOCHS, SpecGate
+from mlxd.registry.schema import ModelEntry
+from tests.engine.test_rows import FLAT, PROMPTS, serve, solo_plain
+from tests.fixtures.tiny_models import TinyPair
+
+
+def run_epochs(gate: SpecGate, rows: int, epochs: int, rate: dict[bool, float]) -> list[bool]:
+    """Run `epochs` epochs of rounds, each arm committing `rate[arm]` tokens a second; the
+    arm each epoch ran."""
+    arms = []
+    for _ in range(epochs):
+        arm = gate.allows(rows)
+        arms.append(arm)
+        for _ in range(EPOCH_ROUNDS):
+            gate.record(rows, rows, rows / rate[arm])
+    return arms
+
+
+def test_drafting_runs_first_then_the_baseline_then_the_winner() -> None:
+    gate = SpecGate()
+    arms = run_epochs(gate, 4, 2 + RETRY_EPOCHS, {True: 1.4, False: 1.0})
+    assert arms == [True, False] + [True] * RETRY_EPOCHS
+    assert gate.rate(4, True) == pytest.approx(1.4) and gate.rate(4, False) == pytest.approx(1.0)
+    # the loser is tried again, and loses again
+    assert run_epochs(gate, 4, 2, {True: 1.4, False: 1.0}) == [False, True]
+    assert gate.allows(4)
+    assert gate.allows(8)  # another row count starts afresh
+
+
+def test_drafting_that_loses_costs_a_few_per_cent_of_rounds() -> None:
+    """Tried again after 8, 16, 32 and then every 64 epochs of the winner."""
+    gate = SpecGate()
+    arms = run_epochs(gate, 8, 1000, {True: 0.7, False: 1.0})
+    trials = [i for i, arm in enumerate(arms) if arm][1:]
+    gaps = [b - a - 1 for a, b in itertools.pairwise(trials)]
+    assert gaps[:4] == [2 * RETRY_EPOCHS, 4 * RETRY_EPOCHS, MAX_RETRY_EPOCHS, MAX_RETRY_EPOCHS]
+    assert sum(arms[100:]) / len(arms[100:]) < 0.02
+
+
+def test_a_drafting_that_starts_paying_wins_back_its_rounds() -> None:
+    gate = SpecGate()
+    run_epochs(gate, 2, 40, {True: 0.8, False: 1.0})
+    assert not gate.allows(2)
+    arms = run_epochs(gate, 2, 2 * MAX_RETRY_EPOCHS, {True: 1.5, False: 1.0})
+    assert arms[-RETRY_EPOCHS:] == [True] * RETRY_EPOCHS
+
+
+def test_the_floor_off_leaves_drafting_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
+    gate = SpecGate()
+    run_epochs(gate, 4, 10, {True: 0.5, False: 1.0})
+    assert gate.allows(4)
+
+
+@pytest.mark.parametrize("verify_cost", [10.0, 1.0], ids=["verify-loses", "verify-pays"])
+def test_a_batch_stops_drafting_where_its_rounds_say_drafting_loses(
+    tiny_pair: TinyPair, monkeypatch: pytest.MonkeyPatch, verify_cost: float
+) -> None:
+    """Four rows drafting with the target itself (every draft accepted, 5 tokens a row a
+    round), scored on a clock where a plain round takes 1 and a verify round `verify_cost`:
+    where verify rounds lose, the batch decodes plainly once the baseline is measured; where
+    they pay, it drafts on. Either way each row commits its solo plain tokens."""
+    entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.target))
+    pairing = load_pairing(entry, configure_backend(), costs=FLAT)
+    verified: list[bool] = []  # per round the gate scored: whether it was a verify round
+    read, record = RowBatch._read, SpecGate.record
+    reading = [False]
+
+    def noted_read(self: RowBatch, *args: Any, **kw: Any) -> Any:
+        reading[0] = True
+        return read(self, *args, **kw)
+
+    def clocked(self: SpecGate, rows: int, tokens: int, seconds: float) -> None:
+        verified.append(reading[0])
+        record(self, rows, tokens, verify_cost if reading[0] else 1.0)
+        reading[0] = False
+
+    monkeypatch.setattr(RowBatch, "_read", noted_read)
+    # rows judge their drafts by this CPU's clock too, where drafting with the target itself
+    # loses and they would pause: the floor is the gate's alone here
+    monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
+    monkeypatch.setattr(specgate, "floor_on", lambda: True)
+    # and the plan prices a verify round as a plain one (it would price them by this CPU's
+    # clock): it always drafts, as a plan that prices verify rounds too low does
+    monkeypatch.setattr(
+        RoundTimes, "verify_round", lambda self, rows, *a, **k: self.plain_round(rows)
+    )
+    monkeypatch.setattr(SpecGate, "record", clocked)
+    greedy = parse_options({"temperature": 0, "num_predict": 400, "draft_method": "model"})
+    specs = [(PROMPTS[i], greedy) for i in range(4)]
+    done = serve(pairing, specs)
+    for (prompt, opts), final in zip(specs, done, strict=True):
+        assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
+    assert len(verified) > 3 * EPOCH_ROUNDS
+    assert any(verified[:EPOCH_ROUNDS])  # the first epoch drafts
+    assert not any(verified[EPOCH_ROUNDS + 1 : 2 * EPOCH_ROUNDS])  # the baseline does not
+    after = verified[2 * EPOCH_ROUNDS + 1 : 3 * EPOCH_ROUNDS]
+    assert any(after) == (verify_cost == 1.0)
