@@ -264,12 +264,13 @@ def test_the_stacks_hold_the_mounted_adapters_and_nothing_else(dtype: mx.Dtype) 
     assert stacks is not None and stacks.a.shape[0] == stacks.b.shape[0] == 2
     x = mx.random.normal((4, 3, D_IN), key=mx.random.key(5)).astype(dtype)
     rows = run(layer, selection, [3, 0, 1, 2], x)
+    base = layer.base(x)  # the batch's product: a BLAS may round one row alone differently
     assert close(rows[0:1], reference(layer.base, three, x[0:1]))
-    assert mx.array_equal(rows[1:2], layer.base(x[1:2])).item()
+    assert mx.array_equal(rows[1:2], base[1:2]).item()
     assert close(rows[2:3], reference(layer.base, one, x[2:3]))
-    assert mx.array_equal(rows[3:4], layer.base(x[3:4])).item()
+    assert mx.array_equal(rows[3:4], base[3:4]).item()
     padded = run(layer, selection, [3, 1], x)  # rows past the named slots: padding, on the base
-    assert mx.array_equal(padded[2:], layer.base(x[2:])).item()
+    assert mx.array_equal(padded[2:], base[2:]).item()
 
 
 def test_adapters_are_held_once_in_the_stacks() -> None:

@@ -10,10 +10,12 @@ import pytest
 from mlxd.engine import specgate
 from mlxd.engine.backend import configure_backend
 from mlxd.engine.batch import RoundTimes, RowBatch
+from mlxd.engine.kvcache import set_bucket
 from mlxd.engine.options import parse_options
-from mlxd.engine.pairing import load_pairing
+from mlxd.engine.pairing import Pairing, load_pairing
 from mlxd.engine.specgate import EPOCH_ROUNDS, MAX_RETRY_EPOCHS, RETRY_EPOCHS, SpecGate
 from mlxd.registry.schema import ModelEntry
+from tests.engine.conftest import GPU_TEST_BUCKET, PIECES
 from tests.engine.test_rows import FLAT, PROMPTS, serve, solo_plain
 from tests.fixtures.tiny_models import TinyPair
 
@@ -110,3 +112,81 @@ def test_a_batch_stops_drafting_where_its_rounds_say_drafting_loses(
     assert not any(verified[EPOCH_ROUNDS + 1 : 2 * EPOCH_ROUNDS])  # the baseline does not
     after = verified[2 * EPOCH_ROUNDS + 1 : 3 * EPOCH_ROUNDS]
     assert any(after) == (verify_cost == 1.0)
+
+
+def flipping(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Epochs of two rounds and every loser retried at once, the gate alone deciding (rows'
+    own floor off): drafting stops and starts every few rounds. Returns the gate's answers."""
+    monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
+    monkeypatch.setattr(specgate, "floor_on", lambda: True)
+    monkeypatch.setattr(specgate, "EPOCH_ROUNDS", 2)
+    monkeypatch.setattr(specgate, "RETRY_EPOCHS", 1)
+    monkeypatch.setattr(specgate, "MAX_RETRY_EPOCHS", 1)
+    arms: list[bool] = []
+    allows = SpecGate.allows
+
+    def noted(self: SpecGate, rows: int) -> bool:
+        arms.append(allows(self, rows))
+        return arms[-1]
+
+    monkeypatch.setattr(SpecGate, "allows", noted)
+    return arms
+
+
+def flipped(arms: list[bool]) -> int:
+    return sum(a != b for a, b in itertools.pairwise(arms))
+
+
+@pytest.mark.parametrize("layout", ["exact", "gpu"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_rows_commit_their_solo_tokens_while_the_gate_flips_every_few_rounds(
+    tiny_pair: TinyPair,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    layout: str,
+    temperature: float,
+) -> None:
+    """Rows drafting with a model (mid-draft when drafting stops; they catch up on resuming),
+    by lookup, both and neither, greedy or seeded, joining and leaving: each commits what it
+    commits alone."""
+    arms = flipping(monkeypatch)
+    backend = request.getfixturevalue("gpu_layout") if layout == "gpu" else configure_backend()
+    entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.target))
+    pairing = load_pairing(entry, backend, costs=FLAT)
+    methods = ["model", "lookup", "auto", "model", "off", "lookup"]
+    lengths = [40, 24, 36, 30, 12, 28]
+    specs = [
+        (p, parse_options({"temperature": temperature, "seed": i, "num_predict": n,
+                           "draft_method": m}))
+        for i, (p, m, n) in enumerate(zip(PROMPTS, methods, lengths, strict=True))
+    ]  # fmt: skip
+    done = serve(pairing, specs, start_after={3: (0, 4), 4: (1, 6), 5: (3, 3)})
+    for (prompt, opts), final in zip(specs, done, strict=True):
+        assert final.output_tokens == solo_plain(pairing, prompt, opts, opts.num_predict)
+    assert flipped(arms) >= 4
+    assert sum(d.speculation.accepted for d in done) > 0
+
+
+@pytest.mark.parametrize("bucket", [None, GPU_TEST_BUCKET])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_copying_rows_commit_their_solo_tokens_while_the_gate_flips_every_few_rounds(
+    copier: Pairing, monkeypatch: pytest.MonkeyPatch, bucket: int | None, temperature: float
+) -> None:
+    """Rows copying their prompt by lookup, where most drafts are accepted: on the GPU's
+    layout a batch of up to four queues rounds on guessed drafts, which a flip ends."""
+    arms = flipping(monkeypatch)
+    prompt = list(copier.tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
+    specs = [
+        (prompt, parse_options({"temperature": temperature, "seed": i, "num_predict": n,
+                                "draft_method": "lookup"}))
+        for i, n in enumerate([38, 30, 36, 24, 34])
+    ]  # fmt: skip
+    set_bucket(copier.target, bucket)
+    try:
+        done = serve(copier, specs, start_after={4: (0, 5)})
+        solo = [solo_plain(copier, p, o, o.num_predict) for p, o in specs]
+    finally:
+        set_bucket(copier.target, None)
+    assert [d.output_tokens for d in done] == solo
+    assert flipped(arms) >= 2
+    assert sum(d.speculation.accepted for d in done) > 20
