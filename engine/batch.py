@@ -587,11 +587,12 @@ class RowBatch:
     def round(self) -> list[Committed]:
         """One round for every row: drafts, one verify forward, per-row acceptance and trim;
         scored for the gate on drafting (`SpecGate`) where it follows a round of the same
-        rows."""
+        rows and some row speculates (rows that never draft would score either arm alike)."""
         since, rows = self._since(), len(self.gens)
+        scored = since is not None and any(g.source is not None for g in self.gens)
         committed = self._round()
         returned = self._returned
-        if since is not None and returned is not None and returned[0] > since:
+        if scored and returned is not None and since is not None and returned[0] > since:
             self.gate.record(rows, sum(len(c.tokens) for c in committed), returned[0] - since)
         return committed
 

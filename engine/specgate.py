@@ -8,7 +8,8 @@ round's bookkeeping). On an H100 (an 8B-shaped bf16 model, 8 clients, 128 tokens
 speculation by prompt lookup served 612-679 tok/s where the same daemon decoding plainly
 served 928. The gate compares the two directly, per row count: epochs of `EPOCH_ROUNDS`
 rounds with drafting allowed and with it not, each scored by the tokens the batch committed
-over the wall time of its rounds (return to return), and the better runs on. The first epoch
+over the wall time of its rounds (return to return; rounds where no row has a draft source
+are not scored), and the better runs on. The first epoch
 drafts (a batch where drafting pays starts paying at once), the next does not (the baseline);
 after that the loser is tried again after `RETRY_EPOCHS` of the winner's epochs, twice as many
 each time it loses again (up to `MAX_RETRY_EPOCHS`), so that a drafting that loses costs a

@@ -190,3 +190,28 @@ def test_copying_rows_commit_their_solo_tokens_while_the_gate_flips_every_few_ro
     assert [d.output_tokens for d in done] == solo
     assert flipped(arms) >= 2
     assert sum(d.speculation.accepted for d in done) > 20
+
+
+def test_only_rounds_where_some_row_speculates_are_scored(
+    tiny_pair: TinyPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows that never draft (draft_method off) would score either arm alike: their rounds
+    leave the gate's record alone, as in a daemon serving requests of both kinds."""
+    entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft))
+    pairing = load_pairing(entry, configure_backend(), costs=FLAT)
+    scored: list[int] = []
+    record = SpecGate.record
+
+    def noted(self: SpecGate, rows: int, tokens: int, seconds: float) -> None:
+        scored.append(rows)
+        record(self, rows, tokens, seconds)
+
+    monkeypatch.setattr(SpecGate, "record", noted)
+
+    def opts(method: str) -> Any:
+        return parse_options({"temperature": 0, "num_predict": 30, "draft_method": method})
+
+    serve(pairing, [(PROMPTS[i], opts("off")) for i in range(3)])
+    assert scored == []
+    serve(pairing, [(PROMPTS[0], opts("model")), *[(PROMPTS[i], opts("off")) for i in (1, 2)]])
+    assert scored and set(scored) <= {1, 2, 3}
