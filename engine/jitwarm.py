@@ -56,7 +56,7 @@ SERVED: tuple[Signature, ...] = (
 
 
 def value_kind(dtype: mx.Dtype) -> str:
-    """ "float" for any floating dtype, else the dtype's name."""
+    """A signature's kind of values: `float` for any floating dtype, else the dtype's name."""
     return "float" if mx.issubdtype(dtype, mx.floating) else str(dtype).rsplit(".", 1)[-1]
 
 

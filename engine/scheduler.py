@@ -161,8 +161,8 @@ class Scheduler:
         and a round whose rows keep different lengths (the roll); first, every gather and
         scatter kernel serving uses (`jitwarm`: a module each, compiled once per machine).
         Multi-token attention at shapes not run here then takes MLX's plain operations
-        (`attention.unwarmed`) rather than build a graph inside a round. Where nothing compiles (the CPU) there is nothing
-        to warm."""
+        (`attention.unwarmed`) rather than build a graph inside a round. Where nothing
+        compiles (the CPU) there is nothing to warm."""
         pairing = self.pairing
         if not bucketed(pairing.target):
             return

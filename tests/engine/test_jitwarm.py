@@ -28,8 +28,10 @@ def missing(seen: set[Signature]) -> list[Signature]:
 
 
 def ptx_dir(env: dict[str, str]) -> str:
-    code = "import os; from mlxd.engine.backend import configure_backend as c; c(); " \
-        "print(os.environ['MLX_PTX_CACHE_DIR'])"  # fmt: skip
+    code = (
+        "import os; from mlxd.engine.backend import configure_backend as c; c(); "
+        "print(os.environ['MLX_PTX_CACHE_DIR'])"
+    )
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert run.returncode == 0, run.stderr
     return run.stdout.strip()
@@ -70,7 +72,8 @@ def test_served_rows_ask_only_for_warmed_indexing_kernels(
             serve(pairing, specs, start_after={4: (0, 3), 5: (1, 5)}, prefix=prefix)
             serve(pairing, lookups, start_after={3: (0, 4)}, prefix=prefix)
     assert ops.seen, "the recorder saw nothing"
-    assert not missing(ops.seen), "add these to jitwarm.SERVED"
+    gap = missing(ops.seen)
+    assert not gap, f"jitwarm.SERVED lacks {gap}"
 
 
 def test_every_warmed_signature_runs() -> None:
