@@ -23,6 +23,7 @@ Llama with 8B-class shapes (bf16) beside the code-pair tokenizer first. mlxd ser
 with its defaults (prompt lookup speculates on repetitive output); `--draft-method off` serves
 it plainly, as mlx_lm.server and the in-process rows of `bench/rows.py` decode. Every burst
 sends prompts no earlier one sent (distinct users: neither server's prompt cache helps), and
+each burst of mlxd's lists the draft tokens its daemon proposed and accepted (`/metrics`);
 each server reports the kernel modules MLX's CUDA build compiled after its model loaded (a
 module compiled mid-stream stalls every row for seconds); `--cold-kernels` starts both from
 an empty kernel cache, as on a machine's first start.
@@ -475,7 +476,13 @@ def main() -> None:
             burst(base, served, fresh_prompts(0), 2, 16)  # warm-up
             table[name] = {}
             for i, n in enumerate(counts):  # by burst: a client count may be run again
+                before = drafted(base) if name == "mlxd" else (0.0, 0.0)
                 table[name][i] = r = burst(base, served, fresh_prompts(i + 1), n, args.tokens)
+                if name == "mlxd":  # what speculation did in the burst (the daemon's metrics)
+                    after = drafted(base)
+                    r["drafted"], r["accepted"] = (
+                        b - a for a, b in zip(before, after, strict=True)
+                    )
                 print(f"{name} {n} clients: {r}", flush=True)
         finally:
             proc.terminate()
@@ -507,6 +514,16 @@ def main() -> None:
             f"{b['aggregate']:>10.1f} {b['per_stream']:>8.1f} {b['ttft'] * 1e3:>8.0f} | "
             f"{ratio(a['aggregate'], single):>8} {ratio(a['aggregate'], b['aggregate']):>9}"
         )
+
+
+def drafted(base: str) -> tuple[float, float]:
+    """mlxd's draft tokens proposed and accepted so far, summed over methods (`/metrics`)."""
+    totals = {"mlxd_draft_tokens_proposed_total": 0.0, "mlxd_draft_tokens_accepted_total": 0.0}
+    for line in httpx.get(f"{base}/metrics", timeout=30).text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals["mlxd_draft_tokens_proposed_total"], totals["mlxd_draft_tokens_accepted_total"]
 
 
 def modules(kernels: Path) -> set[str]:
