@@ -12,8 +12,9 @@ A signature is what decides the module: the operation, the kind of values (any f
 in the model's dtypes and in float32, where logits and probabilities live), their rank and
 the index's parts. `SERVED` lists those the engine's rounds, prompts, drafts, samplers and
 caches use: `tests/engine/test_jitwarm.py` runs served workloads under a recorder of MLX's
-indexing calls and fails on any signature missing here; two (uint32 tokens by uint32
-positions, and along an axis by int32 ones) were seen compiled only on the GPU.
+indexing calls (adapters' too: `tests/adapters/test_jitwarm.py`) and fails on any signature
+missing here; two (uint32 tokens by uint32 positions, and along an axis by int32 ones) were
+seen compiled only on the GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ _I32, _U32 = ("a", "int32", 1), ("a", "uint32", 1)
 SERVED: tuple[Signature, ...] = (
     ("get", "float", 1, (_I32,)),
     ("get", "float", 2, (_I32,)),
+    ("get", "float", 2, (_U32,)),  # rows' adapters
     ("get", "float", 2, (("a", "uint32", 2),)),  # the embedding
     ("get", "float", 4, (_I32,)),  # a batch cache's rows
     ("get", "int32", 1, (_I32,)),

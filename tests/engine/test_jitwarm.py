@@ -13,6 +13,7 @@ import mlx.core as mx
 import pytest
 
 from mlxd.engine.backend import Backend
+from mlxd.engine.grammar import GrammarSpec
 from mlxd.engine.jitwarm import SERVED, Signature, warm_index_kernels
 from mlxd.engine.options import parse_options
 from mlxd.engine.pairing import load_pairing
@@ -41,8 +42,9 @@ def test_served_rows_ask_only_for_warmed_indexing_kernels(
     tiny_pair: TinyPair, gpu_layout: Backend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Rows on the GPU's layout, drafting with a model and by lookup and plainly, greedy and
-    sampled with every sampler option, log-probabilities, stop strings, joining mid-stream,
-    cold and warm in the prefix cache: each indexing call's signature is one load runs."""
+    sampled with every sampler option, log-probabilities, stop strings, grammars (regex, JSON,
+    Lark) beside a free row, joining mid-stream, cold and warm in the prefix cache: each
+    indexing call's signature is one load runs."""
     monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
     entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft))
     pairing = load_pairing(entry, gpu_layout, costs=FLAT)
@@ -67,10 +69,18 @@ def test_served_rows_ask_only_for_warmed_indexing_kernels(
                                     "num_predict": 20}))
         for i, t in ((0, 0), (1, 0.7), (4, 0), (5, 1.0))
     ]  # fmt: skip
+    constrained = [(PROMPTS[i], parse_options({"temperature": t, "seed": i, "num_predict": 16}))
+                   for i, t in ((2, 0), (3, 0.8), (4, 0))]  # fmt: skip
+    grammars = [
+        GrammarSpec("regex", r"(yes|no)-[0-9]{3}"),
+        GrammarSpec("json"),
+        GrammarSpec("lark", 'start: "a" ("b" | "c")+'),
+    ]
     with ops.recording():
         for _ in range(2):  # cold, then hits in the prefix cache
             serve(pairing, specs, start_after={4: (0, 3), 5: (1, 5)}, prefix=prefix)
             serve(pairing, lookups, start_after={3: (0, 4)}, prefix=prefix)
+            serve(pairing, [*constrained, specs[0]], grammars=[*grammars, None], prefix=prefix)
     assert ops.seen, "the recorder saw nothing"
     gap = missing(ops.seen)
     assert not gap, f"jitwarm.SERVED lacks {gap}"
