@@ -9,7 +9,8 @@ speculation by prompt lookup served 612-679 tok/s where the same daemon decoding
 served 928. The gate compares the two directly, per row count: epochs of `EPOCH_ROUNDS`
 rounds with drafting allowed and with it not, each scored by the tokens the batch committed
 over the wall time of its rounds (return to return; rounds where no row has a draft source
-are not scored), and the better runs on. The first epoch
+are not scored), and the better runs on (drafting, unless it scored under `FLOOR` of not
+drafting). The first epoch
 drafts (a batch where drafting pays starts paying at once), the next does not (the baseline);
 after that the loser is tried again after `RETRY_EPOCHS` of the winner's epochs, twice as many
 each time it loses again (up to `MAX_RETRY_EPOCHS`), so that a drafting that loses costs a
@@ -24,6 +25,9 @@ from dataclasses import dataclass, field
 from mlxd.engine.speculation import floor_on
 
 EPOCH_ROUNDS = 32  # rounds of a row count scored together
+# drafting runs while it scores at least this share of not drafting's rate: a drafting arm
+# within noise of plain decoding keeps its chance at the stretches where it pays
+FLOOR = 0.97
 RETRY_EPOCHS = 8  # the winner's epochs before the loser is tried again, at first
 MAX_RETRY_EPOCHS = 64
 
@@ -73,7 +77,7 @@ class SpecGate:
     def _next(self, c: _Count, first: bool) -> bool:
         if False not in c.rates:
             return False  # the baseline, once
-        winner = c.rates.get(True, 0.0) >= c.rates[False]
+        winner = c.rates.get(True, 0.0) >= FLOOR * c.rates[False]
         if first or c.trial:
             if c.trial:  # the loser, tried again: its record says how long until the next try
                 c.retry = (

@@ -61,6 +61,14 @@ def test_a_drafting_that_starts_paying_wins_back_its_rounds() -> None:
     assert arms[-RETRY_EPOCHS:] == [True] * RETRY_EPOCHS
 
 
+def test_drafting_within_the_floor_of_plain_decoding_runs_on() -> None:
+    gate = SpecGate()
+    arms = run_epochs(gate, 4, 12, {True: 0.98, False: 1.0})
+    assert arms[0] and not arms[1] and all(arms[2 : 2 + RETRY_EPOCHS])
+    arms = run_epochs(SpecGate(), 4, 4, {True: 0.96, False: 1.0})
+    assert arms == [True, False, False, False]
+
+
 def test_the_floor_off_leaves_drafting_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
     gate = SpecGate()
