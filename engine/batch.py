@@ -589,10 +589,10 @@ class RowBatch:
         scored for the gate on drafting (`SpecGate`) where it follows a round of the same
         rows and some row speculates (rows that never draft would score either arm alike)."""
         since, rows = self._since(), len(self.gens)
-        scored = since is not None and any(g.source is not None for g in self.gens)
-        committed = self._round()
+        scored = any(g.source is not None for g in self.gens)
+        committed = self._round(since)
         returned = self._returned
-        if scored and returned is not None and since is not None and returned[0] > since:
+        if scored and since is not None and returned is not None and returned[0] > since:
             self.gate.record(rows, sum(len(c.tokens) for c in committed), returned[0] - since)
         return committed
 
@@ -603,9 +603,8 @@ class RowBatch:
             return [True] * len(gens)
         return [g.source is not None and g.source.name.startswith("forced") for g in gens]
 
-    def _round(self) -> list[Committed]:
+    def _round(self, since: float | None) -> list[Committed]:
         gens = self.gens
-        since = self._since()
         self._waited = 0.0
         if self.ahead is not None and self.ahead.drafts is not None:
             return self._guessed_round(since)

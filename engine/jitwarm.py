@@ -111,13 +111,14 @@ def _run(sig: Signature, dtype: mx.Dtype) -> mx.array:
     raise ValueError(f"unknown indexing operation {op!r}")
 
 
-def warm_model_kernels(model: nn.Module) -> list[str]:
-    """`warm_index_kernels` for a model: floats in its parameters' dtypes and float32."""
-    params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
-    floats = {v.dtype for _, v in params}
-    return warm_index_kernels(
-        sorted((d for d in floats | {mx.float32} if mx.issubdtype(d, mx.floating)), key=str)
-    )
+def warm_model_kernels(*models: nn.Module) -> list[str]:
+    """`warm_index_kernels` for models served together: floats in their parameters' dtypes
+    and float32, each signature run once."""
+    floats = {mx.float32}
+    for model in models:
+        params = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+        floats |= {v.dtype for _, v in params if mx.issubdtype(v.dtype, mx.floating)}
+    return warm_index_kernels(sorted(floats, key=str))
 
 
 def warm_index_kernels(

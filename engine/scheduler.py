@@ -167,9 +167,7 @@ class Scheduler:
         if not bucketed(pairing.target):
             return
         with mx.stream(self.stream), warming():
-            for model in (pairing.target, pairing.draft):
-                if model is not None:
-                    warm_model_kernels(model)
+            warm_model_kernels(*(m for m in (pairing.target, pairing.draft) if m is not None))
             context = pairing.row_context(parse_options({}))
             warm_up(pairing.target, pairing.draft, pairing.costs, context=context)
             self._warm_row_groups()

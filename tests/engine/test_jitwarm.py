@@ -12,9 +12,9 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 
-from mlxd.engine.backend import Backend
+from mlxd.engine.backend import Backend, configure_backend
 from mlxd.engine.grammar import GrammarSpec
-from mlxd.engine.jitwarm import SERVED, Signature, warm_index_kernels
+from mlxd.engine.jitwarm import SERVED, Signature, warm_index_kernels, warm_model_kernels
 from mlxd.engine.options import parse_options
 from mlxd.engine.pairing import load_pairing
 from mlxd.engine.prefix_cache import PrefixCache
@@ -86,8 +86,11 @@ def test_served_rows_ask_only_for_warmed_indexing_kernels(
     assert not gap, f"jitwarm.SERVED lacks {gap}"
 
 
-def test_every_warmed_signature_runs() -> None:
+def test_every_warmed_signature_runs(tiny_pair: TinyPair) -> None:
     assert warm_index_kernels([mx.float32, mx.bfloat16]) == []
+    entry = ModelEntry("p", str(tiny_pair.target), draft=str(tiny_pair.draft))
+    pairing = load_pairing(entry, configure_backend(), costs=FLAT)
+    assert warm_model_kernels(pairing.target, pairing.draft) == []
 
 
 def test_compiled_kernels_are_kept_where_a_reboot_leaves_them(tmp_path: Path) -> None:
