@@ -30,7 +30,7 @@ from mlxd.engine.sampling import to_ints
 from mlxd.engine.smallarrays import kernel_array
 from mlxd.engine.threads import reset_after_work
 
-Ragged = Callable[[mx.array, mx.array, mx.array, float, mx.array, int], mx.array]
+Ragged = Callable[[mx.array, mx.array, mx.array, float, mx.array, int | mx.array], mx.array]
 
 WARPS = 16  # warps per (row, head) block; each walks every WARPS-th key
 
@@ -115,9 +115,10 @@ def _constant(value: float, dtype: mx.Dtype) -> mx.array:
 
 
 def ragged_cuda(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, left: mx.array, end: int
+    q: mx.array, k: mx.array, v: mx.array, scale: float, left: mx.array, end: int | mx.array
 ) -> mx.array:
-    """q (B, H, 1, D); k, v (B, H_kv, N, D) whole buffers; row b attends to keys [left[b], end)."""
+    """q (B, H, 1, D); k, v (B, H_kv, N, D) whole buffers; row b attends to keys [left[b], end)
+    (`end` a number, or an int32 array whose first entry is it)."""
     global _kernel
     if _kernel is None:
         _kernel = mx.fast.cuda_kernel(
@@ -130,7 +131,8 @@ def ragged_cuda(
     (out,) = _kernel(
         inputs=[
             q, k, v, _constant(scale, mx.float32),
-            left if left.dtype == mx.int32 else left.astype(mx.int32), _constant(end, mx.int32),
+            left if left.dtype == mx.int32 else left.astype(mx.int32),
+            end if isinstance(end, mx.array) else _constant(end, mx.int32),
         ],
         template=[("T", q.dtype), ("D", dim), ("WARPS", WARPS)],
         grid=(rows * heads * WARPS * 32, 1, 1),
@@ -142,9 +144,10 @@ def ragged_cuda(
 
 
 def ragged_reference(
-    q: mx.array, k: mx.array, v: mx.array, scale: float, left: mx.array, end: int
+    q: mx.array, k: mx.array, v: mx.array, scale: float, left: mx.array, end: int | mx.array
 ) -> mx.array:
     """The same attention row by row, with MLX's own kernel on exact slices (any device)."""
+    end = end if isinstance(end, int) else to_ints(end)[0]
     outs = [
         mx.fast.scaled_dot_product_attention(
             q[b : b + 1], k[b : b + 1, :, start:end], v[b : b + 1, :, start:end], scale=scale
@@ -283,6 +286,10 @@ def route_module(module: Any, ragged: Ragged, serves: Callable[[int], bool]) -> 
     ) -> mx.array:
         if batched_decode(queries, cache, sinks) and serves(queries.shape[-1]):
             return ragged(queries, keys, values, scale, cache.left_padding, cache._idx)
+        single = sinks is None and queries.shape[2] == 1
+        if single and getattr(cache, "ragged_end", None) is not None and serves(queries.shape[-1]):
+            # a compiled step's layer (`compiledstep`): its bounds are arrays
+            return ragged(queries, keys, values, scale, cache.ragged_left, cache.ragged_end)
         if unwarmed(queries, keys, cache, mask, sinks):
             return attend_with_ops(queries, keys, values, scale, mask)
         if isinstance(mask, mx.array) and mask.dtype == mx.bool_:

@@ -16,6 +16,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import trim_prompt_cache
 
+from mlxd.engine import compiledstep
 from mlxd.engine.kvcache import make_cache
 from mlxd.engine.options import SamplingOptions
 from mlxd.engine.prefill import feed
@@ -166,6 +167,7 @@ class ModelDraftSource(DraftSource):
         self.rng = rng
         self.gate = DraftGate(costs) if costs is not None and costs.draft_step > 0 else None
         self.cut = 0  # chains the gate ended short of what was asked
+        self.compiled = compiledstep.enabled()
         self.cache: list[Any] = make_cache(model)
         self.cached: list[int] = []  # tokens whose K/V are in self.cache
         self._drafts: mx.array | None = None
@@ -224,10 +226,16 @@ class ModelDraftSource(DraftSource):
                 if not gate.goes_on([reach], i + 1):
                     self.cut += 1
                     break
-            logits = self.model(tok[None], cache=self.cache)[0, -1:, :]
+            logits = self._step(tok[None])
             self._fed += 1
         self._drafts = mx.concatenate(drafted).astype(mx.uint32)
         return Draft(self._drafts, len(drafted), self.name)
+
+    def _step(self, tok: mx.array) -> mx.array:
+        """The draft's logits (1, V) after `tok` (1, 1): compiled where it may be."""
+        if self.compiled and compiledstep.steps(self.cache):
+            return compiledstep.step(self.model, self.cache, tok)[0, -1:, :]
+        return self.model(tok, cache=self.cache)[0, -1:, :]
 
     def accept(self, tokens: Sequence[int]) -> None:
         # the drafts read whole (a slice would be evaluated behind what was queued since)

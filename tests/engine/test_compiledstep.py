@@ -1,0 +1,126 @@
+"""A compiled decode step computes what the model's own step does, on the same caches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import QuantizedKVCache
+
+from mlxd.engine import compiledstep
+from mlxd.engine.drafting import ModelDraftSource
+from mlxd.engine.kvcache import make_cache, set_bucket
+from mlxd.engine.options import parse_options
+from mlxd.engine.prefill import feed
+from mlxd.engine.sampling import Rng, to_ints
+from tests.engine.conftest import Loaded
+
+PROMPT = [5, 9, 17, 33, 2, 8, 40, 41, 42, 7]
+
+
+def _chain(model: Any, cache: list[Any], first: mx.array, steps: int, compiled: bool) -> Any:
+    """Each step's logits, greedy tokens fed back without a host read."""
+    tok, out = first, []
+    for _ in range(steps):
+        if compiled:
+            assert compiledstep.steps(cache)
+            logits = compiledstep.step(model, cache, tok)[:, -1, :]
+        else:
+            logits = model(tok, cache=cache)[:, -1, :]
+        out.append(logits)
+        tok = mx.argmax(logits, axis=-1).reshape(1, 1)
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("bucket", [None, 16])
+def test_compiled_steps_equal_the_models_own(loaded: Loaded, bucket: int | None) -> None:
+    """Greedy steps past several buffer growths (exact caches grow by 256, 16-key buckets
+    by 16): the same logits as the model's step; the caches then read more tokens (a
+    catch-up), are trimmed and step on as before."""
+    model = loaded.draft
+    set_bucket(model, bucket)
+    try:
+        caches = [make_cache(model), make_cache(model)]
+        firsts = [feed(model, c, PROMPT) for c in caches]
+        tok = mx.argmax(firsts[0], axis=-1).reshape(1, 1)
+        steps = 40
+        own = _chain(model, caches[0], tok, steps, compiled=False)
+        ours = _chain(model, caches[1], tok, steps, compiled=True)
+        for a, b in zip(own, ours, strict=True):
+            assert mx.allclose(a, b, atol=1e-4).item()
+        assert caches[1][0].offset == caches[0][0].offset == len(PROMPT) - 1 + steps + 1
+        more = [3, 4, 5]
+        for c in caches:
+            feed(model, c, more)
+            for layer in c:
+                layer.trim(2)
+        again = [_chain(model, c, tok, 5, compiled=i == 1) for i, c in enumerate(caches)]
+        for a, b in zip(*again, strict=True):
+            assert mx.allclose(a, b, atol=1e-4).item()
+    finally:
+        set_bucket(model, None)
+
+
+def test_only_plain_caches_at_one_offset_step(loaded: Loaded) -> None:
+    model = loaded.draft
+    cache = make_cache(model)
+    assert not compiledstep.steps(cache)  # no buffer yet
+    feed(model, cache, PROMPT)
+    assert compiledstep.steps(cache)
+    shorter = make_cache(model)
+    feed(model, shorter, PROMPT[:-1])
+    assert not compiledstep.steps([*cache, *shorter])
+    assert not compiledstep.steps([QuantizedKVCache() for _ in cache])
+    assert not compiledstep.steps([])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_draft_model_proposes_the_same_compiled(loaded: Loaded, temperature: float) -> None:
+    """A draft source's chains, compiled or not, propose the same tokens round after round."""
+    drafts: list[list[list[int]]] = []
+    for compiled in (False, True):
+        opts = parse_options({"temperature": temperature, "seed": 11})
+        source = ModelDraftSource(loaded.draft, opts, Rng(11))
+        source.compiled = compiled
+        tokens = list(PROMPT)
+        source.prefill(tokens)
+        rounds = []
+        for i in range(6):
+            proposed = to_ints(source.propose(tokens, 4).tokens)
+            rounds.append(proposed)
+            tokens += [*proposed[: i % 3 + 1], i + 50]  # some accepted, then a correction
+            source.accept(tokens)
+        drafts.append(rounds)
+    assert drafts[0] == drafts[1]
+
+
+def test_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, on in (("1", True), ("on", True), ("0", False), ("off", False)):
+        monkeypatch.setenv("MLXD_COMPILED_DRAFT", value)
+        assert compiledstep.enabled() is on
+    monkeypatch.delenv("MLXD_COMPILED_DRAFT")
+    assert not compiledstep.enabled()
+
+
+@pytest.mark.parametrize("bucket", [None, 16])
+def test_a_compiled_forward_of_several_tokens_equals_the_models(
+    loaded: Loaded, bucket: int | None
+) -> None:
+    """A verify round's forward (several tokens, one crossing a buffer's end): every
+    position's logits as the model's own forward gives them."""
+    model = loaded.target
+    set_bucket(model, bucket)
+    try:
+        own, ours = make_cache(model), make_cache(model)
+        for c in (own, ours):
+            feed(model, c, PROMPT)
+        for tokens in ([3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]):
+            block = mx.array([tokens], dtype=mx.uint32)
+            a = model(block, cache=own)
+            b = compiledstep.step(model, ours, block)
+            assert a.shape == b.shape
+            assert mx.allclose(a, b, atol=1e-4).item()
+    finally:
+        set_bucket(model, None)
