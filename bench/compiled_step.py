@@ -43,7 +43,7 @@ def eager(model: nn.Module, cache: list[Any], tok: mx.array) -> mx.array:
 
 
 def compiled(model: nn.Module, cache: list[Any], tok: mx.array) -> mx.array:
-    return compiledstep.step(model, cache, tok)
+    return compiledstep.forward(model, cache, tok, compiled=True)
 
 
 def chain(model: nn.Module, prompt: list[int], steps: int, step: Step, wait: bool) -> Any:

@@ -58,7 +58,8 @@ def _forward(model: nn.Module, tok: mx.array, pos: mx.array, *buffers: mx.array)
 
 
 def _compiled(model: nn.Module) -> Any:
-    """One compiled step per model (its traces are kept per input shape)."""
+    """One compiled step per model (its traces are kept per input shape); None for a model
+    whose projections are wrapped per row (`forget`): their choices live on the host."""
     fn = getattr(model, _COMPILED, None)
     if fn is None:
 
@@ -67,12 +68,20 @@ def _compiled(model: nn.Module) -> Any:
 
         fn = mx.compile(step)
         setattr(model, _COMPILED, fn)
-    return fn
+    return fn or None
 
 
-def enabled() -> bool:
-    """Whether draft chains step through the compiled forward (`MLXD_COMPILED_DRAFT=1`)."""
-    return os.environ.get("MLXD_COMPILED_DRAFT", "").strip().lower() in ("1", "on", "true", "yes")
+def forget(model: nn.Module) -> None:
+    """`model`'s modules change in ways a trace cannot see (adapters' row-wise projections):
+    it is never stepped compiled again."""
+    setattr(model, _COMPILED, False)
+
+
+def enabled(role: str = "DRAFT") -> bool:
+    """Whether the `role`'s forwards step compiled (`MLXD_COMPILED_DRAFT=1`: a draft chain's
+    steps; `MLXD_COMPILED_TARGET=1`: a lone request's decode steps and verify forwards)."""
+    flag = os.environ.get(f"MLXD_COMPILED_{role}", "")
+    return flag.strip().lower() in ("1", "on", "true", "yes")
 
 
 def steps(cache: Sequence[Any]) -> bool:
@@ -100,9 +109,12 @@ def _room(layer: KVCache, n: int) -> None:
     layer.keys, layer.values = mx.pad(layer.keys, widths), mx.pad(layer.values, widths)
 
 
-def step(model: nn.Module, cache: list[Any], tokens: mx.array) -> mx.array:
-    """Logits (B, n, V) of `tokens` (B, n) after what `cache` holds (which `steps`), their
-    positions written into the caches. Lazy: the caller evaluates."""
+def forward(model: nn.Module, cache: list[Any], tokens: mx.array, compiled: bool) -> mx.array:
+    """`model(tokens, cache=cache)`'s logits (B, n, V), through the compiled step where
+    `compiled` asks for it and the model and caches take it. Lazy: the caller evaluates."""
+    fn = _compiled(model) if compiled and steps(cache) else None
+    if fn is None:
+        return model(tokens, cache=cache)
     n = int(tokens.shape[1])
     for layer in cache:
         _room(layer, n)
@@ -112,7 +124,7 @@ def step(model: nn.Module, cache: list[Any], tokens: mx.array) -> mx.array:
     for layer in cache:
         buffers += [layer.keys, layer.values]
         layer.keys = layer.values = None  # the step's own: its writes may reuse them in place
-    out = _compiled(model)(tokens, pos, *buffers)
+    out = fn(tokens, pos, *buffers)
     del buffers
     for i, layer in enumerate(cache):
         layer.keys, layer.values = out[1 + 2 * i], out[2 + 2 * i]

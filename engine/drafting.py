@@ -233,9 +233,7 @@ class ModelDraftSource(DraftSource):
 
     def _step(self, tok: mx.array) -> mx.array:
         """The draft's logits (1, V) after `tok` (1, 1): compiled where it may be."""
-        if self.compiled and compiledstep.steps(self.cache):
-            return compiledstep.step(self.model, self.cache, tok)[0, -1:, :]
-        return self.model(tok, cache=self.cache)[0, -1:, :]
+        return compiledstep.forward(self.model, self.cache, tok, self.compiled)[0, -1:, :]
 
     def accept(self, tokens: Sequence[int]) -> None:
         # the drafts read whole (a slice would be evaluated behind what was queued since)

@@ -47,7 +47,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxd.engine import lora_cuda
+from mlxd.engine import compiledstep, lora_cuda
 from mlxd.engine.attention import cuda_available
 from mlxd.engine.fewrows import FewRowsLinear
 from mlxd.engine.fusedproj import SharedLinear
@@ -664,6 +664,7 @@ def wrap(model: nn.Module, path: str, selection: Selection) -> RowLoRA:
         group = selection.groups.setdefault(f"{parent_path}:{family}", _Group())
     layer = RowLoRA(current, selection, group)
     setattr(parent, name, layer)
+    compiledstep.forget(model)
     return layer
 
 

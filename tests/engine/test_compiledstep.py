@@ -6,15 +6,17 @@ from typing import Any
 
 import mlx.core as mx
 import pytest
+from mlx_lm import load
 from mlx_lm.models.cache import QuantizedKVCache
 
-from mlxd.engine import compiledstep
+from mlxd.engine import compiledstep, lora
 from mlxd.engine.drafting import ModelDraftSource
 from mlxd.engine.kvcache import make_cache, set_bucket
 from mlxd.engine.options import parse_options
 from mlxd.engine.prefill import feed
 from mlxd.engine.sampling import Rng, to_ints
 from tests.engine.conftest import Loaded
+from tests.fixtures.tiny_models import TinyPair
 
 PROMPT = [5, 9, 17, 33, 2, 8, 40, 41, 42, 7]
 
@@ -25,7 +27,7 @@ def _chain(model: Any, cache: list[Any], first: mx.array, steps: int, compiled: 
     for _ in range(steps):
         if compiled:
             assert compiledstep.steps(cache)
-            logits = compiledstep.step(model, cache, tok)[:, -1, :]
+            logits = compiledstep.forward(model, cache, tok, compiled=True)[:, -1, :]
         else:
             logits = model(tok, cache=cache)[:, -1, :]
         out.append(logits)
@@ -119,8 +121,25 @@ def test_a_compiled_forward_of_several_tokens_equals_the_models(
         for tokens in ([3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13]):
             block = mx.array([tokens], dtype=mx.uint32)
             a = model(block, cache=own)
-            b = compiledstep.step(model, ours, block)
+            b = compiledstep.forward(model, ours, block, compiled=True)
             assert a.shape == b.shape
             assert mx.allclose(a, b, atol=1e-4).item()
     finally:
         set_bucket(model, None)
+
+
+def test_a_model_with_row_wise_adapters_is_never_compiled(tiny_pair: TinyPair) -> None:
+    """Wrapping a projection for adapters (its rows' choices live on the host) turns the
+    model's compiled step off for good, traced or not."""
+    model = load(str(tiny_pair.draft))[0]
+    cache = make_cache(model)
+    feed(model, cache, PROMPT)
+    tok = mx.array([[3]], dtype=mx.uint32)
+    compiledstep.forward(model, cache, tok, compiled=True)
+    assert getattr(model, "mlxd_compiled_step", None)  # traced
+    path = next(p for p, m in model.named_modules() if p.endswith("q_proj"))
+    lora.wrap(model, path, lora.Selection())
+    assert getattr(model, "mlxd_compiled_step", None) is False
+    compiledstep.forward(model, cache, tok, compiled=True)  # the model's own forward
+    assert getattr(model, "mlxd_compiled_step", None) is False
+    assert cache[0].offset == len(PROMPT) + 2
