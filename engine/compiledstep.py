@@ -20,9 +20,9 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.cache import KVCache
+from mlx_lm.models.cache import BatchKVCache, KVCache
 
-from mlxd.engine.kvcache import BucketedKVCache
+from mlxd.engine.kvcache import BucketedBatchKVCache, BucketedKVCache, advance_rows
 from mlxd.engine.smallarrays import kernel_array
 
 _COMPILED = "mlxd_compiled_step"
@@ -30,15 +30,22 @@ _LEFT = kernel_array([0], mx.int32)  # a lone row starts at key 0
 
 
 class TracedLayer:
-    """A cache layer as the compiled forward sees it: whole buffers and the write position as
-    arrays (`at`: (1,) int32, `end`: at + n), nothing read on the host."""
+    """A cache layer as the compiled forward sees it: whole buffers, the write position (`at`,
+    (1,) int32; `end`: at + n), each row's RoPE position and first key (a batch's left
+    padding) as arrays; nothing read on the host."""
 
-    def __init__(self, keys: mx.array, values: mx.array, at: mx.array, end: mx.array) -> None:
+    def __init__(
+        self,
+        keys: mx.array,
+        values: mx.array,
+        pos: mx.array,
+        rope: mx.array,
+        left: mx.array,
+    ) -> None:
         self.keys, self.values = keys, values
-        self.offset = at  # RoPE's position
-        self.at = at
-        # what the ragged decode kernel reads (`attention.route_module`): keys [0, end)
-        self.ragged_left, self.ragged_end = _LEFT, end
+        self.at, self.offset = pos[0:1], rope
+        # what the ragged decode kernel reads (`attention.route_module`): keys [left, end)
+        self.ragged_left, self.ragged_end = left, pos[1:2]
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self.keys = mx.slice_update(self.keys, keys, self.at, axes=(2,))
@@ -46,14 +53,16 @@ class TracedLayer:
         return self.keys, self.values
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        cols = mx.arange(int(self.keys.shape[2]))[None, :]
-        return (cols <= self.at + mx.arange(n)[:, None])[None, None]
+        cols = mx.arange(int(self.keys.shape[2]))[None, None, None, :]
+        rows = (self.at + mx.arange(n))[None, None, :, None]
+        return (cols <= rows) & (cols >= self.ragged_left[:, None, None, None])
 
 
-def _forward(model: nn.Module, tok: mx.array, pos: mx.array, *buffers: mx.array) -> Any:
-    at, end = pos[0:1], pos[1:2]
-    layers = [TracedLayer(buffers[i], buffers[i + 1], at, end) for i in range(0, len(buffers), 2)]
-    logits = model(tok, cache=layers)
+def _forward(
+    model: nn.Module, tokens: mx.array, pos: mx.array, rope: mx.array, left: mx.array, *kv: mx.array
+) -> Any:
+    layers = [TracedLayer(kv[i], kv[i + 1], pos, rope, left) for i in range(0, len(kv), 2)]
+    logits = model(tokens, cache=layers)
     return (logits, *[b for layer in layers for b in (layer.keys, layer.values)])
 
 
@@ -63,8 +72,8 @@ def _compiled(model: nn.Module) -> Any:
     fn = getattr(model, _COMPILED, None)
     if fn is None:
 
-        def step(tok: mx.array, pos: mx.array, *buffers: mx.array) -> Any:
-            return _forward(model, tok, pos, *buffers)
+        def step(*args: mx.array) -> Any:
+            return _forward(model, *args)
 
         fn = mx.compile(step)
         setattr(model, _COMPILED, fn)
@@ -84,28 +93,43 @@ def enabled(role: str = "DRAFT") -> bool:
     return flag.strip().lower() in ("1", "on", "true", "yes")
 
 
+def _batch(layer: Any) -> bool:
+    return isinstance(layer, BatchKVCache)
+
+
+def _written(layer: Any) -> int:
+    """Where the layer's next position goes: the shared write position of a batch's rows."""
+    return int(layer._idx if _batch(layer) else layer.offset)
+
+
 def steps(cache: Sequence[Any]) -> bool:
-    """Whether `cache` can take a compiled step: plain K/V layers (exact or bucketed) at one
-    offset, each holding a buffer already."""
+    """Whether `cache` can take a compiled step: plain K/V layers, a lone row's (exact or
+    bucketed) or a batch's (mlx-lm's or bucketed, no right padding pending), at one write
+    position, each holding a buffer already."""
     if not cache:
         return False
     first = cache[0]
+    kind = type(first)
     for layer in cache:
-        own = type(layer) is KVCache or isinstance(layer, BucketedKVCache)
-        if not own or layer.keys is None or layer.offset != first.offset:
+        lone = type(layer) is KVCache or isinstance(layer, BucketedKVCache)
+        batch = type(layer) is BatchKVCache or isinstance(layer, BucketedBatchKVCache)
+        if not (lone or batch) or type(layer) is not kind or layer.keys is None:
+            return False
+        if batch and getattr(layer, "_right_padding", None) is not None:
+            return False
+        if _written(layer) != _written(first):
             return False
     return True
 
 
-def _room(layer: KVCache, n: int) -> None:
+def _room(layer: Any, n: int) -> None:
     """Grow the layer's buffers by whole steps of its own when `n` more positions do not fit."""
     assert layer.keys is not None and layer.values is not None
-    have = int(layer.keys.shape[2])
-    if layer.offset + n <= have:
+    have, need = int(layer.keys.shape[2]), _written(layer) + n
+    if need <= have:
         return
     step = int(getattr(layer, "step", 256))
-    extra = -(-(layer.offset + n) // step) * step - have
-    widths = [(0, 0), (0, 0), (0, extra), (0, 0)]
+    widths = [(0, 0), (0, 0), (0, -(-need // step) * step - have), (0, 0)]
     layer.keys, layer.values = mx.pad(layer.keys, widths), mx.pad(layer.values, widths)
 
 
@@ -118,15 +142,23 @@ def forward(model: nn.Module, cache: list[Any], tokens: mx.array, compiled: bool
     n = int(tokens.shape[1])
     for layer in cache:
         _room(layer, n)
-    offset = int(cache[0].offset)
-    pos = kernel_array([offset, offset + n], mx.int32)
+    first = cache[0]
+    written = _written(first)
+    pos = kernel_array([written, written + n], mx.int32)
+    if _batch(first):
+        rope, left = first.offset, first.left_padding
+    else:
+        rope, left = pos[0:1], _LEFT
     buffers: list[mx.array] = []
     for layer in cache:
         buffers += [layer.keys, layer.values]
         layer.keys = layer.values = None  # the step's own: its writes may reuse them in place
-    out = fn(tokens, pos, *buffers)
+    out = fn(tokens, pos, rope, left, *buffers)
     del buffers
     for i, layer in enumerate(cache):
         layer.keys, layer.values = out[1 + 2 * i], out[2 + 2 * i]
-        layer.offset = offset + n
+        if _batch(layer):
+            advance_rows(layer, n)
+        else:
+            layer.offset = written + n
     return out[0]

@@ -25,7 +25,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxd.engine import kvcache
+from mlxd.engine import compiledstep, kvcache
 from mlxd.engine.adapters import AdaptedModel, selecting
 from mlxd.engine.drafting import Draft, ModelDraftSource, confidence
 from mlxd.engine.options import parse_options
@@ -93,6 +93,7 @@ class DraftBatch:
         self.held: list[int] = []  # positions the cache holds per row (>= len(source.cached))
         self.cache: list[Any] = []
         self.forwards = 0  # draft forwards run (one per draft step of a round)
+        self.compiled = compiledstep.enabled()
 
     def __len__(self) -> int:
         return len(self.sources)
@@ -184,7 +185,7 @@ class DraftBatch:
                         self.sources[i].cut += 1
                     break
             with selecting([s.model for s in self.sources]):
-                logits = self.model(tok[:, None], cache=self.cache)[:, -1, :]
+                logits = self._forward(tok[:, None])[:, -1, :]
             self.forwards += 1
             self.held = [h + 1 for h in self.held]
         drafted = mx.stack(columns, axis=1)  # (rows, steps run)
@@ -219,7 +220,7 @@ class DraftBatch:
             list(t[len(t) - f :]) + [t[-1]] * (width - f) for t, f in zip(tokens, feed, strict=True)
         ]
         with selecting([s.model for s in self.sources]):
-            out = self.model(mx.array(rows, dtype=mx.uint32), cache=self.cache)
+            out = self._forward(mx.array(rows, dtype=mx.uint32))
         self.forwards += 1
         if all(f == width for f in feed):
             logits = out[:, -1, :]
@@ -229,6 +230,9 @@ class DraftBatch:
             trim_rows(self.cache, [width - f for f in feed], len(rows))
         self.held = [len(t) for t in tokens]
         return logits
+
+    def _forward(self, tokens: mx.array) -> mx.array:
+        return compiledstep.forward(self.model, self.cache, tokens, self.compiled)
 
     def _sample(self, logits: mx.array, tokens: Sequence[Sequence[int]], step: int) -> mx.array:
         """Each row's draft at its position, as it would be chosen alone (no penalties here)."""

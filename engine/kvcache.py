@@ -144,6 +144,16 @@ def _shift(cache: Any, name: str, by: int | mx.array, down: bool = False) -> Non
     _keep(cache, name, buffer - by if down else buffer + by, int(view.shape[0]))
 
 
+def advance_rows(cache: BatchKVCache, n: int) -> None:
+    """Move a batch cache's rows `n` positions on, as its own update does, for writes made
+    outside it (a compiled step's)."""
+    if isinstance(cache, BucketedBatchKVCache):
+        _shift(cache, "offset", n)
+    else:
+        cache.offset += n
+    cache._idx += n
+
+
 class BucketedBatchKVCache(BatchKVCache):
     """The batch cache, handing attention its whole allocated buffer with a (B, 1, N, capacity)
     mask: batched decoding otherwise masks over a key length that changes every step.

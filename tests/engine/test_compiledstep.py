@@ -10,8 +10,9 @@ from mlx_lm import load
 from mlx_lm.models.cache import QuantizedKVCache
 
 from mlxd.engine import compiledstep, lora
+from mlxd.engine.draftbatch import trim_rows
 from mlxd.engine.drafting import ModelDraftSource
-from mlxd.engine.kvcache import make_cache, set_bucket
+from mlxd.engine.kvcache import batch_type, make_cache, set_bucket
 from mlxd.engine.options import parse_options
 from mlxd.engine.prefill import feed
 from mlxd.engine.sampling import Rng, to_ints
@@ -143,3 +144,39 @@ def test_a_model_with_row_wise_adapters_is_never_compiled(tiny_pair: TinyPair) -
     compiledstep.forward(model, cache, tok, compiled=True)  # the model's own forward
     assert getattr(model, "mlxd_compiled_step", None) is False
     assert cache[0].offset == len(PROMPT) + 2
+
+
+@pytest.mark.parametrize("bucket", [None, 16])
+def test_a_batch_steps_compiled_as_its_own_forward(loaded: Loaded, bucket: int | None) -> None:
+    """Rows of different lengths merged into a batch cache (left padding), stepped one token
+    and several, rows then trimmed by different amounts (rolled into their padding): every
+    row's logits as the batch cache's own forward gives them."""
+    model = loaded.target
+    set_bucket(model, bucket)
+    try:
+        prompts = [PROMPT, PROMPT[:4], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+        batches = []
+        for _ in range(2):
+            lone = [make_cache(model) for _ in prompts]
+            for c, p in zip(lone, prompts, strict=True):
+                feed(model, c, p)
+            kind = batch_type(model)
+            batches.append([kind.merge([c[i] for c in lone]) for i in range(len(lone[0]))])
+        own, ours = batches
+        assert compiledstep.steps(ours)
+        rows = len(prompts)
+        for width in (1, 1, 3, 1, 5, 1):
+            block = mx.array([[20 + width + r for _ in range(width)] for r in range(rows)])
+            a = model(block.astype(mx.uint32), cache=own)
+            assert compiledstep.steps(ours)
+            b = compiledstep.forward(model, ours, block.astype(mx.uint32), compiled=True)
+            assert mx.allclose(a, b, atol=1e-4).item()
+            if width > 1:
+                for cache in (own, ours):
+                    trim_rows(cache, [width - 1, 0, width - 2], rows)
+        assert [c._idx for c in ours] == [c._idx for c in own]
+        assert all(
+            mx.array_equal(a.offset, b.offset).item() for a, b in zip(own, ours, strict=True)
+        )
+    finally:
+        set_bucket(model, None)
