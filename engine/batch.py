@@ -85,7 +85,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
-from mlxd.engine import compiledstep, kvcache, lora_cuda
+from mlxd.engine import kvcache, lora_cuda
 from mlxd.engine.adapters import selecting
 from mlxd.engine.devicelookup import WINDOW, device_lookup
 from mlxd.engine.draftbatch import DraftBatch, base_of, cut_padding, trim_rows
@@ -473,7 +473,6 @@ class RowBatch:
         self.widths: tuple[int, ...] | None = None  # the verify widths run (`round_widths`)
         self._returned: tuple[float, list[Generation]] | None = None  # last round's end, rows
         self._waited = 0.0  # this round's wait for the device, in its read (`_note_slow`)
-        self.compiled = compiledstep.enabled("TARGET")
 
     def __len__(self) -> int:
         return len(self.gens)
@@ -1131,7 +1130,7 @@ class RowBatch:
             selecting([g.target for g in self.gens]),
             lora_cuda.queued() if queued else nullcontext(),
         ):
-            return compiledstep.forward(self.target, self.cache, inputs, self.compiled)
+            return self.target(inputs, cache=self.cache)
 
     def _choose(self, logits: mx.array, ahead: list[int]) -> mx.array:
         """Each row's token (B,), row i `ahead[i]` positions past its committed tokens."""

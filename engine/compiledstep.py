@@ -15,7 +15,8 @@ catch-up, a trim) uses them as before.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -26,7 +27,33 @@ from mlxd.engine.kvcache import BucketedBatchKVCache, BucketedKVCache, advance_r
 from mlxd.engine.smallarrays import kernel_array
 
 _COMPILED = "mlxd_compiled_step"
-_LEFT = kernel_array([0], mx.int32)  # a lone row starts at key 0
+
+
+class _Thread(threading.local):
+    """What a compiled step holds per thread: MLX's streams are the thread's own, and a trace
+    (or a lazy array) made on one thread fails on another ("no Stream(gpu, 0) in current
+    thread"): a model probed on one thread and served on another traces on each."""
+
+    def __init__(self) -> None:
+        self.key = object()
+        self.left: mx.array | None = None
+
+    def zero_left(self) -> mx.array:
+        """A lone row's first key (0), made on this thread."""
+        if self.left is None:
+            self.left = kernel_array([0], mx.int32)
+            mx.eval(self.left)
+        return self.left
+
+
+_thread = _Thread()
+
+
+class _Traces:
+    """A model's compiled steps, one per thread (an attribute, not a module entry)."""
+
+    def __init__(self) -> None:
+        self.by_thread: dict[object, Callable[..., Any]] = {}
 
 
 class TracedLayer:
@@ -66,18 +93,24 @@ def _forward(
     return (logits, *[b for layer in layers for b in (layer.keys, layer.values)])
 
 
-def _compiled(model: nn.Module) -> Any:
-    """One compiled step per model (its traces are kept per input shape); None for a model
-    whose projections are wrapped per row (`forget`): their choices live on the host."""
-    fn = getattr(model, _COMPILED, None)
+def _compiled(model: nn.Module) -> Callable[..., Any] | None:
+    """This thread's compiled step of `model` (its traces are kept per input shape); None for
+    a model whose projections are wrapped per row (`forget`): their choices live on the
+    host."""
+    traces = getattr(model, _COMPILED, None)
+    if traces is False:
+        return None
+    if traces is None:
+        traces = _Traces()
+        setattr(model, _COMPILED, traces)
+    fn = traces.by_thread.get(_thread.key)
     if fn is None:
 
         def step(*args: mx.array) -> Any:
             return _forward(model, *args)
 
-        fn = mx.compile(step)
-        setattr(model, _COMPILED, fn)
-    return fn or None
+        fn = traces.by_thread[_thread.key] = mx.compile(step)
+    return fn
 
 
 def forget(model: nn.Module) -> None:
@@ -86,10 +119,10 @@ def forget(model: nn.Module) -> None:
     setattr(model, _COMPILED, False)
 
 
-def enabled(role: str = "DRAFT") -> bool:
-    """Whether the `role`'s forwards step compiled (`MLXD_COMPILED_DRAFT=1`: a draft chain's
-    steps; `MLXD_COMPILED_TARGET=1`: a lone request's decode steps and verify forwards)."""
-    flag = os.environ.get(f"MLXD_COMPILED_{role}", "")
+def enabled() -> bool:
+    """Whether draft models step compiled (`MLXD_COMPILED_DRAFT=1`): a lone row's chain and a
+    draft batch's steps and catch-ups."""
+    flag = os.environ.get("MLXD_COMPILED_DRAFT", "")
     return flag.strip().lower() in ("1", "on", "true", "yes")
 
 
@@ -148,7 +181,7 @@ def forward(model: nn.Module, cache: list[Any], tokens: mx.array, compiled: bool
     if _batch(first):
         rope, left = first.offset, first.left_padding
     else:
-        rope, left = pos[0:1], _LEFT
+        rope, left = pos[0:1], _thread.zero_left()
     buffers: list[mx.array] = []
     for layer in cache:
         buffers += [layer.keys, layer.values]

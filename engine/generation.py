@@ -29,7 +29,7 @@ import mlx.nn as nn
 from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
-from mlxd.engine import branches, compiledstep
+from mlxd.engine import branches
 from mlxd.engine.branches import Grid, branchable, grid_of, keep_branch, laid_out
 from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
 from mlxd.engine.grammar import GrammarFailed, Matcher, Walk, settle, walk
@@ -102,7 +102,6 @@ class Generation:
             and not opts.has_penalties
             and opts.kv_bits is None
         )
-        self._compiled = compiledstep.enabled("TARGET")
         if source is not None and not can_trim_prompt_cache(self.cache):
             self.spec.stop("the target cache cannot be trimmed", failed=False)
 
@@ -291,11 +290,7 @@ class Generation:
         return self._choose(self._feed(tok), position)
 
     def _feed(self, tok: mx.array) -> mx.array:
-        return self._forward(tok.reshape(1, 1))[0, -1:, :]
-
-    def _forward(self, tokens: mx.array) -> mx.array:
-        """The target's logits (1, n, V) after `tokens` (1, n), read into the cache."""
-        return compiledstep.forward(self.target, self.cache, tokens, self._compiled)
+        return self.target(tok.reshape(1, 1), cache=self.cache)[0, -1:, :]
 
     def _choose(self, logits: mx.array, position: int) -> mx.array:
         if self.opts.top_logprobs is not None:
@@ -401,7 +396,7 @@ class Generation:
         choices)."""
         position = len(self.tokens) + 1
         if self.produced + 1 < self.limit:
-            logits = self._forward(y.reshape(1, 1))[0, -1:, :]
+            logits = self.target(y.reshape(1, 1), cache=self.cache)[0, -1:, :]
             queued = choose(logits, self.opts, self.rng, position)[0]
             mx.async_eval(queued)
             self._inflight = queued
@@ -434,7 +429,7 @@ class Generation:
         self._round = (draft.count, draft.source)
         pending = mx.array([self.tokens[-1]], dtype=mx.uint32)
         inputs = mx.concatenate([pending, draft.tokens]) if draft.count else pending
-        logits = self._forward(inputs[None])[0]
+        logits = self.target(inputs[None], cache=self.cache)[0]
         walked = self.walk(draft, logits)
         bias = walked.bias if walked is not None else None
         verdict = verify(logits, draft, self.tokens, self.opts, self.rng, bias)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import mlx.core as mx
@@ -180,3 +181,36 @@ def test_a_batch_steps_compiled_as_its_own_forward(loaded: Loaded, bucket: int |
         )
     finally:
         set_bucket(model, None)
+
+
+def test_a_model_steps_compiled_on_every_thread(tiny_pair: TinyPair) -> None:
+    """MLX's streams are per thread, and an array left lazy on one fails on another: a model
+    stepped compiled on one thread (a probe's) and then on another (a runner's) steps on each,
+    with nothing made on the thread that imported the engine."""
+    model = load(str(tiny_pair.draft))[0]
+    caches = [make_cache(model) for _ in range(3)]
+    for c in caches:
+        feed(model, c, PROMPT)
+        mx.eval([layer.state for layer in c])
+    tok = mx.array([[3]], dtype=mx.uint32)
+    mx.eval(tok)
+    own = model(tok, cache=caches[0])
+    mx.eval(own)
+    got: list[Any] = []
+
+    def run(cache: list[Any]) -> None:
+        try:
+            out = compiledstep.forward(model, cache, tok, compiled=True)
+            mx.eval(out)
+            got.append(out)
+        except Exception as exc:  # the assertion below shows it
+            got.append(exc)
+
+    for cache in caches[1:]:
+        worker = threading.Thread(target=run, args=(cache,))
+        worker.start()
+        worker.join()
+    for out in got:
+        assert isinstance(out, mx.array), out
+        assert mx.allclose(own, out, atol=1e-5).item()
+    assert len(model.mlxd_compiled_step.by_thread) == 2
