@@ -1,15 +1,17 @@
-"""A model's single-token forward over its own K/V caches, compiled once per buffer shape.
+"""A draft model's forward over its own K/V caches, compiled once per buffer shape.
 
 On MLX's CUDA build a small model's decode step is bound by the host: a 0.5B-shaped draft
 step cost 3.25 ms on an H200 for 0.2 ms of weights, the host building 24 layers' graph in
 Python and MLX encoding each of its operations. Compiled (`mx.compile`), the graph is traced
-once and replayed, its elementwise chains fused. For the trace to recur, the step sees only
+once and replayed, its elementwise chains fused. For the trace to recur, the forward sees only
 shapes that recur: the caches' whole buffers (B, H, capacity, D), which hold positions
-[0, offset), and the offset as an array. The step writes position `offset` with a dynamic
-`slice_update` and attends over the buffer through the ragged decode kernel (CUDA: keys
-[0, offset] exactly) or under a mask (elsewhere); a new trace is made only when a buffer
-grows. The caches stay mlx-lm's (exact or bucketed), so every other forward (a prompt, a
-catch-up, a trim) uses them as before.
+[0, offset) (a batch's rows from their left padding), and the write position as an array. It
+writes its n positions with a dynamic `slice_update` and attends over the buffer through the
+ragged decode kernel (one token on CUDA: keys [left, end) exactly) or under a mask; a new
+trace is made only when a buffer grows. The caches stay mlx-lm's (exact or bucketed, lone or
+batched), so every other forward (a prompt, a trim, a roll) uses them as before. A 7B-shaped
+target gained nothing on an H100 (its host time is mostly MLX encoding operations), so only
+drafts step this way.
 """
 
 from __future__ import annotations
