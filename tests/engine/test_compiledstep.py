@@ -40,9 +40,9 @@ def _chain(model: Any, cache: list[Any], first: mx.array, steps: int, compiled: 
 
 @pytest.mark.parametrize("bucket", [None, 16])
 def test_compiled_steps_equal_the_models_own(loaded: Loaded, bucket: int | None) -> None:
-    """Greedy steps past several buffer growths (exact caches grow by 256, 16-key buckets
-    by 16): the same logits as the model's step; the caches then read more tokens (a
-    catch-up), are trimmed and step on as before."""
+    """Greedy steps (on 16-key buckets, past three buffer growths): the same logits as the
+    model's step; the caches then read more tokens (a catch-up), are trimmed and step on as
+    before."""
     model = loaded.draft
     set_bucket(model, bucket)
     try:
