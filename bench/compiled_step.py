@@ -7,8 +7,9 @@ For each model, loaded as mlxd loads it, a chain of `--steps` greedy decode step
 chain runs), in milliseconds per step: built and encoded while the previous one runs
 (`chained`), and each waited for before the next (`alone`, a chain whose draft confidence is
 read every step), with the host's share (building and `mx.async_eval`). The two paths' tokens
-are compared. Then a forward of `--widths` tokens (a verify round's), each waited for, and
-batches of `--rows` rows (left-padded, as a continuous batch holds them) stepped chained. The first compiled chain's time (traces and kernel builds) is printed apart.
+are compared. Then batches of `--rows` rows (left-padded, as a continuous batch holds them)
+stepped chained, and forwards of `--widths` tokens (a verify round's), each waited for. The
+first compiled chain's time (traces and kernel builds) is printed apart.
 """
 
 # ruff: noqa: E402  (the backend is configured before MLX is imported)
