@@ -32,9 +32,11 @@ _COMPILED = "mlxd_compiled_step"
 
 
 class _Thread(threading.local):
-    """What a compiled step holds per thread: MLX's streams are the thread's own, and a trace
-    (or a lazy array) made on one thread fails on another ("no Stream(gpu, 0) in current
-    thread"): a model probed on one thread and served on another traces on each."""
+    """What a compiled step holds per thread. MLX's streams are the thread's own: a lazy array
+    made on one thread fails when evaluated on another ("no Stream(gpu, 0) in current thread";
+    a zero bound made at import failed the daemon's probe thread so). Traces are kept per
+    thread too, as their operations are made on the tracing thread's stream; a trace shared
+    across threads ran on the CPU, not tried on a GPU."""
 
     def __init__(self) -> None:
         self.key = object()

@@ -12,9 +12,10 @@ over the wall time of its rounds (return to return; rounds where no row has a dr
 are not scored), and the better runs on (drafting, unless it scored under `FLOOR` of not
 drafting). The first epoch drafts (a batch where drafting pays starts paying at once), the
 next does not (the baseline); after that the loser is tried again after `RETRY_EPOCHS` of the
-winner's epochs, twice as many each time it loses again (up to `MAX_RETRY_EPOCHS`), so that a
-drafting that loses costs a few per cent of rounds at most. While drafting is not allowed nothing drafts and no row is
-benched: the rounds are the plain rounds of a batch without speculation.
+winner's epochs, twice as many each time it loses again (up to `MAX_RETRY_EPOCHS`), so that
+a drafting that loses costs a few per cent of rounds at most. While drafting is not allowed
+nothing drafts and no row is benched: the rounds are the plain rounds of a batch without
+speculation.
 """
 
 from __future__ import annotations
