@@ -24,6 +24,13 @@ from tests.engine.test_rows import FLAT, PROMPTS, opts_of, pairing_of, serve, so
 from tests.fixtures.tiny_models import TinyPair
 
 
+@pytest.fixture(autouse=True)
+def eager_steps(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests count the draft model's forwards; a compiled step (`compiledstep`) replays
+    its trace without calling the model, and is pinned by its own tests."""
+    monkeypatch.setenv("MLXD_COMPILED_DRAFT", "0")
+
+
 class Counted:
     """A model that records the (rows, width) of every forward it runs."""
 
