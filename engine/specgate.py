@@ -10,16 +10,20 @@ served 928. The gate compares the two directly, per row count: epochs of `EPOCH_
 rounds with drafting allowed and with it not, each scored by the tokens the batch committed
 over the wall time of its rounds (return to return; rounds where no row has a draft source
 are not scored), and the better runs on (drafting, unless it scored under `FLOOR` of not
-drafting). The first epoch drafts (a batch where drafting pays starts paying at once), the
-next does not (the baseline); after that the loser is tried again after `RETRY_EPOCHS` of the
-winner's epochs, twice as many each time it loses again (up to `MAX_RETRY_EPOCHS`), so that
-a drafting that loses costs a few per cent of rounds at most. While drafting is not allowed
-nothing drafts and no row is benched: the rounds are the plain rounds of a batch without
-speculation.
+drafting). A round over `STALL` times its epoch's median (a shape's first forward compiling
+on a GPU: once 2.3 s where such rounds take 10 ms) is left out of its epoch's score, tokens
+and all: a one-off stall is neither arm's cost, and scored it sank the arm it hit for
+`RETRY_EPOCHS` epochs or more. The first epoch drafts (a batch where drafting pays starts
+paying at once), the next does not (the baseline); after that the loser is tried again after
+`RETRY_EPOCHS` of the winner's epochs, twice as many each time it loses again (up to
+`MAX_RETRY_EPOCHS`), so that a drafting that loses costs a few per cent of rounds at most.
+While drafting is not allowed nothing drafts and no row is benched: the rounds are the plain
+rounds of a batch without speculation.
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from mlxd.engine.speculation import floor_on
@@ -30,6 +34,9 @@ EPOCH_ROUNDS = 32  # rounds of a row count scored together
 FLOOR = 0.97
 RETRY_EPOCHS = 8  # the winner's epochs before the loser is tried again, at first
 MAX_RETRY_EPOCHS = 64
+# a round this many times its epoch's median is a stall, not scored; slower rounds that recur
+# (a draft model's steps, a wide verify) sit well under it
+STALL = 10.0
 
 
 @dataclass
@@ -39,9 +46,7 @@ class _Count:
 
     rates: dict[bool, float] = field(default_factory=dict)
     drafting: bool = True
-    tokens: int = 0
-    seconds: float = 0.0
-    rounds: int = 0
+    rounds: list[tuple[int, float]] = field(default_factory=list)  # this epoch's (tokens, s)
     since_trial: int = 0  # the winner's epochs since the loser last ran
     retry: int = RETRY_EPOCHS  # the winner's epochs before the loser's next trial
     trial: bool = False  # the epoch running now tries the loser again
@@ -64,14 +69,12 @@ class SpecGate:
         """A round of `rows` rows (the same rows as the round before) that committed `tokens`
         in `seconds`, return to return."""
         c = self._count(rows)
-        c.tokens += tokens
-        c.seconds += seconds
-        c.rounds += 1
-        if c.rounds < EPOCH_ROUNDS:
+        c.rounds.append((tokens, seconds))
+        if len(c.rounds) < EPOCH_ROUNDS:
             return
         first = c.drafting not in c.rates  # this arm's first score
-        c.rates[c.drafting] = c.tokens / max(c.seconds, 1e-9)
-        c.tokens, c.seconds, c.rounds = 0, 0.0, 0
+        c.rates[c.drafting] = _score(c.rounds)
+        c.rounds = []
         c.drafting = self._next(c, first)
 
     def _next(self, c: _Count, first: bool) -> bool:
@@ -96,3 +99,10 @@ class SpecGate:
         if c is None:
             c = self.counts[rows] = _Count()
         return c
+
+
+def _score(rounds: list[tuple[int, float]]) -> float:
+    """Tokens a second over an epoch's rounds, its stalls left out."""
+    limit = STALL * statistics.median(s for _, s in rounds)
+    kept = [(t, s) for t, s in rounds if s <= limit]
+    return sum(t for t, _ in kept) / max(sum(s for _, s in kept), 1e-9)

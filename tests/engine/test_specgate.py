@@ -69,6 +69,20 @@ def test_drafting_within_the_floor_of_plain_decoding_runs_on() -> None:
     assert arms == [True, False, False, False]
 
 
+def test_a_stalled_round_sinks_neither_arm() -> None:
+    """A shape compiling mid-stream stalls one round for seconds: left out of its epoch's
+    score, the drafting that pays runs on; a rate that is slower throughout still loses."""
+    gate = SpecGate()
+    for arm, rate in ((True, 1.4), (False, 1.0)):
+        assert gate.allows(4) is arm
+        for i in range(EPOCH_ROUNDS):
+            gate.record(4, 4, 4 / rate * (200 if i == 3 else 1))
+    assert gate.rate(4, True) == pytest.approx(1.4) and gate.allows(4)
+    slower = SpecGate()
+    run_epochs(slower, 4, 2, {True: 1.0 / specgate.STALL * 0.9, False: 1.0})
+    assert not slower.allows(4)
+
+
 def test_the_floor_off_leaves_drafting_on(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MLXD_SPEC_FLOOR", "0")
     gate = SpecGate()
