@@ -10,7 +10,9 @@ pair fattened by shared/models/fatten.py) serves a target/draft pairing and comp
 run, batched speculation (`draft_method` auto, or each of `--methods`) with batched plain
 decoding (`off`) at each client count, greedy and at temperature 0.7, through Ollama's
 `/api/generate`: aggregate tokens/s of each, their ratio (and its range over the bursts), and
-the drafts the final responses report accepted. `--control` adds a second plain arm: on this
+the drafts the final responses report accepted; then the daemon's slow rounds and its
+speculation gate's comparisons of drafting and not, by row count (`engine/specgate.py`, as
+logged). `--control` adds a second plain arm: on this
 repository's 2-core CPU two identical arms read 0.92-1.11x of each other over 2 bursts a cell,
 wider than the floor.
 
@@ -345,11 +347,15 @@ def pairing_main(
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    slow = [line for line in daemon_log.read_text(errors="replace").splitlines()
-            if "slow round" in line]  # fmt: skip
+    logged = daemon_log.read_text(errors="replace").splitlines()
+    slow = [line for line in logged if "slow round" in line]
     print(f"daemon rounds logged as slow: {len(slow)}")
     for line in slow[:20]:
         print("  " + line.split("slow round: ", 1)[-1])
+    judged = [line for line in logged if "speculation gate: " in line]
+    print(f"speculation gate's logged epochs (comparisons, stalls): {len(judged)}")
+    for line in judged[:30]:
+        print("  " + line.split("speculation gate: ", 1)[-1])
     print(f"pairing {pair}  tokens per stream {tokens}  rounds {rounds}")
     print(f"{'temp':>5} {'clients':>8} {'method':>7} | {'spec agg':>9} {'plain agg':>9} | "
           f"{'spec/plain':>10} {'by round':>12} | {'drafted':>8} {'accepted':>8} {'rate':>6} "

@@ -23,10 +23,13 @@ rounds of a batch without speculation.
 
 from __future__ import annotations
 
+import logging
 import statistics
 from dataclasses import dataclass, field
 
 from mlxd.engine.speculation import floor_on
+
+log = logging.getLogger(__name__)
 
 EPOCH_ROUNDS = 32  # rounds of a row count scored together
 # drafting runs while it scores at least this share of not drafting's rate: a drafting arm
@@ -73,9 +76,18 @@ class SpecGate:
         if len(c.rounds) < EPOCH_ROUNDS:
             return
         first = c.drafting not in c.rates  # this arm's first score
-        c.rates[c.drafting] = _score(c.rounds)
+        judged = first or c.trial
+        arm = c.drafting
+        c.rates[arm], stalls = _score(c.rounds)
         c.rounds = []
         c.drafting = self._next(c, first)
+        if judged or stalls:  # a comparison, or rounds left out: rare enough to log each
+            log.info(
+                "speculation gate: %d rows, %s scored %.1f tok/s (%d stalled rounds left out);"
+                " %s runs next",
+                rows, "drafting" if arm else "plain", c.rates[arm], stalls,
+                "drafting" if c.drafting else "plain",
+            )  # fmt: skip
 
     def _next(self, c: _Count, first: bool) -> bool:
         if False not in c.rates:
@@ -101,8 +113,9 @@ class SpecGate:
         return c
 
 
-def _score(rounds: list[tuple[int, float]]) -> float:
-    """Tokens a second over an epoch's rounds, its stalls left out."""
+def _score(rounds: list[tuple[int, float]]) -> tuple[float, int]:
+    """Tokens a second over an epoch's rounds, its stalls left out; and how many were."""
     limit = STALL * statistics.median(s for _, s in rounds)
     kept = [(t, s) for t, s in rounds if s <= limit]
-    return sum(t for t, _ in kept) / max(sum(s for _, s in kept), 1e-9)
+    rate = sum(t for t, _ in kept) / max(sum(s for _, s in kept), 1e-9)
+    return rate, len(rounds) - len(kept)

@@ -69,15 +69,21 @@ def test_drafting_within_the_floor_of_plain_decoding_runs_on() -> None:
     assert arms == [True, False, False, False]
 
 
-def test_a_stalled_round_sinks_neither_arm() -> None:
+def test_a_stalled_round_sinks_neither_arm(caplog: pytest.LogCaptureFixture) -> None:
     """A shape compiling mid-stream stalls one round for seconds: left out of its epoch's
-    score, the drafting that pays runs on; a rate that is slower throughout still loses."""
+    score (and logged), the drafting that pays runs on; a rate that is slower throughout
+    still loses."""
     gate = SpecGate()
-    for arm, rate in ((True, 1.4), (False, 1.0)):
-        assert gate.allows(4) is arm
-        for i in range(EPOCH_ROUNDS):
-            gate.record(4, 4, 4 / rate * (200 if i == 3 else 1))
+    with caplog.at_level("INFO", logger=specgate.__name__):
+        for arm, rate in ((True, 1.4), (False, 1.0)):
+            assert gate.allows(4) is arm
+            for i in range(EPOCH_ROUNDS):
+                gate.record(4, 4, 4 / rate * (200 if i == 3 else 1))
     assert gate.rate(4, True) == pytest.approx(1.4) and gate.allows(4)
+    assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
+        "4 rows, drafting scored 1.4 tok/s (1 stalled rounds left out); plain runs next",
+        "4 rows, plain scored 1.0 tok/s (1 stalled rounds left out); drafting runs next",
+    ]
     slower = SpecGate()
     run_epochs(slower, 4, 2, {True: 1.0 / specgate.STALL * 0.9, False: 1.0})
     assert not slower.allows(4)
