@@ -12,9 +12,8 @@ decoding (`off`) at each client count, greedy and at temperature 0.7, through Ol
 `/api/generate`: aggregate tokens/s of each, their ratio (and its range over the bursts), and
 the drafts the final responses report accepted; then the daemon's slow rounds and its
 speculation gate's comparisons of drafting and not, by row count (`engine/specgate.py`, as
-logged). `--control` adds a second plain arm: on this
-repository's 2-core CPU two identical arms read 0.92-1.11x of each other over 2 bursts a cell,
-wider than the floor.
+logged). `--control` adds a second plain arm: on this repository's 2-core CPU two identical
+arms read 0.92-1.11x of each other over 2 bursts a cell, wider than the floor.
 
 Both servers are started by the bench on loopback ports and driven through the same OpenAI
 `/v1/completions` streaming endpoint (temperature 0, fixed token count, no stop). For each
