@@ -84,8 +84,11 @@ def test_a_stalled_round_sinks_neither_arm(caplog: pytest.LogCaptureFixture) -> 
         "4 rows, drafting scored 1.4 tok/s (1 stalled rounds left out); plain runs next",
         "4 rows, plain scored 1.0 tok/s (1 stalled rounds left out); drafting runs next",
     ]
+    # stalls are judged within an epoch: drafting slower in every round, by more than
+    # `STALL` times plain decoding's rounds, is scored whole and loses
     slower = SpecGate()
-    run_epochs(slower, 4, 2, {True: 1.0 / specgate.STALL * 0.9, False: 1.0})
+    run_epochs(slower, 4, 2, {True: 0.5 / specgate.STALL, False: 1.0})
+    assert slower.rate(4, True) == pytest.approx(0.5 / specgate.STALL)
     assert not slower.allows(4)
 
 
