@@ -25,32 +25,51 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxd.engine import mma_cuda
+from mlxd.engine import mma_cuda, qmma_cuda
 
-__all__ = ["FewRowsLinear", "group_projections", "install"]
+__all__ = ["FewRowsLinear", "FewRowsQuantizedLinear", "group_projections", "install"]
 
 MIN_TOKENS = 2  # one token is MLX's gemv, cheaper to encode than any other route
 # projections of one input, by name, in mlx-lm's models: grouped within their parent module
 GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",))
 
-Matmul = Callable[[mx.array, Sequence[mx.array], Sequence[mx.array] | None], list[mx.array]]
+# x, the group's weights (float arrays, or `qmma_cuda.Quantized` parts), their biases
+Matmul = Callable[[mx.array, Sequence[Any], Sequence[mx.array] | None], list[mx.array]]
+# the same for quantized weights of one group size: (x, parts, biases, group_size)
+QuantizedMatmul = Callable[
+    [mx.array, Sequence[qmma_cuda.Quantized], Sequence[mx.array] | None, int], list[mx.array]
+]
 
 
 @dataclass(eq=False)
 class _Group:
     """One input's projections: their weights (and biases), and outputs waiting to be taken."""
 
-    weights: list[mx.array]
+    weights: list[Any]
     biases: list[mx.array] | None
     matmul: Matmul
     max_tokens: int  # rows x tokens of a forward the group computes together
+    dtype: mx.Dtype  # x's, for the kernel: the weights' (a quantized group: its scales')
+    width: int  # x's last axis (K)
     batches: bool = False  # forwards of several rows too (else one row's only)
     x: mx.array | None = None
     waiting: dict[int, mx.array] = field(default_factory=dict)
+
+    def takes(self, x: mx.array) -> bool:
+        """Whether x is a forward the group computes: a lone row's (or, with `batches`, a
+        batch's) of `MIN_TOKENS` to `max_tokens` rows x tokens, in the group's dtype."""
+        return (
+            x.ndim == 3
+            and (x.shape[0] == 1 or self.batches)
+            and x.shape[1] >= MIN_TOKENS
+            and x.shape[0] * x.shape[1] <= self.max_tokens
+            and x.dtype == self.dtype
+        )
 
     def output(self, member: int, x: mx.array) -> mx.array:
         """Member `member`'s output for x: waiting since a sibling's call on this x, else
@@ -75,15 +94,28 @@ class FewRowsLinear(nn.Linear):
         self.group, self.member = group, member
 
     def __call__(self, x: mx.array) -> mx.array:
-        group = self.group
-        if (
-            x.ndim == 3
-            and (x.shape[0] == 1 or group.batches)
-            and x.shape[1] >= MIN_TOKENS
-            and x.shape[0] * x.shape[1] <= group.max_tokens
-            and x.dtype == self.weight.dtype
-        ):
-            return group.output(self.member, x)
+        if self.group.takes(x):
+            return self.group.output(self.member, x)
+        return super().__call__(x)
+
+
+class FewRowsQuantizedLinear(nn.QuantizedLinear):
+    """A quantized projection whose one-row forwards of a few tokens compute with its group's
+    (still an `nn.QuantizedLinear`: adapters wrap it as they wrap any quantized base)."""
+
+    def __init__(self, base: nn.QuantizedLinear, group: _Group, member: int) -> None:
+        nn.Module.__init__(self)
+        self.group_size, self.bits = base.group_size, base.bits
+        self.mode = getattr(base, "mode", "affine")
+        for name in ("weight", "scales", "biases", "bias"):
+            if name in base:
+                setattr(self, name, base[name])
+        self.group, self.member = group, member
+        self.freeze()
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if self.group.takes(x):
+            return self.group.output(self.member, x)
         return super().__call__(x)
 
 
@@ -102,11 +134,42 @@ def _groupable(layers: list[nn.Module]) -> bool:
     )
 
 
+def _quantized_groupable(layers: list[nn.Module]) -> bool:
+    """Affine 4-bit projections of one input width, group size and scales' dtype (2-byte
+    floats), biased alike: `qmma_cuda`'s."""
+    first = layers[0]
+    return all(
+        type(m) is nn.QuantizedLinear
+        and getattr(m, "mode", "affine") == "affine"
+        and "biases" in m
+        and (m.group_size, m.bits) == (first.group_size, first.bits)
+        and m.scales.dtype == first.scales.dtype
+        and m.weight.shape[1] == first.weight.shape[1]
+        and ("bias" in m) == ("bias" in first)
+        and qmma_cuda.serves(m.weight, m.scales, m.group_size, m.bits)
+        for m in layers
+    )
+
+
+def _bound(quantized: QuantizedMatmul, group_size: int) -> Matmul:
+    def matmul(
+        x: mx.array, parts: Sequence[Any], biases: Sequence[mx.array] | None
+    ) -> list[mx.array]:
+        return quantized(x, parts, biases, group_size)
+
+    return matmul
+
+
 def group_projections(
-    model: nn.Module, matmul: Matmul, max_tokens: int, batches: bool = False
+    model: nn.Module,
+    matmul: Matmul,
+    max_tokens: int,
+    batches: bool = False,
+    quantized: QuantizedMatmul | None = None,
 ) -> int:
     """Make every group of projections in `model` (`GROUPS`) whose layers qualify
-    `FewRowsLinear`s computing through `matmul` (`batches`: a batch's forwards too); the
+    `FewRowsLinear`s computing through `matmul` (`batches`: a batch's forwards too), and with
+    `quantized`, every group of 4-bit ones `FewRowsQuantizedLinear`s computing through it; the
     projections changed."""
     changed = 0
     for _, parent in model.named_modules():
@@ -114,38 +177,54 @@ def group_projections(
             if not all(name in parent for name in names):
                 continue
             layers = [parent[name] for name in names]
-            if not _groupable(layers):
-                continue
             biases = [m.bias for m in layers] if "bias" in layers[0] else None
-            group = _Group([m.weight for m in layers], biases, matmul, max_tokens, batches)
+            if _groupable(layers):
+                weight = layers[0].weight
+                group = _Group(
+                    [m.weight for m in layers], biases, matmul, max_tokens, weight.dtype,
+                    weight.shape[1], batches,
+                )  # fmt: skip
+                wrap: type[FewRowsLinear] | type[FewRowsQuantizedLinear] = FewRowsLinear
+            elif quantized is not None and _quantized_groupable(layers):
+                parts = [qmma_cuda.parts_of(m) for m in layers]
+                bound = _bound(quantized, layers[0].group_size)
+                first = layers[0]
+                group = _Group(
+                    parts, biases, bound, max_tokens, first.scales.dtype,
+                    first.weight.shape[1] * 32 // first.bits, batches,
+                )  # fmt: skip
+                wrap = FewRowsQuantizedLinear
+            else:
+                continue
             for i, (name, layer) in enumerate(zip(names, layers, strict=True)):
-                setattr(parent, name, FewRowsLinear(layer, group, i))
+                setattr(parent, name, wrap(layer, group, i))
             changed += len(names)
     return changed
 
 
 def install(model: nn.Module, batches: bool = False) -> int:
-    """Group `model`'s projections onto `mma_cuda`'s kernel (MLX's CUDA build; `batches`: a
-    batch's forwards too), and build the kernel for every tile count and group size now, not
-    in a request's first round."""
+    """Group `model`'s projections onto `mma_cuda`'s kernel and its 4-bit ones onto
+    `qmma_cuda`'s (MLX's CUDA build; `batches`: a batch's forwards too), and build the kernels
+    for every tile count and group now, not in a request's first round."""
 
     def matmul(
         x: mx.array, weights: Sequence[mx.array], biases: Sequence[mx.array] | None
     ) -> list[mx.array]:
         return mma_cuda.matmul(x, weights, biases)
 
-    changed = group_projections(model, matmul, mma_cuda.MAX_ROWS, batches)
-    warmed: set[tuple[int, bool, mx.Dtype, int]] = set()
+    most = min(mma_cuda.MAX_ROWS, qmma_cuda.MAX_ROWS)
+    changed = group_projections(model, matmul, most, batches, qmma_cuda.matmul)
+    warmed: set[tuple[Any, ...]] = set()
     for _, module in model.named_modules():
-        if not isinstance(module, FewRowsLinear) or module.member:
+        if not isinstance(module, (FewRowsLinear, FewRowsQuantizedLinear)) or module.member:
             continue
         group = module.group
-        weights = group.weights
-        key = (len(weights), group.biases is not None, weights[0].dtype, weights[0].shape[1])
+        key = (type(module), len(group.weights), group.biases is not None, group.dtype,
+               group.width, getattr(module, "group_size", 0))  # fmt: skip
         if key in warmed:
             continue
         warmed.add(key)
-        for tokens in range(8, mma_cuda.MAX_ROWS + 1, 8):  # every tile count
-            x = mx.zeros((1, tokens, weights[0].shape[1]), dtype=weights[0].dtype)
-            mx.eval(matmul(x, weights, group.biases))
+        for tokens in range(8, most + 1, 8):  # every tile count
+            x = mx.zeros((1, tokens, group.width), dtype=group.dtype)
+            mx.eval(group.matmul(x, group.weights, group.biases))
     return changed

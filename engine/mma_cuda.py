@@ -22,7 +22,7 @@ Accumulation is in float32, as cuBLAS's for bf16 and fp16.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -48,24 +48,66 @@ def fits(x: mx.array, weight: mx.array) -> bool:
     )
 
 
-def _source(count: int, bias: bool, ptx: str) -> str:
-    pick = "".join(
+def pick_source(count: int, assign: Callable[[int], str]) -> str:
+    """Kernel source that finds the projection g (of `count`, each 16 x WT rows of W `w{g}` a
+    block) and block b within it that this block computes; `assign(i)` sets its pointers."""
+    return "".join(
         f"""
     if (g < 0) {{
         const int blocks = (w{i}_shape[0] + 16 * WT - 1) / (16 * WT);
         if (b < blocks) {{
-            g = {i}; N = w{i}_shape[0]; w = w{i}; y = y{i};{f" bias = bias{i};" if bias else ""}
+            g = {i}; N = w{i}_shape[0]; {assign(i)}
         }} else {{
             b -= blocks;
         }}
     }}"""
         for i in range(count)
     )
-    add_bias = "s += static_cast<float>(bias[n]);" if bias else ""
-    mma = (
+
+
+def mma_instruction(ptx: str) -> str:
+    """m16n8k16 on 2-byte floats `ptx` into float32 sums: operands c[4], a[4], b[2]."""
+    return (
         f"mma.sync.aligned.m16n8k16.row.col.f32.{ptx}.{ptx}.f32 "
         "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
     )
+
+
+def gather_source(bias: bool) -> str:
+    """Kernel source that sums the warps' partial outputs `c[WT][TILES][4]` (split K) and
+    writes y (M x N), adding `bias[n]` where `bias`."""
+    add_bias = "s += static_cast<float>(bias[n]);" if bias else ""
+    return f"""
+    constexpr int OUT = WT * TILES * 4;  // a lane's sums
+    __shared__ float partial[WARPS][32][OUT];
+    #pragma unroll
+    for (int v = 0; v < WT; ++v) {{
+        #pragma unroll
+        for (int t = 0; t < TILES; ++t) {{
+            #pragma unroll
+            for (int i = 0; i < 4; ++i) partial[warp][lane][(v * TILES + t) * 4 + i] = c[v][t][i];
+        }}
+    }}
+    __syncthreads();
+    // the warps' sums of each output, spread over all the block's threads
+    for (int o = threadIdx.x; o < 32 * OUT; o += WARPS * 32) {{
+        const int l = o / OUT, r = o % OUT;
+        const int v = r / (TILES * 4), t = (r / 4) % TILES, i = r % 4;
+        float s = 0.0f;
+        #pragma unroll
+        for (int j = 0; j < WARPS; ++j) s += partial[j][l][r];
+        const int m = t * 8 + (l % 4) * 2 + (i & 1), n = n0 + v * 16 + l / 4 + (i >> 1) * 8;
+        if (m < M && n < N) {{
+            {add_bias}
+            y[(size_t)m * N + n] = static_cast<T>(s);
+        }}
+    }}
+"""
+
+
+def _source(count: int, bias: bool, ptx: str) -> str:
+    pick = pick_source(count, lambda i: f"w = w{i}; y = y{i};{f' bias = bias{i};' if bias else ''}")
+    mma = mma_instruction(ptx)
     return f"""
     const int M = x_shape[0] * x_shape[1];
     const int K = x_shape[2];
@@ -133,31 +175,7 @@ def _source(count: int, bias: bool, ptx: str) -> str:
             }}
         }}
     }}
-    constexpr int OUT = WT * TILES * 4;  // a lane's sums
-    __shared__ float partial[WARPS][32][OUT];
-    #pragma unroll
-    for (int v = 0; v < WT; ++v) {{
-        #pragma unroll
-        for (int t = 0; t < TILES; ++t) {{
-            #pragma unroll
-            for (int i = 0; i < 4; ++i) partial[warp][lane][(v * TILES + t) * 4 + i] = c[v][t][i];
-        }}
-    }}
-    __syncthreads();
-    // the warps' sums of each output, spread over all the block's threads
-    for (int o = threadIdx.x; o < 32 * OUT; o += WARPS * 32) {{
-        const int l = o / OUT, r = o % OUT;
-        const int v = r / (TILES * 4), t = (r / 4) % TILES, i = r % 4;
-        float s = 0.0f;
-        #pragma unroll
-        for (int j = 0; j < WARPS; ++j) s += partial[j][l][r];
-        const int m = t * 8 + (l % 4) * 2 + (i & 1), n = n0 + v * 16 + l / 4 + (i >> 1) * 8;
-        if (m < M && n < N) {{
-            {add_bias}
-            y[(size_t)m * N + n] = static_cast<T>(s);
-        }}
-    }}
-"""
+""" + gather_source(bias)
 
 
 def _kernel(count: int, bias: bool, dtype: mx.Dtype) -> Any:

@@ -13,12 +13,13 @@ from mlx_lm.models import llama, qwen2
 
 from mlxd.engine import fewrows, lora
 from mlxd.engine.attention import cuda_available
-from mlxd.engine.fewrows import FewRowsLinear, group_projections
+from mlxd.engine.fewrows import FewRowsLinear, FewRowsQuantizedLinear, group_projections
 from mlxd.engine.kvcache import make_cache
 from tests.engine.conftest import backend_says
 
 
-def tiny(kind: str = "llama", dtype: mx.Dtype = mx.bfloat16) -> nn.Module:
+def tiny(kind: str = "llama", dtype: mx.Dtype = mx.bfloat16, bits: int = 0) -> nn.Module:
+    """A 2-block model (`bits`: its projections quantized, groups of 32)."""
     shape = dict(
         hidden_size=64, num_hidden_layers=2, intermediate_size=96, num_attention_heads=4,
         num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=50,
@@ -29,6 +30,8 @@ def tiny(kind: str = "llama", dtype: mx.Dtype = mx.bfloat16) -> nn.Module:
     else:
         model = llama.Model(llama.ModelArgs(model_type="llama", **shape))  # type: ignore[arg-type]
     model.set_dtype(dtype)
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits)
     mx.eval(model.parameters())
     return model
 
@@ -46,6 +49,28 @@ class Counting:
         if biases is None:
             return [x @ w.T for w in weights]
         return [mx.addmm(b, x, w.T) for w, b in zip(weights, biases, strict=True)]
+
+
+class CountingQuantized:
+    """Each quantized group's projections computed as `nn.QuantizedLinear` computes one,
+    counted."""
+
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(
+        self,
+        x: mx.array,
+        parts: Sequence[tuple[mx.array, mx.array, mx.array]],
+        biases: Sequence[mx.array] | None,
+        group_size: int,
+    ) -> list[mx.array]:
+        self.calls.append(len(parts))
+        ys = [
+            mx.quantized_matmul(x, w, s, o, transpose=True, group_size=group_size, bits=4)
+            for w, s, o in parts
+        ]
+        return ys if biases is None else [y + b for y, b in zip(ys, biases, strict=True)]
 
 
 def logits(model: nn.Module, tokens: list[list[int]]) -> mx.array:
@@ -100,18 +125,36 @@ def test_with_batches_a_batchs_few_token_forwards_are_grouped_too() -> None:
 
 def test_only_plain_float_projections_of_two_byte_dtypes_are_grouped() -> None:
     assert group_projections(tiny(dtype=mx.float32), Counting(), 32) == 0
-    quantized = tiny()
-    nn.quantize(quantized, group_size=32, bits=4)
-    assert group_projections(quantized, Counting(), 32) == 0
+    assert group_projections(tiny(bits=4), Counting(), 32) == 0  # no quantized matmul given
+    assert group_projections(tiny(bits=8), Counting(), 32, quantized=CountingQuantized()) == 0
 
 
-def test_adapters_wrap_the_grouped_projections() -> None:
-    """A mounted adapter's layer wraps a grouped projection as any other: a row on the adapter
-    gets the same logits as over an ungrouped base, a row on none the base's, and the
-    few-token projections stay grouped."""
-    plain, grouped = tiny(), tiny()
-    counting = Counting()
-    group_projections(grouped, counting, 32)
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_4_bit_groups_take_one_call_each_and_stay_quantized_linears(kind: str) -> None:
+    """Given a quantized matmul, 4-bit projections group as float ones do: a lone row's
+    few-token forwards take one call a group, a decode step keeps the layer's own."""
+    plain, grouped = tiny(kind, bits=4), tiny(kind, bits=4)
+    counting = CountingQuantized()
+    assert group_projections(grouped, Counting(), 32, quantized=counting) == 2 * 7
+    q_proj = grouped.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, nn.QuantizedLinear) and "biases" in q_proj
+    tokens = [[5, 6, 7, 8, 9]]
+    assert mx.array_equal(logits(grouped, tokens), logits(plain, tokens)).item()
+    assert counting.calls == [3, 1, 2, 1] * 4
+    counting.calls.clear()
+    assert mx.array_equal(logits(grouped, [[5]]), logits(plain, [[5]])).item()
+    assert counting.calls == [3, 1, 2, 1] * 2  # the 3-token prompt only
+
+
+@pytest.mark.parametrize("bits", [0, 4])
+def test_adapters_wrap_the_grouped_projections(bits: int) -> None:
+    """A mounted adapter's layer wraps a grouped projection (float or 4-bit) as any other: a
+    row on the adapter gets the same logits as over an ungrouped base, a row on none the
+    base's, and the few-token projections stay grouped."""
+    plain, grouped = tiny(bits=bits), tiny(bits=bits)
+    floats, quantized = Counting(), CountingQuantized()
+    group_projections(grouped, floats, 32, quantized=quantized)
+    counting = quantized if bits else floats
     mx.random.seed(1)
     a = 0.1 * mx.random.normal((64, 8))
     b = 0.1 * mx.random.normal((8, 64))
@@ -121,7 +164,7 @@ def test_adapters_wrap_the_grouped_projections() -> None:
         layer = lora.wrap(model, "model.layers.0.self_attn.q_proj", selection)
         layer.put(1, lora.LayerWeights(a, b, 2.0))
         layers.append((selection, layer))
-    assert isinstance(layers[1][1].base, FewRowsLinear)
+    assert isinstance(layers[1][1].base, FewRowsQuantizedLinear if bits else FewRowsLinear)
     tokens = [[5, 6, 7, 8]]
     for slot in (0, 1):
         for selection, _ in layers:
@@ -130,14 +173,15 @@ def test_adapters_wrap_the_grouped_projections() -> None:
         ours, theirs = logits(grouped, tokens), logits(plain, tokens)
         assert mx.array_equal(ours, theirs).item()
         assert counting.calls[:4] == [3, 1, 2, 1]
-    assert not mx.allclose(ours, logits(tiny(), tokens), atol=1e-2).item()  # the adapter acts
+    assert not mx.allclose(ours, logits(tiny(bits=bits), tokens), atol=1e-2).item()  # it acts
 
 
 @pytest.mark.skipif(not cuda_available(), reason="the kernel runs on MLX's CUDA build")
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize(("rows", "length"), [(1, 2), (1, 9), (1, 32), (2, 5), (4, 8)])
-def test_the_kernel_gives_the_models_logits(kind: str, rows: int, length: int) -> None:
-    plain, grouped = tiny(kind), tiny(kind)
+@pytest.mark.parametrize("bits", [0, 4])
+def test_the_kernel_gives_the_models_logits(kind: str, rows: int, length: int, bits: int) -> None:
+    plain, grouped = tiny(kind, bits=bits), tiny(kind, bits=bits)
     assert fewrows.install(grouped, batches=rows > 1) == 2 * 7
     tokens = [[(7 * i + r) % 50 for i in range(length)] for r in range(rows)]
     ours, theirs = logits(grouped, tokens), logits(plain, tokens)
