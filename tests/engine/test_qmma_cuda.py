@@ -31,9 +31,11 @@ def test_it_takes_4_bit_affine_projections_and_up_to_32_rows_in_their_dtype() ->
 
 
 @pytest.mark.skipif(not cuda_available(), reason="the kernel runs on MLX's CUDA build")
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16])
-@pytest.mark.parametrize("group_size", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 9, 16, 17, 32])
+@pytest.mark.parametrize(
+    ("dtype", "group_size"),
+    [(mx.bfloat16, 32), (mx.bfloat16, 64), (mx.bfloat16, 128), (mx.float16, 64)],
+)
+@pytest.mark.parametrize("rows", [1, 3, 9, 17, 32])
 def test_it_matches_mlx_quantized_matmul(dtype: mx.Dtype, group_size: int, rows: int) -> None:
     """Several projections of one input, outputs not a multiple of 16, K not a multiple of
     the warps' stride, with and without biases; float32 references on the same weights."""
