@@ -57,16 +57,17 @@ class _Group:
     dtype: mx.Dtype  # x's, for the kernel: the weights' (a quantized group: its scales')
     width: int  # x's last axis (K)
     batches: bool = False  # forwards of several rows too (else one row's only)
+    min_tokens: int = MIN_TOKENS  # the fewest tokens a row of a forward the group computes
     x: mx.array | None = None
     waiting: dict[int, mx.array] = field(default_factory=dict)
 
     def takes(self, x: mx.array) -> bool:
         """Whether x is a forward the group computes: a lone row's (or, with `batches`, a
-        batch's) of `MIN_TOKENS` to `max_tokens` rows x tokens, in the group's dtype."""
+        batch's) of `min_tokens` to `max_tokens` rows x tokens, in the group's dtype."""
         return (
             x.ndim == 3
             and (x.shape[0] == 1 or self.batches)
-            and x.shape[1] >= MIN_TOKENS
+            and x.shape[1] >= self.min_tokens
             and x.shape[0] * x.shape[1] <= self.max_tokens
             and x.dtype == self.dtype
         )
