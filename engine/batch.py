@@ -165,16 +165,36 @@ def expected_tokens(gen: Generation, k: int) -> float:
     return expected
 
 
-def draft_seconds(gens: Sequence[Generation], ks: Sequence[int], costs: Costs) -> float:
+def draft_seconds(
+    gens: Sequence[Generation],
+    ks: Sequence[int],
+    costs: Costs,
+    paid: Sequence[bool] | None = None,
+) -> float:
     """What drafting ks[i] tokens for each row costs: rows whose draft model drafts batched
-    share its steps (one B-row forward each, `draft_rows`); any other row pays its own."""
-    alone = sum(
-        n * (g.controller.draft_cost if g.controller is not None else 0.0)
-        for g, n in zip(gens, ks, strict=True)
-        if n and not g.drafts_batched
-    )
-    shared = [n for g, n in zip(gens, ks, strict=True) if n and g.drafts_batched]
+    share its steps (one B-row forward each, `draft_rows`); any other row pays its own.
+    `paid[i]`: whether row i's drafts this round run its draft model (`pays_drafts`), where
+    known (a row of `auto` whose prompt lookup covers the round drafts for free)."""
+    alone, shared = 0.0, []
+    for i, (g, n) in enumerate(zip(gens, ks, strict=True)):
+        if not n or (paid is not None and not paid[i]):
+            continue
+        if g.drafts_batched:
+            shared.append(n)
+        elif g.controller is not None:
+            alone += n * g.controller.draft_cost
     return alone + max(shared, default=0) * costs.draft_rows(len(shared))
+
+
+def pays_drafts(gen: Generation, n: int) -> bool:
+    """Whether the row's next n drafts cost draft steps: its source runs a draft model for
+    them (a lookup hit of `auto` does not; a failing source is priced as paying)."""
+    if n <= 0 or gen.source is None or _drafts_free(gen):
+        return False
+    try:
+        return gen.source.runs_model(gen.tokens, n)
+    except Exception:
+        return True
 
 
 def guessed_tokens(gen: Generation, k: int, prior: int) -> float:
@@ -438,7 +458,9 @@ def plan_widths(
     rows = len(gens)
     times = times if times is not None else RoundTimes(costs)
     best, best_rate = 0, rows / times.plain_round(rows)
-    free = max((w for g, w in zip(gens, wants, strict=True) if _drafts_free(g)), default=0)
+    # guesses are lookup's (free); else each row's drafts as its source would make them
+    paid = [priors is None and pays_drafts(g, w) for g, w in zip(gens, wants, strict=True)]
+    free = max((w for w, p in zip(wants, paid, strict=True) if not p), default=0)
     shorter = {1 << i for i in range(free.bit_length()) if 1 << i < free}
     tried = {w for w in wants if w > 0} | shorter
     if widths:  # no wider than the widest width run
@@ -448,7 +470,7 @@ def plan_widths(
         width = padded_width(k + 1, widths)
         if priors is None:
             expected = sum(expected_tokens(g, n) for g, n in zip(gens, ks, strict=True))
-            cost = times.verify_round(rows, width, draft_seconds(gens, ks, costs))
+            cost = times.verify_round(rows, width, draft_seconds(gens, ks, costs, paid))
         else:
             expected = sum(guessed_tokens(*row) for row in zip(gens, ks, priors, strict=True))
             cost = times.verify_round(rows, width, 0.0, queued=True)

@@ -104,6 +104,11 @@ class DraftSource(ABC):
         this row together with others; None: this row proposes on its own (`propose`)."""
         return None
 
+    def runs_model(self, tokens: Sequence[int], n: int) -> bool:
+        """Whether proposing n tokens after `tokens` runs a draft model (costs draft steps);
+        host work only: a batch prices its round's drafts by it."""
+        return self.model_part() is not None
+
     def lag(self, tokens: Sequence[int]) -> int:
         """Committed tokens the source would have to read before its next draft (a draft
         model's catch-up after a pause); 0 for sources that keep no model state."""
@@ -423,9 +428,12 @@ class HybridDraftSource(DraftSource):
         return self.model
 
     def batch_part(self, tokens: Sequence[int], n: int) -> ModelDraftSource | None:
-        if self.lookup.propose(tokens, n).count >= min(n, self.min_lookup):
+        if not self.runs_model(tokens, n):
             return None  # free lookup drafts this round (`propose`)
         return self.model.batch_part(tokens, n)
+
+    def runs_model(self, tokens: Sequence[int], n: int) -> bool:
+        return self.lookup.propose(tokens, n).count < min(n, self.min_lookup)
 
     def accept(self, tokens: Sequence[int]) -> None:
         self.lookup.accept(tokens)

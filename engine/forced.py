@@ -48,6 +48,12 @@ class ForcedDraftSource(DraftSource):
         joined = mx.concatenate([head, inner.tokens.astype(mx.uint32)]) if inner.count else head
         return Draft(joined, len(forced) + inner.count, self.name)
 
+    def runs_model(self, tokens: Sequence[int], n: int) -> bool:
+        forced = self.matcher.forced()[: max(n, 0)]
+        if self.inner is None or len(forced) >= n:
+            return False
+        return self.inner.runs_model([*tokens, *forced], n - len(forced))
+
     def accept(self, tokens: Sequence[int]) -> None:
         if self.inner is not None:
             self.inner.accept(tokens)

@@ -157,6 +157,32 @@ def test_a_batch_cuts_long_free_drafts_to_a_width_that_pays() -> None:
     assert plan_widths(gens, [FREE_DRAFT_TOKENS] * 4, costs) == [1] * 4
 
 
+def test_a_batch_prices_an_auto_rows_lookup_hits_as_free() -> None:
+    """A row of `auto` whose prompt lookup covers the round drafts for free: the batch prices
+    it as a lookup row, where its draft model's steps (two plain steps a token here) would
+    decline every draft. Without a lookup hit the model drafts, and is priced so."""
+    costs = Costs(verify={w: 1.0 + w / 64 for w in range(1, 80)}, draft_step=2.0)
+    target, draft = tiny_vocab_model(3, 8), tiny_vocab_model(4, 8)
+    greedy = parse_options({"temperature": 0})
+
+    def plan(prompt: list[int], auto: bool) -> list[int]:
+        gens = []
+        for i in range(2):
+            lookup = LookupDraftSource()
+            source: DraftSource = lookup
+            if auto:
+                source = HybridDraftSource(lookup, ModelDraftSource(draft, greedy, Rng(i)))
+            lookup.prefill(prompt)
+            controller = DraftLengthController(costs, 4, costs.draft_step if auto else 0.0)
+            gens.append(Generation(target, prompt, greedy, set(), 40, Rng(i), source, controller))
+        return plan_widths(gens, [4, 4], costs)
+
+    repeats, fresh = [1, 2, 3, 4, 5, 6, 7, 1, 2, 3], [1, 2, 3, 4, 5, 6, 7, 0, 7, 6]
+    assert plan(repeats, auto=False) == [4, 4]
+    assert plan(repeats, auto=True) == [4, 4]  # lookup continues 4, 5, 6, 7
+    assert plan(fresh, auto=True) == [0, 0]  # the draft model's turn: too dear
+
+
 def test_a_batch_verifies_long_free_drafts_where_the_measured_curve_stays_flat() -> None:
     """On a GPU a forward of 64 or 128 tokens costs about what one of 16 does. Load measures
     those widths, so four rows of a batch verify eight lookup drafts each there; priced from
