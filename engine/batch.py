@@ -94,7 +94,7 @@ from mlxd.engine.generation import Generation
 from mlxd.engine.grammar import Walk
 from mlxd.engine.options import parse_options
 from mlxd.engine.sampling import Rng, choose_rows, sample_keyed, to_ints
-from mlxd.engine.specgate import SpecGate
+from mlxd.engine.specgate import FREE, SpecGate
 from mlxd.engine.speculation import FREE_SOURCES, Costs
 from mlxd.engine.verify import Verdict, choices, decide
 
@@ -557,7 +557,9 @@ class RowBatch:
         maybe = [d and not g.plain_next() for g, d in zip(gens, self._drafting(gens), strict=True)]
         if not any(maybe):
             return True
-        wants = [g.next_want() if m else 0 for g, m in zip(gens, maybe, strict=True)]
+        wants = self._free_only(
+            gens, [g.next_want() if m else 0 for g, m in zip(gens, maybe, strict=True)]
+        )
         if any(plan_widths(gens, wants, self.costs, self.times, self.widths)):
             return False
         for g, want in zip(gens, wants, strict=True):
@@ -611,11 +613,13 @@ class RowBatch:
         scored for the gate on drafting (`SpecGate`) where it follows a round of the same
         rows and some row speculates (rows that never draft would score either arm alike)."""
         since, rows = self._since(), len(self.gens)
-        scored = any(g.source is not None for g in self.gens)
+        sources = [g.source for g in self.gens if g.source is not None]
+        costly = any(s.model_part() is not None for s in sources)
         committed = self._round(since)
         returned = self._returned
-        if scored and since is not None and returned is not None and returned[0] > since:
-            self.gate.record(rows, sum(len(c.tokens) for c in committed), returned[0] - since)
+        if sources and since is not None and returned is not None and returned[0] > since:
+            tokens = sum(len(c.tokens) for c in committed)
+            self.gate.record(rows, tokens, returned[0] - since, costly)
         return committed
 
     def _drafting(self, gens: Sequence[Generation]) -> list[bool]:
@@ -624,6 +628,13 @@ class RowBatch:
         if self.gate.allows(len(gens)):
             return [True] * len(gens)
         return [g.source is not None and g.source.name.startswith("forced") for g in gens]
+
+    def _free_only(self, gens: Sequence[Generation], wants: list[int]) -> list[int]:
+        """The drafts rows want, less those that would run a draft model where the gate
+        allows free drafts only (`specgate.FREE`)."""
+        if self.gate.level(len(gens)) != FREE:
+            return wants
+        return [0 if pays_drafts(g, w) else w for g, w in zip(gens, wants, strict=True)]
 
     def _round(self, since: float | None) -> list[Committed]:
         gens = self.gens
@@ -634,6 +645,7 @@ class RowBatch:
             return self._plain_round(since)  # computed already: a draft found since waits a round
         may = self._drafting(gens)
         wants = [g.draft_length(ready=False) if m else 0 for g, m in zip(gens, may, strict=True)]
+        wants = self._free_only(gens, wants)
         t0 = time.perf_counter()
         ks = list(wants)
         if any(wants):

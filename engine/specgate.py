@@ -14,7 +14,12 @@ drafting). A round over `STALL` times its epoch's median (a shape's first forwar
 on a GPU: once 2.3 s where such rounds take 10 ms) is left out of its epoch's score, tokens
 and all: a one-off stall is neither arm's cost, and scored it sank the arm it hit for
 `RETRY_EPOCHS` epochs or more. The first epoch drafts (a batch where drafting pays starts
-paying at once), the next does not (the baseline); after that the loser is tried again after
+paying at once), the next does not (the baseline). Where drafting lost and its rows drafted
+with a model (`auto`: prompt lookup where the text repeats, else the draft model), a third
+epoch drafts only what runs no draft model (`FREE`: lookup's, forced tokens): on a GPU a
+0.5B-shaped draft step costs 0.4 of a 7B-shaped target's, so a batch's model drafts can lose
+where its lookup drafts pay, and scored as one arm they sank both. The best arm runs on (a
+drafting arm unless it scored under `FLOOR` of not drafting); each loser is tried again after
 `RETRY_EPOCHS` of the winner's epochs, twice as many each time it loses again (up to
 `MAX_RETRY_EPOCHS`), so that a drafting that loses costs a few per cent of rounds at most.
 While drafting is not allowed nothing drafts and no row is benched: the rounds are the plain
@@ -42,75 +47,105 @@ MAX_RETRY_EPOCHS = 64
 STALL = 10.0
 
 
+PLAIN, FREE, ALL = 0, 1, 2  # the arms: no drafts; drafts that run no draft model; any
+ARM_NAMES = {PLAIN: "plain", FREE: "free drafts", ALL: "drafting"}
+
+
 @dataclass
 class _Count:
-    """One row count's record: the last score of each arm (True: drafting allowed) and the
-    epoch running now."""
+    """One row count's record: the last score of each arm and the epoch running now."""
 
-    rates: dict[bool, float] = field(default_factory=dict)
-    drafting: bool = True
+    rates: dict[int, float] = field(default_factory=dict)
+    arm: int = ALL
     rounds: list[tuple[int, float]] = field(default_factory=list)  # this epoch's (tokens, s)
-    since_trial: int = 0  # the winner's epochs since the loser last ran
-    retry: int = RETRY_EPOCHS  # the winner's epochs before the loser's next trial
-    trial: bool = False  # the epoch running now tries the loser again
+    costly: bool = False  # a row of this epoch's rounds had a draft model
+    distinct: bool = False  # the last drafting epoch was costly: free drafts are an arm
+    since: dict[int, int] = field(default_factory=dict)  # a loser's: winner's epochs since it ran
+    retry: dict[int, int] = field(default_factory=dict)  # a loser's: epochs before its next trial
+    trial: bool = False  # the epoch running now tries a loser again
 
 
 @dataclass
 class SpecGate:
     counts: dict[int, _Count] = field(default_factory=dict)
 
+    def level(self, rows: int) -> int:
+        """What a batch of `rows` rows may draft now: `ALL`, `FREE` or `PLAIN` (always `ALL`
+        with the floor off: `MLXD_SPEC_FLOOR=0`)."""
+        return self._count(rows).arm if floor_on() else ALL
+
     def allows(self, rows: int) -> bool:
-        """Whether a batch of `rows` rows may draft now (always, with the floor off:
-        `MLXD_SPEC_FLOOR=0`)."""
-        return not floor_on() or self._count(rows).drafting
+        """Whether a batch of `rows` rows may draft anything now."""
+        return self.level(rows) != PLAIN
 
-    def rate(self, rows: int, drafting: bool) -> float | None:
+    def rate(self, rows: int, arm: int) -> float | None:
         """The last score of an arm at `rows` rows: committed tokens a second."""
-        return self._count(rows).rates.get(drafting)
+        return self._count(rows).rates.get(arm)
 
-    def record(self, rows: int, tokens: int, seconds: float) -> None:
+    def record(self, rows: int, tokens: int, seconds: float, costly: bool = False) -> None:
         """A round of `rows` rows (the same rows as the round before) that committed `tokens`
-        in `seconds`, return to return."""
+        in `seconds`, return to return; `costly`: some row of it has a draft model."""
         c = self._count(rows)
         c.rounds.append((tokens, seconds))
+        c.costly = c.costly or costly
         if len(c.rounds) < EPOCH_ROUNDS:
             return
-        first = c.drafting not in c.rates  # this arm's first score
+        arm = c.arm
+        first = arm not in c.rates  # this arm's first score
         judged = first or c.trial
-        arm = c.drafting
         c.rates[arm], stalls = _score(c.rounds)
-        c.rounds = []
-        c.drafting = self._next(c, first)
+        if arm == ALL:  # free drafts alone differ only where a row drafted with a model
+            c.distinct = c.costly
+        c.rounds, c.costly = [], False
+        c.arm = self._next(c, arm, first)
         if judged or stalls:  # a comparison, or rounds left out: rare enough to log each
             log.info(
                 "speculation gate: %d rows, %s scored %.1f tok/s (%d stalled rounds left out);"
                 " %s runs next",
-                rows, "drafting" if arm else "plain", c.rates[arm], stalls,
-                "drafting" if c.drafting else "plain",
+                rows, ARM_NAMES[arm], c.rates[arm], stalls, ARM_NAMES[c.arm],
             )  # fmt: skip
 
-    def _next(self, c: _Count, first: bool) -> bool:
-        if False not in c.rates:
-            return False  # the baseline, once
-        winner = c.rates.get(True, 0.0) >= FLOOR * c.rates[False]
+    def _next(self, c: _Count, arm: int, first: bool) -> int:
+        if PLAIN not in c.rates:
+            return PLAIN  # the baseline, once
+        winner = _winner(c.rates)
+        if winner == PLAIN and FREE not in c.rates and c.distinct:
+            return FREE  # drafting lost: would its free drafts alone pay?
         if first or c.trial:
-            if c.trial:  # the loser, tried again: its record says how long until the next try
-                c.retry = (
-                    RETRY_EPOCHS if c.drafting == winner else min(2 * c.retry, MAX_RETRY_EPOCHS)
+            if c.trial:  # a loser, tried again: its record says how long until the next try
+                c.retry[arm] = (
+                    RETRY_EPOCHS if arm == winner else min(2 * c.retry[arm], MAX_RETRY_EPOCHS)
                 )
-            c.trial, c.since_trial = False, 0
+            c.trial = False
+            for loser in c.rates:
+                c.retry.setdefault(loser, RETRY_EPOCHS)
+                if first:  # the comparison starts every loser's clock; a trial, its own
+                    c.since[loser] = 0
             return winner
-        c.since_trial += 1
-        if c.since_trial >= c.retry:
-            c.trial = True
-            return not winner
-        return winner
+        due = []
+        for loser in c.rates:
+            if loser != winner:
+                c.since[loser] = c.since.get(loser, 0) + 1
+                if c.since[loser] >= c.retry.setdefault(loser, RETRY_EPOCHS):
+                    due.append(loser)
+        if not due:
+            return winner
+        loser = max(due, key=lambda a: (c.since[a] - c.retry[a], -a))
+        c.since[loser], c.trial = 0, True
+        return loser
 
     def _count(self, rows: int) -> _Count:
         c = self.counts.get(rows)
         if c is None:
             c = self.counts[rows] = _Count()
         return c
+
+
+def _winner(rates: dict[int, float]) -> int:
+    """The drafting arm that scored best (free drafts where tied), unless it scored under
+    `FLOOR` of plain decoding."""
+    best = max((a for a in (FREE, ALL) if a in rates), key=lambda a: (rates[a], -a))
+    return best if rates[best] >= FLOOR * rates[PLAIN] else PLAIN
 
 
 def _score(rounds: list[tuple[int, float]]) -> tuple[float, int]:

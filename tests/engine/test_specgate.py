@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -10,33 +11,59 @@ import pytest
 from mlxd.engine import specgate
 from mlxd.engine.backend import configure_backend
 from mlxd.engine.batch import RoundTimes, RowBatch
+from mlxd.engine.draftbatch import DraftBatch
+from mlxd.engine.drafting import ModelDraftSource
 from mlxd.engine.kvcache import set_bucket
 from mlxd.engine.options import parse_options
 from mlxd.engine.pairing import Pairing, load_pairing
-from mlxd.engine.specgate import EPOCH_ROUNDS, MAX_RETRY_EPOCHS, RETRY_EPOCHS, SpecGate
+from mlxd.engine.specgate import (
+    ALL,
+    EPOCH_ROUNDS,
+    FREE,
+    MAX_RETRY_EPOCHS,
+    PLAIN,
+    RETRY_EPOCHS,
+    SpecGate,
+)
 from mlxd.registry.schema import ModelEntry
 from tests.engine.conftest import GPU_TEST_BUCKET, PIECES
 from tests.engine.test_rows import FLAT, PROMPTS, serve, solo_plain
+from tests.fixtures.scripted_models import Script, build_scripted
 from tests.fixtures.tiny_models import TinyPair
 
 
-def run_epochs(gate: SpecGate, rows: int, epochs: int, rate: dict[bool, float]) -> list[bool]:
-    """Run `epochs` epochs of rounds, each arm committing `rate[arm]` tokens a second; the
-    arm each epoch ran."""
+def run_epochs(
+    gate: SpecGate, rows: int, epochs: int, rate: dict[bool, float], costly: bool = False
+) -> list[bool]:
+    """Run `epochs` epochs of rounds, drafting committing `rate[True]` tokens a second and
+    plain decoding `rate[False]`; whether each epoch drafted. `costly`: rows draft with a
+    model (free drafts alone, the `FREE` arm, score as drafting here)."""
     arms = []
     for _ in range(epochs):
         arm = gate.allows(rows)
         arms.append(arm)
         for _ in range(EPOCH_ROUNDS):
-            gate.record(rows, rows, rows / rate[arm])
+            gate.record(rows, rows, rows / rate[arm], costly)
     return arms
+
+
+def run_levels(gate: SpecGate, rows: int, epochs: int, rate: dict[int, float]) -> list[int]:
+    """`run_epochs` by the gate's levels, each scoring `rate[level]`, rows drafting with a
+    model: the level each epoch ran."""
+    levels = []
+    for _ in range(epochs):
+        level = gate.level(rows)
+        levels.append(level)
+        for _ in range(EPOCH_ROUNDS):
+            gate.record(rows, rows, rows / rate[level], True)
+    return levels
 
 
 def test_drafting_runs_first_then_the_baseline_then_the_winner() -> None:
     gate = SpecGate()
     arms = run_epochs(gate, 4, 2 + RETRY_EPOCHS, {True: 1.4, False: 1.0})
     assert arms == [True, False] + [True] * RETRY_EPOCHS
-    assert gate.rate(4, True) == pytest.approx(1.4) and gate.rate(4, False) == pytest.approx(1.0)
+    assert gate.rate(4, ALL) == pytest.approx(1.4) and gate.rate(4, PLAIN) == pytest.approx(1.0)
     # the loser is tried again, and loses again
     assert run_epochs(gate, 4, 2, {True: 1.4, False: 1.0}) == [False, True]
     assert gate.allows(4)
@@ -69,6 +96,27 @@ def test_drafting_within_the_floor_of_plain_decoding_runs_on() -> None:
     assert arms == [True, False, False, False]
 
 
+def test_where_drafting_with_a_model_loses_free_drafts_alone_are_tried() -> None:
+    """Rows drafting with a model (`auto`): drafting loses to the baseline, so a third epoch
+    drafts free drafts alone, which pay and run on; each loser is tried again on its own
+    schedule. Rows without a model never run that epoch (it would draft the same)."""
+    gate = SpecGate()
+    rates = {ALL: 0.9, PLAIN: 1.0, FREE: 1.3}
+    levels = run_levels(gate, 4, 3 + RETRY_EPOCHS + 3, rates)
+    assert levels[:3] == [ALL, PLAIN, FREE]
+    assert levels[3 : 3 + RETRY_EPOCHS] == [FREE] * RETRY_EPOCHS
+    assert levels[3 + RETRY_EPOCHS :] == [PLAIN, FREE, ALL]  # both losers, one at a time
+    assert gate.rate(4, FREE) == pytest.approx(1.3) and gate.level(4) == FREE
+    # where the model's drafts pay again, drafting with it wins its next trial
+    later = run_levels(gate, 4, 4 * RETRY_EPOCHS, {ALL: 1.6, PLAIN: 1.0, FREE: 1.3})
+    assert later[-RETRY_EPOCHS:].count(ALL) >= RETRY_EPOCHS - 2  # its losers' trials aside
+    # without a model there is nothing to leave out: drafting and the baseline only
+    assert run_epochs(SpecGate(), 4, 4, {True: 0.9, False: 1.0}) == [True, False, False, False]
+    # a free arm that loses too leaves plain decoding on
+    lost = run_levels(SpecGate(), 4, 5, {ALL: 0.8, PLAIN: 1.0, FREE: 0.9})
+    assert lost == [ALL, PLAIN, FREE, PLAIN, PLAIN]
+
+
 def test_a_stalled_round_sinks_neither_arm(caplog: pytest.LogCaptureFixture) -> None:
     """A shape compiling mid-stream stalls one round for seconds: left out of its epoch's
     score (and logged), the drafting that pays runs on; a rate that is slower throughout
@@ -79,7 +127,7 @@ def test_a_stalled_round_sinks_neither_arm(caplog: pytest.LogCaptureFixture) -> 
             assert gate.allows(4) is arm
             for i in range(EPOCH_ROUNDS):
                 gate.record(4, 4, 4 / rate * (200 if i == 3 else 1))
-    assert gate.rate(4, True) == pytest.approx(1.4) and gate.allows(4)
+    assert gate.rate(4, ALL) == pytest.approx(1.4) and gate.allows(4)
     assert [r.getMessage().split(": ", 1)[1] for r in caplog.records] == [
         "4 rows, drafting scored 1.4 tok/s (1 stalled rounds left out); plain runs next",
         "4 rows, plain scored 1.0 tok/s (1 stalled rounds left out); drafting runs next",
@@ -88,7 +136,7 @@ def test_a_stalled_round_sinks_neither_arm(caplog: pytest.LogCaptureFixture) -> 
     # `STALL` times plain decoding's rounds, is scored whole and loses
     slower = SpecGate()
     run_epochs(slower, 4, 2, {True: 0.5 / specgate.STALL, False: 1.0})
-    assert slower.rate(4, True) == pytest.approx(0.5 / specgate.STALL)
+    assert slower.rate(4, ALL) == pytest.approx(0.5 / specgate.STALL)
     assert not slower.allows(4)
 
 
@@ -117,9 +165,11 @@ def test_a_batch_stops_drafting_where_its_rounds_say_drafting_loses(
         reading[0] = True
         return read(self, *args, **kw)
 
-    def clocked(self: SpecGate, rows: int, tokens: int, seconds: float) -> None:
+    def clocked(
+        self: SpecGate, rows: int, tokens: int, seconds: float, costly: bool = False
+    ) -> None:
         verified.append(reading[0])
-        record(self, rows, tokens, verify_cost if reading[0] else 1.0)
+        record(self, rows, tokens, verify_cost if reading[0] else 1.0, costly)
         reading[0] = False
 
     monkeypatch.setattr(RowBatch, "_read", noted_read)
@@ -233,9 +283,9 @@ def test_only_rounds_where_some_row_speculates_are_scored(
     scored: list[int] = []
     record = SpecGate.record
 
-    def noted(self: SpecGate, rows: int, tokens: int, seconds: float) -> None:
+    def noted(self: SpecGate, rows: int, tokens: int, seconds: float, costly: bool = False) -> None:
         scored.append(rows)
-        record(self, rows, tokens, seconds)
+        record(self, rows, tokens, seconds, costly)
 
     monkeypatch.setattr(SpecGate, "record", noted)
 
@@ -246,3 +296,37 @@ def test_only_rounds_where_some_row_speculates_are_scored(
     assert scored == []
     serve(pairing, [(PROMPTS[0], opts("model")), *[(PROMPTS[i], opts("off")) for i in (1, 2)]])
     assert scored and set(scored) <= {1, 2, 3}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_at_the_free_level_rows_draft_by_lookup_and_never_run_their_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, temperature: float
+) -> None:
+    """Rows of `auto` copying their prompt, in a batch the gate holds at `FREE`: lookup's
+    drafts are verified, the draft model never drafts, and each row commits its solo
+    tokens."""
+    path = build_scripted(tmp_path, "generic", Script("@", PIECES))
+    pairing = load_pairing(ModelEntry("p", str(path), draft=str(path)), configure_backend(), FLAT)
+    monkeypatch.setattr(specgate, "floor_on", lambda: True)
+    monkeypatch.setattr(SpecGate, "level", lambda self, rows: FREE if rows > 1 else ALL)
+    drafted: list[int] = []
+    propose = ModelDraftSource.propose
+
+    def counted(self: ModelDraftSource, tokens: Any, n: int) -> Any:
+        drafted.append(n)
+        return propose(self, tokens, n)
+
+    monkeypatch.setattr(ModelDraftSource, "propose", counted)
+    monkeypatch.setattr(DraftBatch, "propose", lambda *a, **k: pytest.fail("model drafted"))
+    prompt = list(pairing.tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
+    specs = [
+        (prompt, parse_options({"temperature": temperature, "seed": i, "num_predict": n,
+                                "draft_method": "auto"}))
+        for i, n in enumerate([30, 26, 34])
+    ]  # fmt: skip
+    done = serve(pairing, specs)
+    assert [d.output_tokens for d in done] == [
+        solo_plain(pairing, p, o, o.num_predict) for p, o in specs
+    ]
+    assert sum(d.speculation.accepted for d in done) > 10
+    assert drafted == []
