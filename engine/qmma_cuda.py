@@ -38,9 +38,12 @@ GROUP_SIZES = (32, 64, 128)
 # a 2-byte float's bits for OFFSET (high and low half), OFFSET, and the mma's type
 _FLOATS = {mx.bfloat16: ("0x43004300u", 128.0, "bf16"), mx.float16: ("0x64006400u", 1024.0, "f16")}
 _kernels: dict[tuple[int, bool, Any], Any] = {}
-# W tiles of 16 rows per warp by tiles of x: a block reads all of x, whose bytes past a tile
-# outweigh a 4-bit W tile's (a guess to be timed: `bench/qmatmul.py`)
-SHAPES = {1: 2, 2: 2, 3: 2, 4: 2}
+# W tiles of 16 rows per warp by tiles of x: one at every tile count, the fastest of those
+# timed on an H100 (28 7B-shaped 4-bit blocks' projections, `bench/qmatmul.py`, ms a
+# pipelined step of 1 / 2 / 8 / 16 / 32 tokens): 1 W tile 3.17 / 3.25 / 3.49 / 4.94 / 6.94;
+# 2 W tiles 4.28 / 4.29 / 4.41 / 5.19 / 7.83; 4 W tiles 5.88-8.44; MLX's 4.76 / 8.29 / 15.57 /
+# 15.84 / 22.27
+SHAPES = {1: 1, 2: 1, 3: 1, 4: 1}
 
 Quantized = tuple[mx.array, mx.array, mx.array]  # packed weight (N, K / 8), scales, offsets
 
