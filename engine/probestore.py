@@ -30,7 +30,7 @@ from mlxd.registry.store import model_digest, resolve_local
 
 log = logging.getLogger(__name__)
 
-FORMAT = 4  # bump when what a probe checks or measures changes
+FORMAT = 5  # bump when what a probe checks or measures changes (5: 4-bit few-row verify)
 
 
 def _version(package: str) -> str:
