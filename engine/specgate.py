@@ -109,14 +109,13 @@ class SpecGate:
         if PLAIN not in c.rates:
             return PLAIN  # the baseline, once
         winner = _winner(c.rates)
+        tried, c.trial = c.trial, False
+        if tried:  # a loser, tried again: its record says how long until its next try
+            last = c.retry.get(arm, RETRY_EPOCHS)
+            c.retry[arm] = RETRY_EPOCHS if arm == winner else min(2 * last, MAX_RETRY_EPOCHS)
         if winner == PLAIN and FREE not in c.rates and c.distinct:
             return FREE  # drafting lost: would its free drafts alone pay?
-        if first or c.trial:
-            if c.trial:  # a loser, tried again: its record says how long until the next try
-                c.retry[arm] = (
-                    RETRY_EPOCHS if arm == winner else min(2 * c.retry[arm], MAX_RETRY_EPOCHS)
-                )
-            c.trial = False
+        if first or tried:
             for loser in c.rates:
                 c.retry.setdefault(loser, RETRY_EPOCHS)
                 if first:  # the comparison starts every loser's clock; a trial, its own

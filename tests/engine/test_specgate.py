@@ -117,6 +117,17 @@ def test_where_drafting_with_a_model_loses_free_drafts_alone_are_tried() -> None
     assert lost == [ALL, PLAIN, FREE, PLAIN, PLAIN]
 
 
+def test_free_drafts_are_tried_once_rows_with_a_model_lose_a_trial() -> None:
+    """A row count first scored without a draft model has two arms; a later trial of
+    drafting, by rows with a model, that loses brings the free-drafts epoch in, and its loss
+    too leaves plain decoding on."""
+    gate = SpecGate()
+    assert run_epochs(gate, 4, 2, {True: 0.9, False: 1.0}) == [True, False]
+    levels = run_levels(gate, 4, RETRY_EPOCHS + 3, {ALL: 0.9, PLAIN: 1.0, FREE: 0.95})
+    assert levels == [PLAIN] * RETRY_EPOCHS + [ALL, FREE, PLAIN]
+    assert gate.rate(4, FREE) == pytest.approx(0.95)
+
+
 def test_a_stalled_round_sinks_neither_arm(caplog: pytest.LogCaptureFixture) -> None:
     """A shape compiling mid-stream stalls one round for seconds: left out of its epoch's
     score (and logged), the drafting that pays runs on; a rate that is slower throughout
