@@ -112,8 +112,9 @@ def test_where_drafting_with_a_model_loses_free_drafts_alone_are_tried() -> None
     assert later[-RETRY_EPOCHS:].count(ALL) >= RETRY_EPOCHS - 2  # its losers' trials aside
     # without a model there is nothing to leave out: drafting and the baseline only
     assert run_epochs(SpecGate(), 4, 4, {True: 0.9, False: 1.0}) == [True, False, False, False]
-    # a free arm that loses too leaves plain decoding on
-    lost = run_levels(SpecGate(), 4, 5, {ALL: 0.8, PLAIN: 1.0, FREE: 0.9})
+    # a free arm that loses too leaves plain decoding on; tried because drafting lost, it
+    # must reach plain decoding's rate, where drafting need only come within the floor
+    lost = run_levels(SpecGate(), 4, 5, {ALL: 0.8, PLAIN: 1.0, FREE: 0.98})
     assert lost == [ALL, PLAIN, FREE, PLAIN, PLAIN]
 
 
