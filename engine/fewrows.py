@@ -191,11 +191,10 @@ def group_projections(
                 )  # fmt: skip
                 wrap: type[FewRowsLinear] | type[FewRowsQuantizedLinear] = FewRowsLinear
             elif quantized is not None and _quantized_groupable(layers):
-                parts = [qmma_cuda.parts_of(m) for m in layers]
-                bound = _bound(quantized, layers[0].group_size)
                 first = layers[0]
                 group = _Group(
-                    parts, biases, bound, max_tokens, first.scales.dtype,
+                    [qmma_cuda.parts_of(m) for m in layers], biases,
+                    _bound(quantized, first.group_size), max_tokens, first.scales.dtype,
                     first.weight.shape[1] * 32 // first.bits, batches,
                 )  # fmt: skip
                 wrap = FewRowsQuantizedLinear
