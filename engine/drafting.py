@@ -346,6 +346,12 @@ class LookupDraftSource(DraftSource):
         cont = list(tokens[pos : pos + n])
         return Draft(mx.array(cont, dtype=mx.uint32), len(cont), self.name)
 
+    def found(self, tokens: Sequence[int], n: int) -> int:
+        """How many drafts `propose` would return (learning `tokens` as it does), without
+        building them: a batch asks every row each round."""
+        pos = self._match(tokens) if n > 0 else None
+        return 0 if pos is None else min(n, len(tokens) - pos)
+
     def follow(self, tokens: Sequence[int], n: int) -> list[int]:
         pos = self._match(tokens, learn=False) if n > 0 else None
         return [] if pos is None else list(tokens[pos : pos + n])
@@ -433,7 +439,7 @@ class HybridDraftSource(DraftSource):
         return self.model.batch_part(tokens, n)
 
     def runs_model(self, tokens: Sequence[int], n: int) -> bool:
-        return self.lookup.propose(tokens, n).count < min(n, self.min_lookup)
+        return self.lookup.found(tokens, n) < min(n, self.min_lookup)
 
     def accept(self, tokens: Sequence[int]) -> None:
         self.lookup.accept(tokens)

@@ -308,6 +308,18 @@ def test_lookup_follows_tokens_not_yet_committed_without_learning_them() -> None
     assert auto.follow([*short, 3], 4) == []  # three of four: the draft model's turn
 
 
+def test_lookup_counts_what_it_would_propose_without_building_it() -> None:
+    """`found` (asked of every row each round of a batch) is `propose`'s count, learning the
+    committed tokens as `propose` does, on a source that has read nothing yet too."""
+    committed = [1, 2, 3, 4, 5, 6, 7, 8, 1, 2]
+    for n in (0, 1, 3, 8, 20):
+        counted, proposing = LookupDraftSource(), LookupDraftSource()
+        assert counted.found(committed, n) == proposing.propose(committed, n).count
+    lookup = LookupDraftSource()
+    assert lookup.found([*committed, 3], 4) == 4
+    assert lookup.found([*committed, 3, 9], 4) == 0
+
+
 @pytest.mark.parametrize("fill", [True, False], ids=["fillers", "no-fillers"])
 @pytest.mark.parametrize("temperature", [0.0, 0.8], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("dear", [False, True], ids=["verify", "dear-verify"])
