@@ -14,8 +14,9 @@ of a row). A nibble q becomes the 2-byte float `OFFSET + q` by or-ing it into th
 x (OFFSET + q) over a piece of K that lies in one group. Each piece's sums then take the
 group's scale and offset in float32: y += s (sum x (OFFSET + q)) + (o - OFFSET s) sum x, with
 sum x the piece's sum of x's row, reduced across the four lanes that hold it. A lane holds
-`PIECE` words of a W row (16 values for group sizes of 64 or more), so the four lanes of a row
-read 32 contiguous bytes of it.
+`piece_words` words of a W row (two, 16 values, for group sizes of 64 or more), so the four
+lanes of a row read 32 contiguous bytes of it. On an H100 the 7B-shaped 4-bit target's
+forwards of 2-8 tokens then cost 0.95-0.98 of a one-token forward (16 tokens: 1.13).
 """
 
 from __future__ import annotations
