@@ -73,6 +73,22 @@ def mma_instruction(ptx: str) -> str:
     )
 
 
+# Kernel source: this lane's row of x (`xr`), which tiles of x it holds rows of (`x_ok`), and
+# its partial outputs `c[WT][TILES][4]`, zeroed
+TILE_SOURCE = """    const T* xr = x + (size_t)gid * K;
+    bool x_ok[TILES];
+    #pragma unroll
+    for (int t = 0; t < TILES; ++t) x_ok[t] = t * 8 + gid < M;
+    float c[WT][TILES][4];
+    #pragma unroll
+    for (int v = 0; v < WT; ++v) {
+        #pragma unroll
+        for (int t = 0; t < TILES; ++t) c[v][t][0] = c[v][t][1] = c[v][t][2] = c[v][t][3] = 0.0f;
+    }
+    const uint4 zero = make_uint4(0, 0, 0, 0);
+"""
+
+
 def gather_source(bias: bool) -> str:
     """Kernel source that sums the warps' partial outputs `c[WT][TILES][4]` (split K) and
     writes y (M x N), adding `bias[n]` where `bias`."""
@@ -129,18 +145,7 @@ def _source(count: int, bias: bool, ptx: str) -> str:
         wlo[v] = w + (size_t)(lo_ok[v] ? n : 0) * K;
         whi[v] = w + (size_t)(hi_ok[v] ? n + 8 : 0) * K;
     }}
-    const T* xr = x + (size_t)gid * K;
-    bool x_ok[TILES];
-    #pragma unroll
-    for (int t = 0; t < TILES; ++t) x_ok[t] = t * 8 + gid < M;
-    float c[WT][TILES][4];
-    #pragma unroll
-    for (int v = 0; v < WT; ++v) {{
-        #pragma unroll
-        for (int t = 0; t < TILES; ++t) c[v][t][0] = c[v][t][1] = c[v][t][2] = c[v][t][3] = 0.0f;
-    }}
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    for (int k0 = warp * 32 * U; k0 < K; k0 += WARPS * 32 * U) {{
+{TILE_SOURCE}    for (int k0 = warp * 32 * U; k0 < K; k0 += WARPS * 32 * U) {{
         uint4 alo[U][WT], ahi[U][WT], bx[U][TILES];
         #pragma unroll
         for (int u = 0; u < U; ++u) {{

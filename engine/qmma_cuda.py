@@ -28,7 +28,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 
-from mlxd.engine.mma_cuda import gather_source, mma_instruction, pick_source
+from mlxd.engine.mma_cuda import TILE_SOURCE, gather_source, mma_instruction, pick_source
 
 __all__ = ["MAX_ROWS", "fits", "flat_matmul", "matmul", "parts_of", "serves"]
 
@@ -123,18 +123,7 @@ def _source(count: int, bias: bool, dtype: mx.Dtype) -> str:
         olo[v] = of + lo * KG;
         ohi[v] = of + hi * KG;
     }}
-    const T* xr = x + (size_t)gid * K;
-    bool x_ok[TILES];
-    #pragma unroll
-    for (int t = 0; t < TILES; ++t) x_ok[t] = t * 8 + gid < M;
-    float c[WT][TILES][4];
-    #pragma unroll
-    for (int v = 0; v < WT; ++v) {{
-        #pragma unroll
-        for (int t = 0; t < TILES; ++t) c[v][t][0] = c[v][t][1] = c[v][t][2] = c[v][t][3] = 0.0f;
-    }}
-    const uint4 zero = make_uint4(0, 0, 0, 0);
-    constexpr int PIECE = 32 * P;  // values of K a warp takes a step: 4 lanes x 8 x P
+{TILE_SOURCE}    constexpr int PIECE = 32 * P;  // values of K a warp takes a step: 4 lanes x 8 x P
     for (int k0 = warp * PIECE; k0 < K; k0 += WARPS * PIECE) {{
         const int k = k0 + tig * 8 * P;  // this lane's first
         const int group = k0 / G;

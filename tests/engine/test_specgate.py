@@ -32,31 +32,25 @@ from tests.fixtures.scripted_models import Script, build_scripted
 from tests.fixtures.tiny_models import TinyPair
 
 
-def run_epochs(
-    gate: SpecGate, rows: int, epochs: int, rate: dict[bool, float], costly: bool = False
-) -> list[bool]:
-    """Run `epochs` epochs of rounds, drafting committing `rate[True]` tokens a second and
-    plain decoding `rate[False]`; whether each epoch drafted. `costly`: rows draft with a
-    model (free drafts alone, the `FREE` arm, score as drafting here)."""
-    arms = []
-    for _ in range(epochs):
-        arm = gate.allows(rows)
-        arms.append(arm)
-        for _ in range(EPOCH_ROUNDS):
-            gate.record(rows, rows, rows / rate[arm], costly)
-    return arms
-
-
-def run_levels(gate: SpecGate, rows: int, epochs: int, rate: dict[int, float]) -> list[int]:
-    """`run_epochs` by the gate's levels, each scoring `rate[level]`, rows drafting with a
-    model: the level each epoch ran."""
+def run_levels(
+    gate: SpecGate, rows: int, epochs: int, rate: dict[int, float], costly: bool = True
+) -> list[int]:
+    """Run `epochs` epochs of rounds, each level committing `rate[level]` tokens a second
+    (`costly`: rows draft with a model); the level each epoch ran."""
     levels = []
     for _ in range(epochs):
         level = gate.level(rows)
         levels.append(level)
         for _ in range(EPOCH_ROUNDS):
-            gate.record(rows, rows, rows / rate[level], True)
+            gate.record(rows, rows, rows / rate[level], costly)
     return levels
+
+
+def run_epochs(gate: SpecGate, rows: int, epochs: int, rate: dict[bool, float]) -> list[bool]:
+    """`run_levels` for rows without a draft model, drafting committing `rate[True]` tokens
+    a second and plain decoding `rate[False]`: whether each epoch drafted."""
+    rates = {ALL: rate[True], FREE: rate[True], PLAIN: rate[False]}
+    return [level != PLAIN for level in run_levels(gate, rows, epochs, rates, costly=False)]
 
 
 def test_drafting_runs_first_then_the_baseline_then_the_winner() -> None:
