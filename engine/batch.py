@@ -197,6 +197,20 @@ def pays_drafts(gen: Generation, n: int) -> bool:
         return True
 
 
+def free_want(gen: Generation, want: int, flight: int = 0) -> int:
+    """Row `gen`'s drafts where only free ones may run (`specgate.FREE`), for a round after
+    `flight` tokens not yet committed: none that would run its draft model, and an `auto`
+    row's prompt-lookup hit as long as a lookup row's (`DraftLengthController.free_wanted`),
+    not cut to its draft model's length: there its lookup drafts alone."""
+    if not want or pays_drafts(gen, want):
+        return 0
+    ctl, source = gen.controller, gen.source
+    if ctl is None or source is None or _drafts_free(gen):
+        return want
+    k = min(ctl.free_wanted(), gen.limit - gen.produced - flight - 1)
+    return max(want, len(source.follow(gen.tokens, k)))
+
+
 def guessed_tokens(gen: Generation, k: int, prior: int) -> float:
     """Tokens a row expects from a round on k guessed drafts (`RowBatch._queue_guessed`):
     the guess is lookup's continuation of what the round in flight commits if it accepts
@@ -495,6 +509,7 @@ class RowBatch:
         self.widths: tuple[int, ...] | None = None  # the verify widths run (`round_widths`)
         self._returned: tuple[float, list[Generation]] | None = None  # last round's end, rows
         self._waited = 0.0  # this round's wait for the device, in its read (`_note_slow`)
+        self._free_gained = 0  # this round's tokens accepted from free drafts (`SpecGate`)
 
     def __len__(self) -> int:
         return len(self.gens)
@@ -615,11 +630,12 @@ class RowBatch:
         since, rows = self._since(), len(self.gens)
         sources = [g.source for g in self.gens if g.source is not None]
         costly = any(s.model_part() is not None for s in sources)
+        self._free_gained = 0
         committed = self._round(since)
         returned = self._returned
         if sources and since is not None and returned is not None and returned[0] > since:
             tokens = sum(len(c.tokens) for c in committed)
-            self.gate.record(rows, tokens, returned[0] - since, costly)
+            self.gate.record(rows, tokens, returned[0] - since, costly, self._free_gained)
         return committed
 
     def _drafting(self, gens: Sequence[Generation]) -> list[bool]:
@@ -634,7 +650,7 @@ class RowBatch:
         allows free drafts only (`specgate.FREE`)."""
         if self.gate.level(len(gens)) != FREE:
             return wants
-        return [0 if pays_drafts(g, w) else w for g, w in zip(gens, wants, strict=True)]
+        return [free_want(g, w) for g, w in zip(gens, wants, strict=True)]
 
     def _round(self, since: float | None) -> list[Committed]:
         gens = self.gens
@@ -742,6 +758,8 @@ class RowBatch:
                 d = Draft.empty(d.source)
             rows = logits[i] if logits is not None else None
             committed.append(_absorbed(g, d, v, w, rows))
+            if d.count and d.source in FREE_SOURCES:
+                self._free_gained += max(0, len(committed[-1].tokens) - 1)
         # each row keeps the K/V of what it committed, all but the last: 1 + accepted drafts,
         # fewer where EOS or the limit cut its commit (so its K/V length is its tokens' - 1)
         kept = [len(c.tokens) for c in committed]
@@ -930,11 +948,15 @@ class RowBatch:
     def _forecast(self, g: Generation, flight: int) -> int:
         """Drafts row `g` asks for in a round queued before the one in flight (of `flight`
         tokens) is read, its drafts looked up on the device: what its controller wants where
-        lookup continues its text now (a copy goes on past the round in flight), else none."""
+        lookup continues its text now (a copy goes on past the round in flight), else none;
+        at the gate's free level, as far as a lookup row would (`free_want`)."""
         if not g.spec.on or g.source is None or g.controller is None:
             return 0
         k = min(g.spec.draft_length(g.produced), g.limit - g.produced - flight - 1)
-        return len(g.source.follow(g.tokens, k)) if k > 0 else 0
+        found = len(g.source.follow(g.tokens, k)) if k > 0 else 0
+        if found and self.gate.level(len(self.gens)) == FREE:
+            return free_want(g, found, flight)
+        return found
 
     def _looked_up(
         self,

@@ -337,7 +337,7 @@ class DraftLengthController:
         the draft reading the prompt, which only a long pause amortizes."""
         self.costs = costs
         self.max_k = max_k = min(max_k, MAX_DRAFT_TOKENS)
-        self.free_k = max_k if free_k is None else free_k
+        self.free_k = max_k if free_k is None else min(free_k, MAX_DRAFT_TOKENS)
         self.draft_cost = draft_cost
         self.explore = explore
         self.a0 = prior * prior_weight
@@ -480,8 +480,9 @@ class DraftLengthController:
         prior_a = self.a0
         frontier = True  # the position before this one was tried (or this is the first)
         for i in range(k):
-            hits = self.hits[i] + self.prior_hits[i]
-            tries = self.tries[i] + self.prior_tries[i]
+            seen = i < len(self.tries)  # past max_k (free drafts of `auto`): never tried
+            hits = self.hits[i] + self.prior_hits[i] if seen else 0.0
+            tries = self.tries[i] + self.prior_tries[i] if seen else 0.0
             mean = (prior_a + hits) / (weight + tries)
             bonus = self.explore / math.sqrt(1.0 + tries) if optimistic and frontier else 0.0
             out.append(min(mean + bonus, 0.99))
@@ -509,15 +510,23 @@ class DraftLengthController:
         for once it resumes)."""
         return self._best()[0]
 
-    def _best(self) -> tuple[int, float]:
-        """The k of the best `expected_rate` and that rate, in one pass: E(k) extends E(k-1)
-        by one term."""
+    def free_wanted(self) -> int:
+        """The k of the best `expected_rate` were drafts free, up to `free_k`: an `auto` row
+        where only its prompt lookup may draft (a batch's free level) drafts as far as a
+        lookup row would, not its draft model's length."""
+        return self._best(self.free_k, 0.0)[0]
+
+    def _best(self, most: int | None = None, draft_cost: float | None = None) -> tuple[int, float]:
+        """The k (up to `most`, default `max_k`) of the best `expected_rate` at `draft_cost`
+        (default the source's) and that rate, in one pass: E(k) extends E(k-1) by one term."""
+        most = self.max_k if most is None else most
+        cost = self.draft_cost if draft_cost is None else draft_cost
         best_k, best_rate = 1, -1.0
         expected, survive = 1.0, 1.0
-        for k, a in enumerate(self.alphas(self.max_k, optimistic=True), start=1):
+        for k, a in enumerate(self.alphas(most, optimistic=True), start=1):
             survive *= a
             expected += survive
-            rate = expected / (k * self.draft_cost + self.costs.v(k + 1))
+            rate = expected / (k * cost + self.costs.v(k + 1))
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, best_rate

@@ -96,3 +96,19 @@ def test_untried_positions_past_the_first_get_no_exploration_bonus() -> None:
     missing = DraftLengthController(steep, 15, 0.0)
     missing.observe(missing.choose(), 0)
     assert missing.choose() <= first.choose()
+
+
+def test_free_drafts_of_a_model_source_are_chosen_as_a_lookup_row_would() -> None:
+    """`auto`'s controller (a draft model's length, 4, and `free_k` 15) asks, where only its
+    free drafts may run, for the length a free source with the same record would: longer
+    than its own cap on a flat curve, positions past that cap inheriting the last estimate."""
+    flat = Costs(verify={1: 1.0, 2: 1.05, 4: 1.1, 8: 1.2, 16: 1.3}, draft_step=0.3,
+                 plain_step=1.0)  # fmt: skip
+    auto = DraftLengthController(flat, 4, 0.3, free_k=15)
+    lookup = DraftLengthController(flat, 15, 0.0)
+    for ctl in (auto, lookup):
+        for _ in range(6):
+            ctl.observe(4, 4)
+    assert auto.choose() <= 4 < auto.free_wanted() == lookup.choose()
+    assert auto.alphas(15)[4:] == [auto.alphas(5)[4]] * 11
+    assert DraftLengthController(flat, 4, 0.3).free_wanted() <= 4  # no free_k: its own cap

@@ -12,14 +12,15 @@ from mlxd.engine import specgate
 from mlxd.engine.backend import configure_backend
 from mlxd.engine.batch import RoundTimes, RowBatch
 from mlxd.engine.draftbatch import DraftBatch
-from mlxd.engine.drafting import ModelDraftSource
+from mlxd.engine.drafting import LookupDraftSource, ModelDraftSource
 from mlxd.engine.kvcache import set_bucket
 from mlxd.engine.options import parse_options
-from mlxd.engine.pairing import Pairing, load_pairing
+from mlxd.engine.pairing import DEFAULT_DRAFT_TOKENS, Pairing, load_pairing
 from mlxd.engine.specgate import (
     ALL,
     EPOCH_ROUNDS,
     FREE,
+    FREE_SHARE,
     MAX_RETRY_EPOCHS,
     PLAIN,
     RETRY_EPOCHS,
@@ -33,16 +34,23 @@ from tests.fixtures.tiny_models import TinyPair
 
 
 def run_levels(
-    gate: SpecGate, rows: int, epochs: int, rate: dict[int, float], costly: bool = True
+    gate: SpecGate,
+    rows: int,
+    epochs: int,
+    rate: dict[int, float],
+    costly: bool = True,
+    free: int | None = None,
 ) -> list[int]:
     """Run `epochs` epochs of rounds, each level committing `rate[level]` tokens a second
-    (`costly`: rows draft with a model); the level each epoch ran."""
+    (`costly`: rows draft with a model), `free` of a round's `rows` tokens accepted from free
+    drafts (default: all of a drafting round's past its first); the level each epoch ran."""
     levels = []
     for _ in range(epochs):
         level = gate.level(rows)
         levels.append(level)
+        gained = (rows - 1 if free is None else free) if level != PLAIN else 0
         for _ in range(EPOCH_ROUNDS):
-            gate.record(rows, rows, rows / rate[level], costly)
+            gate.record(rows, rows, rows / rate[level], costly, gained)
     return levels
 
 
@@ -112,6 +120,18 @@ def test_where_drafting_with_a_model_loses_free_drafts_alone_are_tried() -> None
     assert lost == [ALL, PLAIN, FREE, PLAIN, PLAIN]
 
 
+def test_free_drafts_are_tried_only_where_the_drafting_epoch_gained_from_them() -> None:
+    """Rows whose free drafts gained under `FREE_SHARE` of the drafting epoch's tokens (a
+    row's first token is no draft's): the free arm could gain no more than noise, and is not
+    tried; at that share it is."""
+    rates = {ALL: 0.9, PLAIN: 1.0, FREE: 1.3}
+    rows = 50
+    little = int(FREE_SHARE * rows)  # a round's tokens are its 50 rows'
+    assert little < FREE_SHARE * rows
+    assert run_levels(SpecGate(), rows, 4, rates, free=little) == [ALL, PLAIN, PLAIN, PLAIN]
+    assert run_levels(SpecGate(), rows, 4, rates, free=little + 1) == [ALL, PLAIN, FREE, FREE]
+
+
 def test_free_drafts_are_tried_once_rows_with_a_model_lose_a_trial() -> None:
     """A row count first scored without a draft model has two arms; a later trial of
     drafting, by rows with a model, that loses brings the free-drafts epoch in, and its loss
@@ -171,11 +191,9 @@ def test_a_batch_stops_drafting_where_its_rounds_say_drafting_loses(
         reading[0] = True
         return read(self, *args, **kw)
 
-    def clocked(
-        self: SpecGate, rows: int, tokens: int, seconds: float, costly: bool = False
-    ) -> None:
+    def clocked(self: SpecGate, rows: int, tokens: int, seconds: float, *rest: Any) -> None:
         verified.append(reading[0])
-        record(self, rows, tokens, verify_cost if reading[0] else 1.0, costly)
+        record(self, rows, tokens, verify_cost if reading[0] else 1.0, *rest)
         reading[0] = False
 
     monkeypatch.setattr(RowBatch, "_read", noted_read)
@@ -289,9 +307,9 @@ def test_only_rounds_where_some_row_speculates_are_scored(
     scored: list[int] = []
     record = SpecGate.record
 
-    def noted(self: SpecGate, rows: int, tokens: int, seconds: float, costly: bool = False) -> None:
+    def noted(self: SpecGate, rows: int, *rest: Any) -> None:
         scored.append(rows)
-        record(self, rows, tokens, seconds, costly)
+        record(self, rows, *rest)
 
     monkeypatch.setattr(SpecGate, "record", noted)
 
@@ -309,8 +327,8 @@ def test_at_the_free_level_rows_draft_by_lookup_and_never_run_their_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, temperature: float
 ) -> None:
     """Rows of `auto` copying their prompt, in a batch the gate holds at `FREE`: lookup's
-    drafts are verified, the draft model never drafts, and each row commits its solo
-    tokens."""
+    drafts are verified, as long as a lookup row's (past the draft model's length), the draft
+    model never drafts, and each row commits its solo tokens."""
     path = build_scripted(tmp_path, "generic", Script("@", PIECES))
     pairing = load_pairing(ModelEntry("p", str(path), draft=str(path)), configure_backend(), FLAT)
     monkeypatch.setattr(specgate, "floor_on", lambda: True)
@@ -322,8 +340,25 @@ def test_at_the_free_level_rows_draft_by_lookup_and_never_run_their_model(
         drafted.append(n)
         return propose(self, tokens, n)
 
+    looked: list[int] = []
+    look = LookupDraftSource.propose
+
+    def long(self: LookupDraftSource, tokens: Any, n: int) -> Any:
+        draft = look(self, tokens, n)
+        looked.append(draft.count)
+        return draft
+
     monkeypatch.setattr(ModelDraftSource, "propose", counted)
+    monkeypatch.setattr(LookupDraftSource, "propose", long)
     monkeypatch.setattr(DraftBatch, "propose", lambda *a, **k: pytest.fail("model drafted"))
+    gained: list[tuple[int, int]] = []  # (tokens, of them gained from free drafts) a round
+    record = SpecGate.record
+
+    def noted(self: SpecGate, rows: int, tokens: int, *rest: Any) -> None:
+        gained.append((tokens, rest[-1]))
+        record(self, rows, tokens, *rest)
+
+    monkeypatch.setattr(SpecGate, "record", noted)
     prompt = list(pairing.tokenizer.encode("@" + "".join(PIECES) + "@", add_special_tokens=False))
     specs = [
         (prompt, parse_options({"temperature": temperature, "seed": i, "num_predict": n,
@@ -336,3 +371,6 @@ def test_at_the_free_level_rows_draft_by_lookup_and_never_run_their_model(
     ]
     assert sum(d.speculation.accepted for d in done) > 10
     assert drafted == []
+    assert max(looked) > DEFAULT_DRAFT_TOKENS
+    # the gate learns what free drafts gained: each round's tokens past its rows' first
+    assert any(free for _, free in gained) and all(free < tokens for tokens, free in gained)
