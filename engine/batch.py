@@ -509,7 +509,7 @@ class RowBatch:
         self.widths: tuple[int, ...] | None = None  # the verify widths run (`round_widths`)
         self._returned: tuple[float, list[Generation]] | None = None  # last round's end, rows
         self._waited = 0.0  # this round's wait for the device, in its read (`_note_slow`)
-        self._free_gained = 0  # this round's tokens accepted from free drafts (`SpecGate`)
+        self._gained = [0, 0]  # this round's tokens from drafts, and from free ones (`SpecGate`)
 
     def __len__(self) -> int:
         return len(self.gens)
@@ -630,12 +630,12 @@ class RowBatch:
         since, rows = self._since(), len(self.gens)
         sources = [g.source for g in self.gens if g.source is not None]
         costly = any(s.model_part() is not None for s in sources)
-        self._free_gained = 0
+        self._gained = [0, 0]
         committed = self._round(since)
         returned = self._returned
         if sources and since is not None and returned is not None and returned[0] > since:
             tokens = sum(len(c.tokens) for c in committed)
-            self.gate.record(rows, tokens, returned[0] - since, costly, self._free_gained)
+            self.gate.record(rows, tokens, returned[0] - since, costly, *self._gained)
         return committed
 
     def _drafting(self, gens: Sequence[Generation]) -> list[bool]:
@@ -758,8 +758,10 @@ class RowBatch:
                 d = Draft.empty(d.source)
             rows = logits[i] if logits is not None else None
             committed.append(_absorbed(g, d, v, w, rows))
-            if d.count and d.source in FREE_SOURCES:
-                self._free_gained += max(0, len(committed[-1].tokens) - 1)
+            if d.count:
+                gained = max(0, len(committed[-1].tokens) - 1)
+                self._gained[0] += gained
+                self._gained[1] += gained if d.source in FREE_SOURCES else 0
         # each row keeps the K/V of what it committed, all but the last: 1 + accepted drafts,
         # fewer where EOS or the limit cut its commit (so its K/V length is its tokens' - 1)
         kept = [len(c.tokens) for c in committed]

@@ -19,11 +19,12 @@ with a model (`auto`: prompt lookup where the text repeats, else the draft model
 epoch drafts only what runs no draft model (`FREE`: lookup's, forced tokens): on a GPU a
 0.5B-shaped draft step costs 0.4 of a 7B-shaped target's, so a batch's model drafts can lose
 where its lookup drafts pay, and scored as one arm they sank both. That epoch runs only
-where the drafting epoch's free drafts gained `FREE_SHARE` of its tokens or more: below it
+where the drafting epoch's free drafts gained `GAIN_SHARE` of its tokens or more: below it
 the arm's best gain is within an epoch's noise, and an arm that wins by noise runs on. The
-best arm runs on
-(drafting unless it scored under `FLOOR` of not drafting, free drafts alone unless under not
-drafting's rate: `_winner`); each loser is tried again after
+best arm runs on (drafting unless it scored under `FLOOR` of not drafting, or under not
+drafting's rate where its drafts gained less than `GAIN_SHARE` of its tokens: no stretch of
+it paid; free drafts alone unless under not drafting's rate: `_winner`); each loser is tried
+again after
 `RETRY_EPOCHS` of the winner's epochs, twice as many each time it loses again (up to
 `MAX_RETRY_EPOCHS`), so that a drafting that loses costs a few per cent of rounds at most.
 While drafting is not allowed nothing drafts and no row is benched: the rounds are the plain
@@ -46,11 +47,13 @@ EPOCH_ROUNDS = 32  # rounds of a row count scored together
 FLOOR = 0.97
 RETRY_EPOCHS = 8  # the winner's epochs before the loser is tried again, at first
 MAX_RETRY_EPOCHS = 64
-# the share of a drafting epoch's tokens its free drafts must have gained for free drafts
-# alone to be tried: on a 2-core CPU, 2 clients of the code pair drafted 2-8 tokens a burst of
-# 256, and with the arm tried there they ran at 0.89-0.98x plain decoding against 1.01x
-# without it; on an H100, the fat 7B pair's lookup drafted 214 a burst of 256 at 2 clients
-FREE_SHARE = 0.05
+# the share of a drafting epoch's tokens its drafts must have gained for it to run on within
+# `FLOOR` of not drafting, and its free drafts for free drafts alone to be tried: on a 2-core
+# CPU, 2 clients of the code pair drafted 2-8 tokens a burst of 256, and with the free arm
+# tried there they ran at 0.89-0.98x plain decoding against 1.01x without it; 8 clients
+# drafted 10 a burst, scored 0.98 of not drafting and ran on, at 0.95x. On an H100, the fat
+# 7B pair's lookup drafted 214 a burst of 256 at 2 clients
+GAIN_SHARE = 0.05
 # a round this many times its epoch's median is a stall, not scored; slower rounds that recur
 # (a draft model's steps, a wide verify) sit well under it
 STALL = 10.0
@@ -68,8 +71,10 @@ class _Count:
     arm: int = ALL
     rounds: list[tuple[int, float]] = field(default_factory=list)  # this epoch's (tokens, s)
     costly: bool = False  # a row of this epoch's rounds had a draft model
-    free: int = 0  # tokens this epoch's free drafts gained
+    gained: int = 0  # tokens this epoch's drafts gained
+    free: int = 0  # of them, free drafts'
     distinct: bool = False  # the last drafting epoch was costly and free drafts gained in it
+    lenient: bool = True  # the last drafting epoch's drafts gained: it runs on within FLOOR
     since: dict[int, int] = field(default_factory=dict)  # a loser's: winner's epochs since it ran
     retry: dict[int, int] = field(default_factory=dict)  # a loser's: epochs before its next trial
     trial: bool = False  # the epoch running now tries a loser again
@@ -93,14 +98,22 @@ class SpecGate:
         return self._count(rows).rates.get(arm)
 
     def record(
-        self, rows: int, tokens: int, seconds: float, costly: bool = False, free: int = 0
+        self,
+        rows: int,
+        tokens: int,
+        seconds: float,
+        costly: bool = False,
+        gained: int = 0,
+        free: int = 0,
     ) -> None:
         """A round of `rows` rows (the same rows as the round before) that committed `tokens`
-        in `seconds`, return to return; `costly`: some row of it has a draft model; `free`:
-        the tokens of them accepted from drafts that ran no model."""
+        in `seconds`, return to return; `costly`: some row of it has a draft model; `gained`:
+        the tokens of them accepted from drafts, `free` of those from drafts that ran no
+        model."""
         c = self._count(rows)
         c.rounds.append((tokens, seconds))
         c.costly = c.costly or costly
+        c.gained += gained
         c.free += free
         if len(c.rounds) < EPOCH_ROUNDS:
             return
@@ -109,8 +122,10 @@ class SpecGate:
         judged = first or c.trial
         c.rates[arm], stalls = _score(c.rounds)
         if arm == ALL:  # free drafts alone differ only where a row drafted with a model
-            c.distinct = c.costly and c.free >= FREE_SHARE * sum(t for t, _ in c.rounds)
-        c.rounds, c.costly, c.free = [], False, 0
+            share = GAIN_SHARE * sum(t for t, _ in c.rounds)
+            c.lenient = c.gained >= share
+            c.distinct = c.costly and c.free >= share
+        c.rounds, c.costly, c.gained, c.free = [], False, 0, 0
         c.arm = self._next(c, arm, first)
         if judged or stalls:  # a comparison, or rounds left out: rare enough to log each
             log.info(
@@ -122,7 +137,7 @@ class SpecGate:
     def _next(self, c: _Count, arm: int, first: bool) -> int:
         if PLAIN not in c.rates:
             return PLAIN  # the baseline, once
-        winner = _winner(c.rates)
+        winner = _winner(c.rates, c.lenient)
         tried, c.trial = c.trial, False
         if tried:  # a loser, tried again: its record says how long until its next try
             last = c.retry.get(arm, RETRY_EPOCHS)
@@ -154,15 +169,16 @@ class SpecGate:
         return c
 
 
-def _winner(rates: dict[int, float]) -> int:
+def _winner(rates: dict[int, float], lenient: bool = True) -> int:
     """The best of the drafting arms that qualify: drafting within `FLOOR` of plain decoding
-    (its stretches that pay are worth a little), free drafts alone only at plain decoding's
-    rate or better (they are tried because drafting lost, so an even score is more likely
-    noise than a stretch that pays: on a 2-core CPU, where a batch's drafts do not pay, two
-    runs of 2 clients of the code pair that took them ran at 0.89x and 0.98x of plain
-    decoding greedy, against 1.01x twice without the arm); else plain decoding."""
+    where its drafts gained (`lenient`: its stretches that pay are worth a little), else at
+    plain decoding's rate or better; free drafts alone only at plain decoding's rate or
+    better (they are tried because drafting lost, so an even score is more likely noise than
+    a stretch that pays: on a 2-core CPU, where a batch's drafts do not pay, two runs of 2
+    clients of the code pair that took them ran at 0.89x and 0.98x of plain decoding greedy,
+    against 1.01x twice without the arm); else plain decoding."""
     plain = rates[PLAIN]
-    bars = {ALL: FLOOR * plain, FREE: plain}
+    bars = {ALL: FLOOR * plain if lenient else plain, FREE: plain}
     fit = [a for a in (FREE, ALL) if a in rates and rates[a] >= bars[a]]
     return max(fit, key=lambda a: (rates[a], -a)) if fit else PLAIN
 

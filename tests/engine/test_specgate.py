@@ -20,7 +20,7 @@ from mlxd.engine.specgate import (
     ALL,
     EPOCH_ROUNDS,
     FREE,
-    FREE_SHARE,
+    GAIN_SHARE,
     MAX_RETRY_EPOCHS,
     PLAIN,
     RETRY_EPOCHS,
@@ -39,18 +39,21 @@ def run_levels(
     epochs: int,
     rate: dict[int, float],
     costly: bool = True,
+    gained: int | None = None,
     free: int | None = None,
 ) -> list[int]:
     """Run `epochs` epochs of rounds, each level committing `rate[level]` tokens a second
-    (`costly`: rows draft with a model), `free` of a round's `rows` tokens accepted from free
-    drafts (default: all of a drafting round's past its first); the level each epoch ran."""
+    (`costly`: rows draft with a model), `gained` of a drafting round's `rows` tokens
+    accepted from drafts (default: all past its first) and `free` of them from free drafts
+    (default: all); the level each epoch ran."""
     levels = []
     for _ in range(epochs):
         level = gate.level(rows)
         levels.append(level)
-        gained = (rows - 1 if free is None else free) if level != PLAIN else 0
+        won = (rows - 1 if gained is None else gained) if level != PLAIN else 0
+        won_free = won if free is None else min(free, won)
         for _ in range(EPOCH_ROUNDS):
-            gate.record(rows, rows, rows / rate[level], costly, gained)
+            gate.record(rows, rows, rows / rate[level], costly, won, won_free)
     return levels
 
 
@@ -121,15 +124,29 @@ def test_where_drafting_with_a_model_loses_free_drafts_alone_are_tried() -> None
 
 
 def test_free_drafts_are_tried_only_where_the_drafting_epoch_gained_from_them() -> None:
-    """Rows whose free drafts gained under `FREE_SHARE` of the drafting epoch's tokens (a
+    """Rows whose free drafts gained under `GAIN_SHARE` of the drafting epoch's tokens (a
     row's first token is no draft's): the free arm could gain no more than noise, and is not
     tried; at that share it is."""
     rates = {ALL: 0.9, PLAIN: 1.0, FREE: 1.3}
     rows = 50
-    little = int(FREE_SHARE * rows)  # a round's tokens are its 50 rows'
-    assert little < FREE_SHARE * rows
+    little = int(GAIN_SHARE * rows)  # a round's tokens are its 50 rows'
+    assert little < GAIN_SHARE * rows
     assert run_levels(SpecGate(), rows, 4, rates, free=little) == [ALL, PLAIN, PLAIN, PLAIN]
     assert run_levels(SpecGate(), rows, 4, rates, free=little + 1) == [ALL, PLAIN, FREE, FREE]
+
+
+def test_drafting_within_the_floor_runs_on_only_where_its_drafts_gained() -> None:
+    """Drafting at 0.98 of plain decoding runs on where its drafts gained `GAIN_SHARE` of its
+    tokens (stretches of it pay); where they gained less, nothing of it paid, and plain
+    decoding wins the tie. Its trial that gains again is judged within the floor again."""
+    rates = {ALL: 0.98, PLAIN: 1.0, FREE: 0.9}
+    rows = 50
+    little = int(GAIN_SHARE * rows)
+    gate = SpecGate()
+    assert run_levels(gate, rows, 3, rates, gained=little) == [ALL, PLAIN, PLAIN]
+    run_levels(gate, rows, RETRY_EPOCHS - 1, rates, gained=little)
+    assert run_levels(gate, rows, 3, rates, gained=little + 1) == [ALL, ALL, ALL]
+    assert run_levels(SpecGate(), rows, 3, rates, gained=little + 1) == [ALL, PLAIN, ALL]
 
 
 def test_free_drafts_are_tried_once_rows_with_a_model_lose_a_trial() -> None:
