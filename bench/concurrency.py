@@ -3,7 +3,7 @@
     python bench/concurrency.py [--model DIR | --shape 8b] [--clients 1,2,4,8,16] [--tokens 128]
                                 [--servers mlxd,mlx_lm.server] [--draft-method off]
     python bench/concurrency.py --pairing [DIR] [--clients 1,2,4,8] [--tokens 64] [--control]
-                                [--methods auto,lookup]
+                                [--methods auto,lookup] [--steady]
 
 `--pairing` (default: the code pair; DIR: any folder with `target/` and `draft/`, such as a
 pair fattened by shared/models/fatten.py) serves a target/draft pairing and compares, in one mlxd
@@ -13,7 +13,12 @@ decoding (`off`) at each client count, greedy and at temperature 0.7, through Ol
 the drafts the final responses report accepted; then the daemon's slow rounds and its
 speculation gate's comparisons of drafting and not, by row count (`engine/specgate.py`, as
 logged). `--control` adds a second plain arm: on this repository's 2-core CPU two identical
-arms read 0.92-1.11x of each other over 2 bursts a cell, wider than the floor.
+arms read 0.92-1.11x of each other over 2 bursts a cell, wider than the floor. A burst is one
+request per client, client i sending held-out prompt i, so a cell measures its first N prompts
+and ends with its slowest: the rows that speculation speeds up finish first and the batch runs
+out with fewer rows. `--steady` measures N clients that keep the server busy: each round sends
+every held-out prompt, client i sending prompts i, i + N, ... back to back, so every cell reads
+the same prompts and a short row's place goes to the client's next request.
 
 Both servers are started by the bench on loopback ports and driven through the same OpenAI
 `/v1/completions` streaming endpoint (temperature 0, fixed token count, no stop). For each
@@ -237,12 +242,17 @@ def generate_once(
 
 
 def pairing_burst(
-    base: str, prompts: list[str], clients: int, options: dict[str, object]
+    base: str, prompts: list[str], clients: int, options: dict[str, object], steady: bool = False
 ) -> dict[str, float]:
-    results, wall = released_at_once(
-        clients,
-        lambda pool, i: generate_once(pool, base, "bench", prompts[i % len(prompts)], options),
-    )
+    """One request per client, all released at once (client i sends prompt i); `steady`:
+    every prompt once, client i sending prompts i, i + clients, ... back to back."""
+
+    def requests(pool: httpx.Client, i: int) -> list[tuple[float, ...]]:
+        mine = prompts[i::clients] if steady else [prompts[i % len(prompts)]]
+        return [generate_once(pool, base, "bench", p, options) for p in mine]
+
+    sent, wall = released_at_once(clients, requests)
+    results = [r for client in sent for r in client]
     return {
         "aggregate": sum(r[1] for r in results) / wall,
         "drafted": sum(r[2] for r in results),
@@ -270,10 +280,12 @@ def pairing_main(
     rounds: int,
     control: bool = False,
     methods: Sequence[str] = ("auto",),
+    steady: bool = False,
 ) -> None:
     """Batched speculation (each of `methods`) vs batched plain decoding on one pairing, side by
     side. Each round's ratio is printed as a range too; `control` adds a second plain arm, whose
-    ratio to the first says how far two identical arms drift apart on this machine."""
+    ratio to the first says how far two identical arms drift apart on this machine; `steady`:
+    each round sends every prompt, the clients sending theirs back to back (`pairing_burst`)."""
     missing = [d for d in ("target", "draft") if not (pair / d / "config.json").is_file()]
     if missing:
         raise SystemExit(f"{pair}: a pairing folder holds target/ and draft/ (no {missing})")
@@ -310,7 +322,8 @@ def pairing_main(
         # warm-up, reading every prompt the bursts send: else a cell's first burst reads the
         # prompts that the later ones find cached, and its arm (the first: speculation) pays
         for method in (*methods, "off"):
-            pairing_burst(base, prompts, max(counts), {"num_predict": 8, "draft_method": method})
+            warm = {"num_predict": 8, "draft_method": method}
+            pairing_burst(base, prompts, max(counts), warm, steady=True)
         for temperature in (0.0, 0.7):
             for n in counts:
                 zero = {"aggregate": 0.0, "drafted": 0.0, "accepted": 0.0, "filled": 0.0,
@@ -329,7 +342,7 @@ def pairing_main(
                     for i, (method, into) in order:
                         opts = {"temperature": temperature, "num_predict": tokens,
                                 "draft_method": method, "seed": 7}  # fmt: skip
-                        r = pairing_burst(base, prompts, n, opts)
+                        r = pairing_burst(base, prompts, n, opts, steady)
                         if not r["aggregate"]:
                             raise SystemExit(f"mlxd streamed nothing ({method}, {n} clients)")
                         got[i] = r["aggregate"]
@@ -355,7 +368,8 @@ def pairing_main(
     print(f"speculation gate's logged epochs (comparisons, stalls): {len(judged)}")
     for line in judged[:30]:
         print("  " + line.split("speculation gate: ", 1)[-1])
-    print(f"pairing {pair}  tokens per stream {tokens}  rounds {rounds}")
+    load = f"steady ({len(prompts)} prompts a round)" if steady else "bursts"
+    print(f"pairing {pair}  tokens per stream {tokens}  rounds {rounds}  load {load}")
     print(f"{'temp':>5} {'clients':>8} {'method':>7} | {'spec agg':>9} {'plain agg':>9} | "
           f"{'spec/plain':>10} {'by round':>12} | {'drafted':>8} {'accepted':>8} {'rate':>6} "
           f"{'filled':>7} {'taken':>6}"
@@ -395,6 +409,11 @@ def main() -> None:
     )
     ap.add_argument("--rounds", type=int, default=3, help="bursts per cell, averaged (--pairing)")
     ap.add_argument(
+        "--steady", action="store_true",
+        help="a round sends every prompt, each client its share back to back, not one request "
+        "per client (--pairing)",
+    )  # fmt: skip
+    ap.add_argument(
         "--methods", default="auto",
         help="the speculating arms' draft_methods, each against off (--pairing): auto,model,lookup",
     )  # fmt: skip
@@ -424,8 +443,9 @@ def main() -> None:
         if unknown:
             ap.error(f"--methods takes auto, model and lookup (not {', '.join(sorted(unknown))})")
         pairing_main(
-            args.pairing, counts, args.tokens, args.parallel, args.rounds, args.control, methods
-        )
+            args.pairing, counts, args.tokens, args.parallel, args.rounds, args.control,
+            methods, args.steady,
+        )  # fmt: skip
         return
 
     model = args.model
