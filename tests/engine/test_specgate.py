@@ -13,9 +13,11 @@ from mlxd.engine.backend import configure_backend
 from mlxd.engine.batch import RoundTimes, RowBatch
 from mlxd.engine.draftbatch import DraftBatch
 from mlxd.engine.drafting import LookupDraftSource, ModelDraftSource
+from mlxd.engine.generation import Generation
 from mlxd.engine.kvcache import set_bucket
 from mlxd.engine.options import parse_options
 from mlxd.engine.pairing import DEFAULT_DRAFT_TOKENS, Pairing, load_pairing
+from mlxd.engine.sampling import Rng
 from mlxd.engine.specgate import (
     ALL,
     EPOCH_ROUNDS,
@@ -188,6 +190,31 @@ def test_the_floor_off_leaves_drafting_on(monkeypatch: pytest.MonkeyPatch) -> No
     gate = SpecGate()
     run_epochs(gate, 4, 10, {True: 0.5, False: 1.0})
     assert gate.allows(4)
+
+
+def test_greedy_batches_and_batches_with_a_sampled_row_keep_their_own_records(
+    copier: Pairing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy rows accept far more drafts than sampled ones: where drafting lost to 4 greedy
+    rows, 4 rows with a sampled one start with drafting, and the reverse."""
+    monkeypatch.setattr(specgate, "floor_on", lambda: True)
+    batch = RowBatch(copier.target, FLAT)
+
+    def rows(*temperatures: float) -> list[Generation]:
+        return [
+            Generation(copier.target, [3, 4, 5], parse_options({"temperature": t}), set(), 8,
+                       Rng(i))
+            for i, t in enumerate(temperatures)
+        ]  # fmt: skip
+
+    greedy, sampled, mixed = rows(0, 0, 0, 0), rows(0.8, 0.8, 0.8, 0.8), rows(0, 0, 0, 0.8)
+    losing = {ALL: 0.5, FREE: 0.5, PLAIN: 1.0}
+    assert run_levels(batch.gate(greedy), 4, 3, losing, costly=False) == [ALL, PLAIN, PLAIN]
+    assert batch.level(greedy) == PLAIN and batch._drafting(greedy) == [False] * 4
+    assert batch.level(sampled) == ALL and batch._drafting(sampled) == [True] * 4
+    assert batch.gate(mixed) is batch.gate(sampled)
+    assert run_levels(batch.gate(mixed), 4, 3, {ALL: 1.5, PLAIN: 1.0}) == [ALL, PLAIN, ALL]
+    assert batch.level(sampled) == ALL and batch.level(greedy) == PLAIN
 
 
 @pytest.mark.parametrize("verify_cost", [10.0, 1.0], ids=["verify-loses", "verify-pays"])
