@@ -643,8 +643,8 @@ class RowBatch:
     def gate(self, gens: Sequence[Generation]) -> SpecGate:
         """The speculation gate of rows `gens`: one for all-greedy batches, one for batches
         with a sampled row. A record carried from one to the other misleads: on an H200, fat
-        7B pair, 7 greedy rows drafted at 1.38x plain decoding, and at 0.7 the same row count
-        ran drafting on that record until its retry came due."""
+        7B pair, 7 greedy rows drafted at 1.38x plain decoding, and 7 rows sampled at 0.7
+        would draft on that record until plain decoding's retry came due (8 epochs)."""
         regime = "greedy" if all(g.opts.greedy for g in gens) else "sampled"
         found = self.gates.get(regime)
         if found is None:
