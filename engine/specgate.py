@@ -18,15 +18,14 @@ paying at once), the next does not (the baseline). Where drafting lost and its r
 with a model (`auto`: prompt lookup where the text repeats, else the draft model), a third
 epoch drafts only what runs no draft model (`FREE`: lookup's, forced tokens): on a GPU a
 0.5B-shaped draft step costs 0.4 of a 7B-shaped target's, so a batch's model drafts can lose
-where its lookup drafts pay, and scored as one arm they sank both. That epoch runs only
-where the drafting epoch's free drafts gained `GAIN_SHARE` of its tokens or more: below it
-the arm's best gain is within an epoch's noise, and an arm that wins by noise runs on. The
-best arm runs on (drafting unless it scored under `FLOOR` of not drafting, or under not
-drafting's rate where its drafts gained less than `GAIN_SHARE` of its tokens: no stretch of
-it paid; free drafts alone unless under not drafting's rate: `_winner`); each loser is tried
-again after
-`RETRY_EPOCHS` of the winner's epochs, twice as many each time it loses again (up to
-`MAX_RETRY_EPOCHS`), so that a drafting that loses costs a few per cent of rounds at most.
+where its lookup drafts pay, and scored as one arm they sank both. The best arm runs on
+(drafting unless it scored under `FLOOR` of not drafting, or under not drafting's rate where
+its drafts gained less than `GAIN_SHARE` of its tokens: no stretch of it paid; free drafts
+alone only at not drafting's rate or better and where they gained `GAIN_SHARE` of their
+epoch's tokens, below which their best gain is within an epoch's noise: `_winner`). Each
+loser is tried again after `RETRY_EPOCHS` of the winner's epochs, twice as many each time it
+loses again (up to `MAX_RETRY_EPOCHS`), so that a drafting that loses costs a few per cent of
+rounds at most.
 While drafting is not allowed nothing drafts and no row is benched: the rounds are the plain
 rounds of a batch without speculation.
 """
@@ -47,12 +46,15 @@ EPOCH_ROUNDS = 32  # rounds of a row count scored together
 FLOOR = 0.97
 RETRY_EPOCHS = 8  # the winner's epochs before the loser is tried again, at first
 MAX_RETRY_EPOCHS = 64
-# the share of a drafting epoch's tokens its drafts must have gained for it to run on within
-# `FLOOR` of not drafting, and its free drafts for free drafts alone to be tried: on a 2-core
-# CPU, 2 clients of the code pair drafted 2-8 tokens a burst of 256, and with the free arm
-# tried there they ran at 0.89-0.98x plain decoding against 1.01x without it; 8 clients
-# drafted 10 a burst, scored 0.98 of not drafting and ran on, at 0.95x. On an H100, the fat
-# 7B pair's lookup drafted 214 a burst of 256 at 2 clients
+# the share of an epoch's tokens its drafts must have gained for drafting to run on within
+# `FLOOR` of not drafting, and for free drafts alone to win: on a 2-core CPU, 2 clients of
+# the code pair drafted 2-8 tokens a burst of 256, and where the free arm won there they ran
+# at 0.89-0.98x plain decoding against 1.01x without it; 8 clients drafted 10 a burst, scored
+# 0.98 of not drafting and ran on, at 0.95x. On an H100, the fat 7B pair's lookup drafted 214
+# a burst of 256 at 2 clients. The free arm is tried wherever drafting lost with a model: on
+# an H200, 2 rows' first drafting epoch (a burst's first 32 rounds, before the text repeats)
+# once gained too little for it, and the cell ran plain at 0.96x where free drafts, tried on
+# another run, scored 1.68x plain
 GAIN_SHARE = 0.05
 # a round this many times its epoch's median is a stall, not scored; slower rounds that recur
 # (a draft model's steps, a wide verify) sit well under it
@@ -73,8 +75,9 @@ class _Count:
     costly: bool = False  # a row of this epoch's rounds had a draft model
     gained: int = 0  # tokens this epoch's drafts gained
     free: int = 0  # of them, free drafts'
-    distinct: bool = False  # the last drafting epoch was costly and free drafts gained in it
+    distinct: bool = False  # the last drafting epoch had a model row: free drafts differ
     lenient: bool = True  # the last drafting epoch's drafts gained: it runs on within FLOOR
+    free_gained: bool = True  # the last free epoch's drafts gained: it may win
     since: dict[int, int] = field(default_factory=dict)  # a loser's: winner's epochs since it ran
     retry: dict[int, int] = field(default_factory=dict)  # a loser's: epochs before its next trial
     trial: bool = False  # the epoch running now tries a loser again
@@ -121,10 +124,11 @@ class SpecGate:
         first = arm not in c.rates  # this arm's first score
         judged = first or c.trial
         c.rates[arm], stalls = _score(c.rounds)
+        share = GAIN_SHARE * sum(t for t, _ in c.rounds)
         if arm == ALL:  # free drafts alone differ only where a row drafted with a model
-            share = GAIN_SHARE * sum(t for t, _ in c.rounds)
-            c.lenient = c.gained >= share
-            c.distinct = c.costly and c.free >= share
+            c.lenient, c.distinct = c.gained >= share, c.costly
+        elif arm == FREE:
+            c.free_gained = c.free >= share
         c.rounds, c.costly, c.gained, c.free = [], False, 0, 0
         c.arm = self._next(c, arm, first)
         if judged or stalls:  # a comparison, or rounds left out: rare enough to log each
@@ -137,7 +141,7 @@ class SpecGate:
     def _next(self, c: _Count, arm: int, first: bool) -> int:
         if PLAIN not in c.rates:
             return PLAIN  # the baseline, once
-        winner = _winner(c.rates, c.lenient)
+        winner = _winner(c.rates, c.lenient, c.free_gained)
         tried, c.trial = c.trial, False
         if tried:  # a loser, tried again: its record says how long until its next try
             last = c.retry.get(arm, RETRY_EPOCHS)
@@ -169,17 +173,19 @@ class SpecGate:
         return c
 
 
-def _winner(rates: dict[int, float], lenient: bool = True) -> int:
+def _winner(rates: dict[int, float], lenient: bool = True, free_gained: bool = True) -> int:
     """The best of the drafting arms that qualify: drafting within `FLOOR` of plain decoding
     where its drafts gained (`lenient`: its stretches that pay are worth a little), else at
     plain decoding's rate or better; free drafts alone only at plain decoding's rate or
-    better (they are tried because drafting lost, so an even score is more likely noise than
-    a stretch that pays: on a 2-core CPU, where a batch's drafts do not pay, two runs of 2
-    clients of the code pair that took them ran at 0.89x and 0.98x of plain decoding greedy,
-    against 1.01x twice without the arm); else plain decoding."""
+    better and where they gained (`free_gained`: they are tried because drafting lost, so an
+    even score is more likely noise than a stretch that pays: on a 2-core CPU, where a
+    batch's drafts do not pay, two runs of 2 clients of the code pair that took them ran at
+    0.89x and 0.98x of plain decoding greedy, against 1.01x twice without the arm); else
+    plain decoding."""
     plain = rates[PLAIN]
     bars = {ALL: FLOOR * plain if lenient else plain, FREE: plain}
-    fit = [a for a in (FREE, ALL) if a in rates and rates[a] >= bars[a]]
+    arms = (FREE, ALL) if free_gained else (ALL,)
+    fit = [a for a in arms if a in rates and rates[a] >= bars[a]]
     return max(fit, key=lambda a: (rates[a], -a)) if fit else PLAIN
 
 

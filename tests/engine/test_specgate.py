@@ -125,16 +125,20 @@ def test_where_drafting_with_a_model_loses_free_drafts_alone_are_tried() -> None
     assert lost == [ALL, PLAIN, FREE, PLAIN, PLAIN]
 
 
-def test_free_drafts_are_tried_only_where_the_drafting_epoch_gained_from_them() -> None:
-    """Rows whose free drafts gained under `GAIN_SHARE` of the drafting epoch's tokens (a
-    row's first token is no draft's): the free arm could gain no more than noise, and is not
-    tried; at that share it is."""
+def test_free_drafts_win_only_where_they_gained() -> None:
+    """Free drafts that gained under `GAIN_SHARE` of their epoch's tokens (a row's first
+    token is no draft's) could gain no more than noise: however they scored, plain decoding
+    runs on. They are tried wherever drafting with a model lost, however little its free
+    drafts gained (a burst's first rounds, before the text repeats), and win at that share."""
     rates = {ALL: 0.9, PLAIN: 1.0, FREE: 1.3}
     rows = 50
     little = int(GAIN_SHARE * rows)  # a round's tokens are its 50 rows'
     assert little < GAIN_SHARE * rows
-    assert run_levels(SpecGate(), rows, 4, rates, free=little) == [ALL, PLAIN, PLAIN, PLAIN]
+    assert run_levels(SpecGate(), rows, 4, rates, free=little) == [ALL, PLAIN, FREE, PLAIN]
     assert run_levels(SpecGate(), rows, 4, rates, free=little + 1) == [ALL, PLAIN, FREE, FREE]
+    gate = SpecGate()  # the drafting epoch's free drafts gained nothing; the free epoch's did
+    assert run_levels(gate, rows, 2, rates, free=0) == [ALL, PLAIN]
+    assert run_levels(gate, rows, 2, rates, free=little + 1) == [FREE, FREE]
 
 
 def test_drafting_within_the_floor_runs_on_only_where_its_drafts_gained() -> None:
@@ -145,10 +149,10 @@ def test_drafting_within_the_floor_runs_on_only_where_its_drafts_gained() -> Non
     rows = 50
     little = int(GAIN_SHARE * rows)
     gate = SpecGate()
-    assert run_levels(gate, rows, 3, rates, gained=little) == [ALL, PLAIN, PLAIN]
-    run_levels(gate, rows, RETRY_EPOCHS - 1, rates, gained=little)
-    assert run_levels(gate, rows, 3, rates, gained=little + 1) == [ALL, ALL, ALL]
-    assert run_levels(SpecGate(), rows, 3, rates, gained=little + 1) == [ALL, PLAIN, ALL]
+    assert run_levels(gate, rows, 3, rates, False, gained=little) == [ALL, PLAIN, PLAIN]
+    run_levels(gate, rows, RETRY_EPOCHS - 1, rates, False, gained=little)
+    assert run_levels(gate, rows, 3, rates, False, gained=little + 1) == [ALL, ALL, ALL]
+    assert run_levels(SpecGate(), rows, 3, rates, False, gained=little + 1) == [ALL, PLAIN, ALL]
 
 
 def test_free_drafts_are_tried_once_rows_with_a_model_lose_a_trial() -> None:
