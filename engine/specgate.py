@@ -53,8 +53,8 @@ MAX_RETRY_EPOCHS = 64
 # 0.98 of not drafting and ran on, at 0.95x. On an H100, the fat 7B pair's lookup drafted 214
 # a burst of 256 at 2 clients. The free arm is tried wherever drafting lost with a model: on
 # an H200, 2 rows' first drafting epoch (a burst's first 32 rounds, before the text repeats)
-# once gained too little for it, and the cell ran plain at 0.96x where free drafts, tried on
-# another run, scored 1.68x plain
+# once gained too little for it, 2 rows then decoded plainly and the cell read 0.96x, where
+# free drafts, tried on another run, scored 1.68x plain
 GAIN_SHARE = 0.05
 # a round this many times its epoch's median is a stall, not scored; slower rounds that recur
 # (a draft model's steps, a wide verify) sit well under it
