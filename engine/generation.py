@@ -31,7 +31,7 @@ from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
 from mlxd.engine import branches
 from mlxd.engine.branches import Grid, branchable, grid_of, keep_branch, laid_out
-from mlxd.engine.drafting import Draft, DraftSource, ModelDraftSource
+from mlxd.engine.drafting import Draft, DraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.grammar import GrammarFailed, Matcher, Walk, settle, walk
 from mlxd.engine.kvcache import make_cache, plain_kv
 from mlxd.engine.logprobs import (
@@ -50,6 +50,8 @@ from mlxd.engine.verify import Verdict, verify, verify_grid
 
 log = logging.getLogger(__name__)
 TRACE = os.environ.get("MLXD_TRACE_SPEC", "") not in ("", "0", "false")
+# a round whose drafts can be guessed is queued behind the token in flight (`_round_behind`)
+ROUND_BEHIND = os.environ.get("MLXD_ROUND_BEHIND", "1") != "0"
 
 
 class Generation:
@@ -187,14 +189,15 @@ class Generation:
         if self.done:
             return []
         k = self.draft_length()
-        if self.spec.on and (k == 0 or self._in_flight):
+        guess = self._guess(k) if k and self._inflight is not None else None
+        if self.spec.on and guess is None and (k == 0 or self._in_flight):
             # no draft this time (e.g. prompt lookup found no match): decode plainly, queueing
             # the next token only while the source still has nothing to propose
             return self._plain_step(lambda: not self._has_draft())
         if not self.spec.on:
             return self._plain_step(self._plain_ahead)
         t0 = time.perf_counter()
-        new = self._speculative_round(k)
+        new = self._speculative_round(k) if guess is None else self._round_behind(guess)
         self._maybe_quantize()
         if self.controller is not None and self.spec.on:
             drafted, arm = self._round
@@ -438,6 +441,49 @@ class Generation:
             self._rebuild_cache(len(self.tokens) - 1 + verdict.accepted)
             self.spec.stop("the target cache could not be trimmed")
         return self.absorb(draft, verdict, walked, logits)
+
+    def _guess(self, k: int) -> Draft | None:
+        """Drafts for a round queued behind the token in flight, guessed before it is read:
+        prompt lookup's continuation past the token it expects there (`DraftSource.follow`).
+        None where the source cannot guess without running a model, or the row reads anything
+        on the host between forwards."""
+        source = self.source
+        k = min(k, self.limit - self.produced - 2)  # the token in flight commits first
+        if not ROUND_BEHIND or k <= 0 or source is None or not self.plain_only:
+            return None
+        try:
+            drafts = source.follow(self.tokens, k + 1)[1:]
+        except Exception as exc:
+            self.spec.stop(f"draft source failed: {exc}")
+            return None
+        if not drafts:
+            return None
+        return Draft(mx.array(drafts, dtype=mx.uint32), len(drafts), LookupDraftSource.name)
+
+    def _round_behind(self, draft: Draft) -> list[int]:
+        """Commit the token in flight and a round verifying `draft` after it, the round's
+        forward queued before that token is read. A round built after the read leaves the
+        device idle while the host builds it, once for every span the source starts to copy.
+        Lossless whatever the token turns out to be: the forward's first input is the token
+        itself, and drafts guessed after another token are only drafts that fail."""
+        y, self._inflight = self._inflight, None
+        assert y is not None
+        self._round = (draft.count, draft.source)
+        pending = y.reshape(1) if y.dtype == mx.uint32 else y.reshape(1).astype(mx.uint32)
+        inputs = mx.concatenate([pending, draft.tokens])
+        logits = self.target(inputs[None], cache=self.cache)[0]
+        mx.async_eval(logits)
+        self.stats.behind += 1
+        first = self._commit([to_int(y)])
+        if self.done:  # the drafts' K/V go; the token's stay, as a queued plain step's do
+            trim_prompt_cache(self.cache, draft.count)
+            return first
+        verdict = verify(logits, draft, self.tokens, self.opts, self.rng)
+        rejected = draft.count - verdict.accepted
+        if rejected and trim_prompt_cache(self.cache, rejected) != rejected:
+            self._rebuild_cache(len(self.tokens) - 1 + verdict.accepted)
+            self.spec.stop("the target cache could not be trimmed")
+        return first + self.absorb(draft, verdict, None, logits)
 
     def _grid(self, draft: Draft) -> Grid | None:
         """The branches this round verifies where the source knows other continuations than

@@ -98,6 +98,7 @@ class SpecStats:
     paused: int = 0  # times the clock paused speculation for a while
     filled: int = 0  # a batch round's free slots filled with weaker guesses (`Draft.filler`)
     filled_accepted: int = 0
+    behind: int = 0  # rounds queued behind the token in flight (`Generation._round_behind`)
 
     def observe(self, proposed: int, accepted: int) -> None:
         self.rounds += 1

@@ -245,6 +245,54 @@ def test_the_token_after_a_round_is_queued_and_the_next_forward_built_before_it_
     assert queued_first > 0
 
 
+SAMPLED = parse_options({"temperature": 0.8, "seed": 5})
+
+
+@pytest.mark.parametrize("opts", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_a_round_is_queued_behind_the_token_in_flight(
+    opts: SamplingOptions, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where prompt lookup finds a match while a plainly decoded token is in flight, the round
+    verifying its drafts is queued before that token is read (the drafts guessed past the
+    token lookup expects), and the output is still plain decoding's: token for token greedy,
+    the same seeded samples at 0.8, whether the guess was right or not."""
+    target = tiny_vocab_model(3, 6)  # six tokens: its output repeats, and lookup matches it
+    rnd = random.Random(3)
+    texts = [[rnd.randrange(1, 6) for _ in range(12)] for _ in range(8)]
+    plains = [generate(target, p, opts, None, limit=48, eos=set())[0] for p in texts]
+    order: list[str] = []
+    to_int, async_eval = generation.to_int, generation.mx.async_eval
+    round_behind = Generation._round_behind
+
+    def read(a: mx.array) -> int:
+        order.append("read")
+        return to_int(a)
+
+    def queued(*args: object) -> None:
+        order.append("queued")
+        async_eval(*args)
+
+    def behind(self: Generation, draft: Draft) -> list[int]:
+        order.append("behind")
+        return round_behind(self, draft)
+
+    monkeypatch.setattr(generation, "to_int", read)
+    monkeypatch.setattr(generation.mx, "async_eval", queued)
+    monkeypatch.setattr(Generation, "_round_behind", behind)
+    rounds = accepted = 0
+    for text, plain in zip(texts, plains, strict=True):
+        order.clear()
+        spec, gen = generate(target, text, opts, LookupDraftSource(), limit=48, eos=set())
+        assert spec == plain
+        assert gen.stats.behind == order.count("behind")
+        for i, event in enumerate(order):
+            if event == "behind":
+                assert order[i + 1 : i + 3] == ["queued", "read"]
+        rounds += gen.stats.behind
+        accepted += gen.stats.accepted
+    assert rounds > 0 and accepted > 0
+
+
 def test_greedy_parity_with_penalties(loaded: Loaded) -> None:
     opts = parse_options(
         {"temperature": 0, "repeat_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.2}
