@@ -14,7 +14,9 @@ a ratio to plain). The fat pairs are slow on a CPU: keep --prompts and --tokens 
 
 `mlxd lookup/4` is prompt lookup verifying up to 4 candidates in one round where the measured
 costs say they are free (`engine.branches`, `MLXD_BRANCHES=4`), beside `mlxd lookup`, which
-verifies its own draft only (the default).
+verifies its own draft only (the default); `mlxd lookup/read` is prompt lookup with every round
+built after the host read the token before it (`MLXD_ROUND_BEHIND=0`), where `mlxd lookup` queues
+a round behind a token in flight when it can guess the round's drafts (`Generation._round_behind`).
 
 Every method decodes exactly --tokens new tokens per prompt (EOS does not stop it), so the
 rates compare like with like. Times include the prompt prefill; each engine reads every
@@ -51,7 +53,7 @@ import mlx.nn as nn
 from mlx_lm.generate import generate_step, speculative_generate_step
 from mlx_lm.sample_utils import make_sampler
 
-from mlxd.engine import branches
+from mlxd.engine import branches, generation
 from mlxd.engine.drafting import DraftSource, HybridDraftSource, LookupDraftSource, ModelDraftSource
 from mlxd.engine.generation import Generation
 from mlxd.engine.options import SamplingOptions, parse_options
@@ -124,7 +126,7 @@ def mlxd_run(
     draft_cost = costs.draft_step
     if method == "model":
         source = ModelDraftSource(draft, opts, rng, costs)
-    elif method in ("lookup", "lookup/4"):
+    elif method in ("lookup", "lookup/4", "lookup/read"):
         source, draft_cost = LookupDraftSource(), 0.0
     elif method == "auto":
         source = HybridDraftSource(LookupDraftSource(), ModelDraftSource(draft, opts, rng, costs))
@@ -135,8 +137,9 @@ def mlxd_run(
             free_k=draft_cap(max_k, None, free=True),
         )  # fmt: skip
     gen = Generation(target, prompt, opts, set(), tokens, rng, source, controller)
-    most = branches.MAX_BRANCHES
+    most, behind = branches.MAX_BRANCHES, generation.ROUND_BEHIND
     branches.MAX_BRANCHES = 4 if method == "lookup/4" else most
+    generation.ROUND_BEHIND = behind and method != "lookup/read"
     split = Split()
     try:
         t0 = time.perf_counter()
@@ -166,7 +169,7 @@ def mlxd_run(
         cut = model.cut if model is not None else 0
         return n, gen.stats.drafted, gen.stats.accepted, cut, split
     finally:
-        branches.MAX_BRANCHES = most
+        branches.MAX_BRANCHES, generation.ROUND_BEHIND = most, behind
         gen.close()
 
 
@@ -192,7 +195,9 @@ SLOW = 3.0  # a step over this many times its measured cost is reported as slow
 
 FAT_TARGET = "3584,28,18944"  # hidden, layers, MLP: a Qwen2.5-7B-like target
 FAT_DRAFT = "896,24,4864"  # a Qwen2.5-0.5B-like draft
-OURS = ["plain (mlxd)", "mlxd model", "mlxd lookup", "mlxd lookup/4", "mlxd auto"]
+OURS = [
+    "plain (mlxd)", "mlxd model", "mlxd lookup", "mlxd lookup/read", "mlxd lookup/4", "mlxd auto"
+]  # fmt: skip
 
 
 def fat_pair(code: Path, work: Path, target: str, draft: str, bits: int) -> Path:
@@ -299,8 +304,7 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
         if name.startswith("mlx-lm"):
             k = int(name.split("=")[1]) if "=" in name else 0
             return mlxlm_run(target, draft if k else None, prompt, temp, k, args.tokens)
-        method = {"plain (mlxd)": "off", "mlxd model": "model", "mlxd lookup": "lookup",
-                  "mlxd lookup/4": "lookup/4", "mlxd auto": "auto"}[name]  # fmt: skip
+        method = "off" if name == "plain (mlxd)" else name.removeprefix("mlxd ")
         opts = parse_options({"temperature": temp, "top_k": 0, "top_p": 1.0})
         return mlxd_run(
             target, draft, prompt, opts, method, args.tokens, costs, args.max_k, seed, history
@@ -345,8 +349,8 @@ def bench_pair(pair: str, path: Path, args: argparse.Namespace) -> list[Row]:
 
 def summary(rows: list[Row], temps: list[float], pairs: list[str]) -> None:
     """One line per pair and temperature: plain's rate, the rest as ratios to it."""
-    others = ["mlx-lm plain", "mlxd model", "mlxd lookup", "mlxd lookup/4", "mlxd auto"]
-    print(f"\n{'pair':<10}{'temp':>6}{'plain tok/s':>13}" + "".join(f"{o:>14}" for o in others))
+    others = ["mlx-lm plain", *OURS[1:]]
+    print(f"\n{'pair':<10}{'temp':>6}{'plain tok/s':>13}" + "".join(f"{o:>17}" for o in others))
     floor = float("inf")
     for pair in pairs:
         for temp in temps:
@@ -354,7 +358,7 @@ def summary(rows: list[Row], temps: list[float], pairs: list[str]) -> None:
             plain = by["plain (mlxd)"]
             ratios = [by[o] / plain if plain else 0.0 for o in others]
             floor = min(floor, *ratios[1:])
-            cells = "".join(f"{x:>13.2f}x" for x in ratios)
+            cells = "".join(f"{x:>16.2f}x" for x in ratios)
             print(f"{pair:<10}{temp:>6}{plain:>13.1f}{cells}")
     print(f"slowest mlxd method / plain over every cell: {floor:.2f}x")
 
