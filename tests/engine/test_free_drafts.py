@@ -89,8 +89,9 @@ def test_lookup_verifies_a_long_copied_span_in_one_round(copier: Pairing) -> Non
 
     assert text(plain) == text(looked) == text(capped) == written
     # one round commits FREE_DRAFT_TOKENS accepted drafts and the target's own next token
-    assert max(len(new) for new in looked) == FREE_DRAFT_TOKENS + 1
-    assert max(len(new) for new in capped) == DEFAULT_DRAFT_TOKENS + 1
+    # (queued behind a plainly decoded token in flight, that token as well)
+    assert max(len(new) for new in looked) - FREE_DRAFT_TOKENS in (1, 2)
+    assert max(len(new) for new in capped) - DEFAULT_DRAFT_TOKENS in (1, 2)
     assert len(looked) < len(capped) < len(plain)
 
 
