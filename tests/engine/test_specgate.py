@@ -77,6 +77,25 @@ def test_drafting_runs_first_then_the_baseline_then_the_winner() -> None:
     assert gate.allows(8)  # another row count starts afresh
 
 
+def test_a_row_count_not_yet_compared_starts_from_the_nearest_verdict() -> None:
+    """Rows that come and go leave rounds at row counts that never run an epoch: those start
+    with the winner of the nearest row count compared within a quarter of theirs (a row at
+    least; the larger of two as near), its rates rescaled to their own at their first score,
+    and try its loser after `RETRY_EPOCHS`; farther ones start afresh, drafting."""
+    gate = SpecGate()
+    assert gate.level(3) == ALL  # nothing compared anywhere: drafting first
+    for _ in range(EPOCH_ROUNDS // 2):  # half an epoch of 3 rows, before 4 rows compare
+        gate.record(3, 3, 3 / 0.6)
+    assert run_epochs(gate, 4, 2, {True: 0.8, False: 1.0}) == [True, False]
+    assert run_epochs(gate, 2, 2, {True: 0.9, False: 0.5}) == [True, False]
+    assert gate.level(2) == ALL and gate.level(4) == PLAIN
+    arms = run_epochs(gate, 3, RETRY_EPOCHS + 1, {True: 0.6, False: 0.75})
+    assert arms == [False] * RETRY_EPOCHS + [True]
+    assert gate.rate(3, PLAIN) == pytest.approx(0.75) and gate.rate(3, ALL) == pytest.approx(0.6)
+    assert gate.level(5) == PLAIN and gate.level(1) == ALL  # beside 4 rows; beside 2
+    assert gate.level(6) == ALL and gate.rate(6, PLAIN) is None  # 2 rows from 4: afresh
+
+
 def test_drafting_that_loses_costs_a_few_per_cent_of_rounds() -> None:
     """Tried again after 8, 16, 32 and then every 64 epochs of the winner."""
     gate = SpecGate()
