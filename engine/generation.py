@@ -436,11 +436,15 @@ class Generation:
         walked = self.walk(draft, logits)
         bias = walked.bias if walked is not None else None
         verdict = verify(logits, draft, self.tokens, self.opts, self.rng, bias)
+        self._drop_rejected(draft, verdict)
+        return self.absorb(draft, verdict, walked, logits)
+
+    def _drop_rejected(self, draft: Draft, verdict: Verdict) -> None:
+        """Trim the rejected drafts' K/V off the target cache (rebuilt where it cannot be)."""
         rejected = draft.count - verdict.accepted
         if rejected and trim_prompt_cache(self.cache, rejected) != rejected:
             self._rebuild_cache(len(self.tokens) - 1 + verdict.accepted)
             self.spec.stop("the target cache could not be trimmed")
-        return self.absorb(draft, verdict, walked, logits)
 
     def _guess(self, k: int) -> Draft | None:
         """Drafts for a round queued behind the token in flight, guessed before it is read:
@@ -479,10 +483,7 @@ class Generation:
             trim_prompt_cache(self.cache, draft.count)
             return first
         verdict = verify(logits, draft, self.tokens, self.opts, self.rng)
-        rejected = draft.count - verdict.accepted
-        if rejected and trim_prompt_cache(self.cache, rejected) != rejected:
-            self._rebuild_cache(len(self.tokens) - 1 + verdict.accepted)
-            self.spec.stop("the target cache could not be trimmed")
+        self._drop_rejected(draft, verdict)
         return first + self.absorb(draft, verdict, None, logits)
 
     def _grid(self, draft: Draft) -> Grid | None:

@@ -82,8 +82,9 @@ class _Count:
     since: dict[int, int] = field(default_factory=dict)  # a loser's: winner's epochs since it ran
     retry: dict[int, int] = field(default_factory=dict)  # a loser's: epochs before its next trial
     trial: bool = False  # the epoch running now tries a loser again
-    borrowed: bool = False  # its rates are another row count's, rescaled at its first score
-    scored: set[int] = field(default_factory=set)  # the arms scored at this row count itself
+    # the arms scored at this row count itself; rates without any are another row count's
+    # (`_borrow`), rescaled at the first score here
+    scored: set[int] = field(default_factory=set)
 
 
 @dataclass
@@ -133,10 +134,9 @@ class SpecGate:
         first = arm not in c.rates  # this arm's first score
         judged = first or c.trial
         rate, stalls = _score(c.rounds)
-        if c.borrowed:  # the borrowed rates, in this row count's tokens a second
+        if c.rates and not c.scored:  # borrowed rates, in this row count's tokens a second
             scale = rate / max(c.rates[arm], 1e-9)
             c.rates = {a: r * scale for a, r in c.rates.items()}
-            c.borrowed = False
         c.rates[arm] = rate
         c.scored.add(arm)
         share = GAIN_SHARE * sum(t for t, _ in c.rounds)
@@ -206,7 +206,6 @@ class SpecGate:
             distinct=near.distinct,
             lenient=near.lenient,
             free_gained=near.free_gained,
-            borrowed=True,
         )
         return c
 
